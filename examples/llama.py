@@ -1,0 +1,128 @@
+"""A small Llama-style decoder (RMSNorm, rotary attention, SwiGLU) used by the examples and tests.
+
+Plain PyTorch, nothing sharded here: `train_llama.py` shows how to apply `fully_shard` to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Attributes:
+    vocab_size: tokens in the vocabulary.
+    dim: model width.
+    num_layers: decoder blocks.
+    num_heads: attention heads (dim must divide by it).
+    hidden_dim: SwiGLU hidden width.
+    max_seq_len: longest sequence the rotary table covers.
+    """
+
+    vocab_size: int = 256
+    dim: int = 128
+    num_layers: int = 8
+    num_heads: int = 4
+    hidden_dim: int = 344
+    max_seq_len: int = 128
+
+    def __post_init__(self) -> None:
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim={self.dim} must be divisible by num_heads={self.num_heads}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotary_tables(head_dim: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len).float(), freqs)
+    return angles.cos(), angles.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        shape = (batch, seq, self.num_heads, dim // self.num_heads)
+        q = _rotate(self.wq(x).view(shape), cos, sin).transpose(1, 2)
+        k = _rotate(self.wk(x).view(shape), cos, sin).transpose(1, 2)
+        v = self.wv(x).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.dim)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = _rotary_tables(cfg.dim // cfg.num_heads, cfg.max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq, None, :], self.rope_sin[:seq, None, :]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def shard_llama(model: Llama, fully_shard, **kwargs) -> Llama:
+    """Apply `fully_shard` the usual way: one group per block, then the root (embedding, norm, head)."""
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model

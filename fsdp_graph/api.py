@@ -1,0 +1,369 @@
+"""`fully_shard` and `FSDPModule`: the same signature and behaviour as PyTorch's FSDP2."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
+
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .runtime.param import MeshInfo, ShardedParam
+from .runtime.param_group import ParamGroup
+from .runtime.state import FSDPState
+
+# Set on every original parameter a group took over, so a later `fully_shard` that meets the same
+# parameter (a tied weight) can tell which group owns it.
+_OWNER_ATTR = "_fsdp_graph_param"
+
+
+class FSDPModule:
+    """Mixed into every module `fully_shard` was applied to: `FSDP<Cls>` is both `Cls` and this."""
+
+    _fsdp_state: FSDPState
+
+    def unshard(self, async_op: bool = False) -> "UnshardHandle":
+        """All-gather this module's group. With `async_op`, wait on the returned handle before use."""
+        state = self._fsdp_state
+        state.lazy_init()
+        handle = UnshardHandle(state)
+        if state.group is not None:
+            state.group.unshard(async_op=async_op)
+            if not async_op:
+                handle.wait()
+        return handle
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the shards again."""
+        group = self._fsdp_state.group
+        if group is not None:
+            group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False keeps gradients unsharded and unreduced (accumulation); True reduces them again."""
+        _check_bool("requires_gradient_sync", requires_gradient_sync)
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False keeps parameters unsharded after backward, so the next forward gathers nothing."""
+        _check_bool("reshard_after_backward", reshard_after_backward)
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        _check_bool("reshard_after_forward", reshard_after_forward)
+        for state in self._states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+            if state.group is not None:
+                state.group.set_reshard_after_forward(reshard_after_forward)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """False: the next backward does not wait for its reduce-scatters (the next forward does)."""
+        _check_bool("is_last_backward", is_last_backward)
+        state = self._fsdp_state
+        state.lazy_init()
+        state.ctx.is_last_backward = is_last_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """In this module's pre-forward, issue the all-gathers of `modules` (asynchronously)."""
+        self._fsdp_state.forward_prefetch = _prefetch_states("set_modules_to_forward_prefetch", modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """In this module's pre-backward, issue the all-gathers of `modules` instead of the default."""
+        self._fsdp_state.backward_prefetch = _prefetch_states("set_modules_to_backward_prefetch", modules)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by `factor` instead of the number of data-parallel ranks."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
+        for state in self._states(recurse=True):
+            if state.group is not None:
+                state.group.gradient_divide_factor = float(factor)
+
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._fsdp_state]
+        states = []
+        for module in self.modules():
+            state = getattr(module, "_fsdp_state", None)
+            if isinstance(state, FSDPState) and state not in states:
+                states.append(state)
+        return states
+
+
+class UnshardHandle:
+    """Returned by `FSDPModule.unshard`; `wait()` makes the unsharded parameters usable."""
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        if self._state.group is not None:
+            self._state.group.wait_for_unshard()
+
+
+def fully_shard(
+    module: Union[nn.Module, list[nn.Module]],
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    reshard_after_forward: Optional[Union[bool, int]] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: Optional[set[nn.Parameter]] = None,
+):
+    """Shard `module`'s parameters (those not already in a nested group) as one communication group.
+
+    Parameters become DTensors sharded on dim 0 over `mesh` (1-D, or 2-D for HSDP: replicate on
+    axis 0, shard on axis 1), under unchanged names. The module's class becomes `FSDP<Cls>`. Call it
+    bottom-up: blocks first, then the root.
+    """
+    modules = _check_modules(module)
+    mesh = _check_mesh(mesh)
+    mesh_info = MeshInfo(mesh)
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh_info)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}; "
+            f"pass mp_policy=MixedPrecisionPolicy(param_dtype=...)"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got "
+            f"{type(offload_policy).__name__}"
+        )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be callable or None, got {shard_placement_fn!r}")
+    ignored = _check_ignored_params(ignored_params, modules)
+
+    device = _mesh_device(mesh)
+    shard_device = torch.device("cpu") if isinstance(offload_policy, CPUOffloadPolicy) else device
+    owners = _collect_params(modules, ignored)
+    _check_devices(owners)
+    params = []
+    for param, param_owners, fqn in owners:
+        if shard_placement_fn is not None:
+            placement = shard_placement_fn(param)
+            if placement is not None and placement != Shard(0):
+                raise ValueError(
+                    f"shard_placement_fn returned {placement} for '{fqn}'; fsdp_graph shards every "
+                    f"parameter on dim 0: return Shard(0) or None"
+                )
+        params.append(
+            ShardedParam(param, param_owners, fqn, modules, mesh_info, device, shard_device, mp_policy.param_dtype)
+        )
+    group = ParamGroup(params, mesh_info, device, mp_policy, reshard_after_forward) if params else None
+    for param, sharded in zip((o[0] for o in owners), params):
+        setattr(param, _OWNER_ATTR, sharded)
+        setattr(sharded.sharded_param, _OWNER_ATTR, sharded)
+        sharded.install(sharded=True)
+    for m in modules:
+        _move_buffers(m, device)
+
+    state = FSDPState(modules, group, mp_policy, reshard_after_forward, device)
+    for m in modules:
+        m._fsdp_state = state
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run `module.<method_name>` under the same unshard/reshard hooks as `forward`."""
+    if not isinstance(module, FSDPModule):
+        raise ValueError(
+            f"register_fsdp_forward_method needs a module passed to fully_shard, got "
+            f"{type(module).__name__}; call fully_shard(module) first"
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    state = module._fsdp_state
+
+    @functools.wraps(method)
+    def run_with_hooks(*args, **kwargs):
+        args, kwargs = state._pre_forward_hook(module, args, kwargs)
+        output = method(*args, **kwargs)
+        return state._post_forward_hook(module, args, output)
+
+    object.__setattr__(module, method_name, run_with_hooks)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _fsdp_class(cls: type) -> type:
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+def _check_modules(module) -> tuple[nn.Module, ...]:
+    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    if not modules:
+        raise ValueError("fully_shard got an empty list; pass a module or a non-empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}"
+            )
+        if isinstance(m, FSDPModule):
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module"
+            )
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) or type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard cannot hook {type(m).__name__}, which has no forward; shard its "
+                f"children one by one, or pass them as a list: fully_shard(list(container))"
+            )
+    return modules
+
+
+def _check_mesh(mesh: Optional[DeviceMesh]) -> DeviceMesh:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "fully_shard needs a process group; call torch.distributed.init_process_group(...) first"
+        )
+    if mesh is None:
+        device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be a DeviceMesh, got {type(mesh).__name__}; build one with "
+            f"torch.distributed.device_mesh.init_device_mesh(device_type, (world_size,))"
+        )
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"mesh must be 1-D (FSDP) or 2-D (HSDP: replicate on axis 0, shard on axis 1), got a "
+            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; slice it, e.g. mesh['dp']"
+        )
+    return mesh
+
+
+def _check_reshard_after_forward(value, mesh_info: MeshInfo):
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(
+            f"reshard_after_forward must be a bool, an int or None, got {type(value).__name__}"
+        )
+    if value < 1 or mesh_info.shard_size % value != 0:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard group size "
+            f"{mesh_info.shard_size}; use a divisor such as the ranks per node, or True/False"
+        )
+    return value
+
+
+def _check_ignored_params(ignored_params, modules) -> set[int]:
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, (set, frozenset, list, tuple)):
+        raise TypeError(f"ignored_params must be a set of nn.Parameter, got {type(ignored_params).__name__}")
+    in_modules = {id(p) for m in modules for p in m.parameters()}
+    for p in ignored_params:
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"ignored_params must hold nn.Parameter objects, got {type(p).__name__}")
+        if id(p) not in in_modules:
+            raise ValueError(
+                f"ignored_params holds a parameter of shape {tuple(p.shape)} that is not in the "
+                f"module(s) being sharded; pass only parameters of the module given to fully_shard"
+            )
+    return {id(p) for p in ignored_params}
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _is_inside(module: nn.Module, ancestors: tuple[nn.Module, ...]) -> bool:
+    return any(module is m for a in ancestors for m in a.modules())
+
+
+def _collect_params(modules, ignored: set[int]):
+    """(param, [(owner, name), ...], fqn) for every parameter this call takes over."""
+    found: dict[int, tuple[nn.Parameter, list, str]] = {}
+    for root_index, root in enumerate(modules):
+        prefix = f"[{root_index}]." if len(modules) > 1 else ""
+        for module_name, owner in root.named_modules(remove_duplicate=False):
+            for name, param in owner._parameters.items():
+                if param is None or id(param) in ignored:
+                    continue
+                fqn = prefix + (f"{module_name}.{name}" if module_name else name)
+                taken = getattr(param, _OWNER_ATTR, None)
+                if taken is not None:
+                    _check_taken(taken, owner, fqn, modules)
+                    continue
+                entry = found.setdefault(id(param), (param, [], fqn))
+                if (owner, name) not in [(o, n) for o, n in entry[1]]:
+                    entry[1].append((owner, name))
+    return list(found.values())
+
+
+def _check_taken(taken: ShardedParam, owner: nn.Module, fqn: str, modules) -> None:
+    """A parameter another group took: fine if nested below us, an error otherwise."""
+    if _is_inside(owner, taken.group_modules) and all(
+        not _is_inside(m, taken.group_modules) for m in modules
+    ):
+        return  # a nested group's parameter
+    if any(_is_inside(m, taken.group_modules) for m in modules):
+        raise ValueError(
+            f"fully_shard was applied to a parent before this module: '{fqn}' already belongs to "
+            f"the group of {[type(m).__name__ for m in taken.group_modules]}; apply fully_shard "
+            f"bottom-up (children first, then the root)"
+        )
+    raise ValueError(
+        f"Parameter '{fqn}' is shared with '{taken.fqn}', which is already in another group; "
+        f"shard both owners together with fully_shard([module_a, module_b])"
+    )
+
+
+def _check_devices(owners) -> None:
+    devices = {p.device for p, _, _ in owners if not p.is_meta}
+    if len(devices) > 1:
+        listing = ", ".join(f"'{fqn}' on {p.device}" for p, _, fqn in owners[:8])
+        raise ValueError(
+            f"fully_shard got parameters on different devices ({sorted(map(str, devices))}): "
+            f"{listing}; move the module to one device first, e.g. module.to(device)"
+        )
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and not buf.is_meta and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+
+
+def _prefetch_states(method: str, modules) -> list[FSDPState]:
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"{method} expects a list of FSDPModule, got {type(modules).__name__}")
+    states = []
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(
+                f"{method} got a {type(m).__name__} that is not sharded; pass modules that "
+                f"fully_shard was applied to"
+            )
+        states.append(m._fsdp_state)
+    return states
+
+
+__all__ = [
+    "FSDPModule",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]

@@ -1,0 +1,229 @@
+"""The eager runtime's two bucketed collectives: all-gather of a group's shards, reduce-scatter of its
+gradients, on side streams (CUDA) or as async work handles (CPU/gloo).
+
+[Note: Streams without record_stream]
+On CUDA each collective has its own stream so it overlaps compute on the current stream:
+
+    copy-in stream:        cast/copy shards into the flat all-gather input
+    all-gather stream:     all_gather_single(input -> output)
+    current stream:        copy-out into unsharded parameters, forward/backward compute
+    reduce-scatter stream: pack gradients, reduce_scatter_single (+ all_reduce for HSDP), divide
+
+A tensor used on a stream other than the one it was allocated on could be recycled by the caching
+allocator while still in use. Instead of `record_stream` (which frees at an unknown later point) we
+keep such tensors referenced until the allocating stream has waited for an event recorded after
+their last use; each buffer below says when that is. Memory is therefore freed at known points.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .param import MeshInfo, ShardedParam
+
+
+class CommContext:
+    """Streams and retired buffers shared by every group under one root."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.uses_streams = device.type == "cuda"
+        if self.uses_streams:
+            self._device_module = torch.get_device_module(device.type)
+            # Copies shards into all-gather inputs; waits for the current stream so it reads shards
+            # after the optimizer step. Lives as long as the root.
+            self.copy_in_stream = self._device_module.Stream(device=device, priority=-1)
+            # Runs all-gathers; high priority so prefetches are not queued behind compute.
+            self.all_gather_stream = self._device_module.Stream(device=device, priority=-1)
+            # Packs, reduce-scatters and divides gradients.
+            self.reduce_scatter_stream = self._device_module.Stream(device=device, priority=-1)
+        # All-gather buffers whose copy-out was issued, each with the current-stream event after that
+        # copy-out. They die at the next all-gather, once the copy-in stream has waited the events.
+        self._retired_all_gathers: list[tuple[AllGatherWork, object]] = []
+        # Issued reduce-scatters whose sharded gradients are not written yet, oldest first.
+        self.pending_reduce_scatters: list[ReduceScatterWork] = []
+
+    def current_stream(self):
+        return self._device_module.current_stream(self.device)
+
+    def retire(self, work: "AllGatherWork") -> None:
+        if self.uses_streams:
+            event = self.current_stream().record_event()
+            self._retired_all_gathers.append((work, event))
+
+    def add_reduce_scatter(self, work: "ReduceScatterWork") -> None:
+        """Track an issued reduce-scatter; keep at most one in flight to bound gradient memory."""
+        self.pending_reduce_scatters.append(work)
+        while len(self.pending_reduce_scatters) > 1:
+            self.pending_reduce_scatters.pop(0).finish(self)
+
+    def finish_reduce_scatters(self) -> None:
+        while self.pending_reduce_scatters:
+            self.pending_reduce_scatters.pop(0).finish(self)
+
+    def release_retired(self) -> None:
+        for _, event in self._retired_all_gathers:
+            self.copy_in_stream.wait_event(event)
+        self._retired_all_gathers.clear()
+
+
+@dataclass
+class AllGatherWork:
+    """An issued all-gather: its output (world x sum of shard sizes) and how to wait for it."""
+
+    output: torch.Tensor
+    input: torch.Tensor  # kept alive until the collective finished; see the module note
+    handle: Optional[dist.Work] = None  # CPU: the async work handle
+    event: object = None  # CUDA: recorded on the all-gather stream after the collective
+    done: bool = False
+
+    @torch.no_grad()
+    def wait(self, ctx: CommContext) -> None:
+        if self.done:
+            return
+        if self.handle is not None:
+            self.handle.wait()
+        if self.event is not None:
+            ctx.current_stream().wait_event(self.event)
+        self.done = True
+
+
+def _copy_in(params: list[ShardedParam], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    total = sum(p.shard_numel for p in params)
+    flat = torch.empty(total, dtype=dtype, device=device)
+    offset = 0
+    for p in params:
+        num_valid = p.num_valid_rows * p.row_numel
+        flat[offset : offset + num_valid].copy_(p.local_shard.reshape(-1))
+        flat[offset + num_valid : offset + p.shard_numel].zero_()
+        offset += p.shard_numel
+    return flat
+
+
+@torch.no_grad()
+def all_gather(
+    params: list[ShardedParam],
+    group: dist.ProcessGroup,
+    world: int,
+    dtype: torch.dtype,
+    ctx: CommContext,
+    async_op: bool,
+    input: Optional[torch.Tensor] = None,
+) -> AllGatherWork:
+    """Gather `params` as one bucket. `input` replaces the copy-in (a post-forward shard)."""
+    device = ctx.device
+    if not ctx.uses_streams:
+        if input is None:
+            input = _copy_in(params, dtype, device)
+        output = torch.empty(world * input.numel(), dtype=dtype, device=device)
+        handle = dist.all_gather_single(output, input, group=group, async_op=async_op)
+        return AllGatherWork(output, input, handle=handle, done=not async_op)
+
+    mod = ctx._device_module
+    ctx.release_retired()
+    ctx.copy_in_stream.wait_stream(ctx.current_stream())
+    with mod.stream(ctx.copy_in_stream):
+        if input is None:
+            input = _copy_in(params, dtype, device)
+        output = torch.empty(world * input.numel(), dtype=dtype, device=device)
+    ctx.all_gather_stream.wait_stream(ctx.copy_in_stream)
+    with mod.stream(ctx.all_gather_stream):
+        dist.all_gather_single(output, input, group=group)
+        event = ctx.all_gather_stream.record_event()
+    work = AllGatherWork(output, input, event=event)
+    if not async_op:
+        work.wait(ctx)
+    return work
+
+
+def copy_out(params: list[ShardedParam], work: AllGatherWork, world: int) -> None:
+    """Split the all-gather output into each parameter's unsharded storage."""
+    outputs = [p.alloc_unsharded(world) for p in params]
+    # Refilling storage autograd saved is not a modification it should see: the values are the
+    # ones forward used. Keep the version counters so saved-tensor checks still pass.
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(
+        tuple(p.unsharded_param for p in params)
+    ):
+        torch.split_with_sizes_copy(
+            work.output.view(world, -1), [p.shard_numel for p in params], dim=1, out=outputs
+        )
+
+
+@dataclass
+class ReduceScatterWork:
+    """An issued gradient reduce-scatter for one group; `finish` writes the sharded gradients."""
+
+    params: list[ShardedParam]
+    output: torch.Tensor  # this rank's reduced, divided shard of every param, flat
+    mesh_info: MeshInfo
+    divide_factor: float
+    handle: Optional[dist.Work] = None  # CPU: the async work handle
+    event: object = None  # CUDA: recorded on the reduce-scatter stream after the division
+    # CUDA: the packed input and the unsharded gradients, read on the reduce-scatter stream but
+    # allocated on the current one; they die in `finish`, after the current stream waited `event`.
+    keep_alive: list = field(default_factory=list)
+
+    @torch.no_grad()
+    def finish(self, ctx: CommContext) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            if self.mesh_info.is_hsdp:
+                dist.all_reduce(self.output, group=self.mesh_info.replicate_group)
+            self.output.div_(self.divide_factor)
+        if self.event is not None:
+            ctx.current_stream().wait_event(self.event)
+        offset = 0
+        for p in self.params:
+            p.accumulate_sharded_grad(self.output[offset : offset + p.shard_numel])
+            offset += p.shard_numel
+        self.keep_alive.clear()
+
+
+@torch.no_grad()
+def reduce_scatter(
+    params: list[ShardedParam],
+    mesh_info: MeshInfo,
+    reduce_dtype: Optional[torch.dtype],
+    divide_factor: float,
+    ctx: CommContext,
+) -> ReduceScatterWork:
+    """Reduce-scatter the unsharded gradients of `params` as one bucket and average them.
+
+    The sum is divided explicitly afterwards: gloo has no PREMUL_SUM, and one code path for every
+    backend keeps eager and compiled numerics identical.
+    """
+    world = mesh_info.shard_size
+    dtype = reduce_dtype or params[0].unsharded_param.grad.dtype
+    total = sum(p.shard_numel for p in params)
+    grads = [p.unsharded_param.grad for p in params]
+    for p in params:
+        p.unsharded_param.grad = None
+    # Allocated on the current stream, which later reads it for the optimizer.
+    output = torch.empty(total, dtype=dtype, device=ctx.device)
+    work = ReduceScatterWork(params, output, mesh_info, divide_factor)
+
+    if not ctx.uses_streams:
+        packed = torch.cat([p.padded_unsharded_grad(world, dtype, g) for p, g in zip(params, grads)], 1)
+        work.handle = dist.reduce_scatter_single(
+            output, packed.view(-1), op=dist.ReduceOp.SUM, group=mesh_info.shard_group, async_op=True
+        )
+        work.keep_alive = [packed]
+        return work
+
+    mod = ctx._device_module
+    ctx.reduce_scatter_stream.wait_stream(ctx.current_stream())
+    with mod.stream(ctx.reduce_scatter_stream):
+        packed = torch.cat([p.padded_unsharded_grad(world, dtype, g) for p, g in zip(params, grads)], 1)
+        dist.reduce_scatter_single(
+            output, packed.view(-1), op=dist.ReduceOp.SUM, group=mesh_info.shard_group
+        )
+        if mesh_info.is_hsdp:
+            dist.all_reduce(output, group=mesh_info.replicate_group)
+        output.div_(divide_factor)
+        work.event = ctx.reduce_scatter_stream.record_event()
+    work.keep_alive = [packed, grads]
+    return work

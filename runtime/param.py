@@ -1,0 +1,215 @@
+"""One sharded parameter: its DTensor shard, where it lives in the module tree, and its unsharded view.
+
+Layout, for a parameter of shape (dim0, *rest) on a shard group of `world` ranks:
+
+    padded_dim0 = ceil(dim0 / world)        rows each rank owns, padding included
+    rank r owns rows [r * padded_dim0, (r + 1) * padded_dim0) clipped to dim0
+
+so a rank's valid rows are a prefix of its padded slot, possibly empty. This is `torch.chunk`'s split,
+which is also what DTensor's `Shard(0)` means for uneven sizes. In the all-gather buffer each rank
+contributes `shard_numel = padded_dim0 * prod(rest)` elements per parameter, padding as zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The mesh a group is sharded over and the ranks that play each role in it.
+
+    `shard_axis` is the mesh axis parameters are sharded on; on a 2-D (HSDP) mesh axis 0 replicates.
+    """
+
+    mesh: DeviceMesh
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.mesh.ndim == 2
+
+    @property
+    def shard_axis(self) -> int:
+        return self.mesh.ndim - 1
+
+    @property
+    def shard_group(self):
+        return self.mesh.get_group(self.shard_axis)
+
+    @property
+    def replicate_group(self):
+        return self.mesh.get_group(0) if self.is_hsdp else None
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh.size(self.shard_axis)
+
+    @property
+    def shard_rank(self) -> int:
+        return self.mesh.get_local_rank(self.shard_axis)
+
+    @property
+    def replicate_size(self) -> int:
+        return self.mesh.size(0) if self.is_hsdp else 1
+
+    @property
+    def placements(self) -> tuple:
+        return (Replicate(), Shard(0)) if self.is_hsdp else (Shard(0),)
+
+
+class ShardedParam:
+    """Owns one parameter of a group from `fully_shard` until the module dies.
+
+    The sharded parameter (an `nn.Parameter` holding a DTensor) is what the optimizer, `state_dict`
+    and the user see between steps. The unsharded parameter is a plain `nn.Parameter` that autograd
+    records during forward; its storage is allocated on unshard and freed on reshard, so tensors
+    autograd saved for backward refill when the group is gathered again.
+    """
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        owners: list[tuple[nn.Module, str]],
+        fqn: str,
+        group_modules: tuple[nn.Module, ...],
+        mesh_info: MeshInfo,
+        device: torch.device,
+        shard_device: torch.device,
+        param_dtype: torch.dtype | None,
+    ) -> None:
+        self.owners = owners  # every (module, attribute) that holds this parameter (tied weights)
+        self.fqn = fqn
+        self.group_modules = group_modules  # the modules of the fully_shard call that took it
+        self.mesh_info = mesh_info
+        self.device = device  # where unsharded parameters live
+        self.shard_device = shard_device  # where the shard lives: `device`, or CPU when offloading
+        self.orig_size = param.size()
+        self.orig_dtype = param.dtype
+        self.unsharded_dtype = param_dtype or param.dtype
+        self.requires_grad = param.requires_grad
+
+        world, rank = mesh_info.shard_size, mesh_info.shard_rank
+        dim0 = self.orig_size[0]
+        self.row_numel = math.prod(self.orig_size[1:])
+        self.padded_dim0 = math.ceil(dim0 / world)
+        self.shard_numel = self.padded_dim0 * self.row_numel
+        start = min(rank * self.padded_dim0, dim0)
+        self.num_valid_rows = min(self.padded_dim0, dim0 - start)
+
+        local = param.detach()[start : start + self.num_valid_rows]
+        local = local.clone() if local.is_meta else local.to(shard_device, copy=True)
+        self.sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
+
+        # Unsharded storage, padded to world * padded_dim0 rows so the all-gather output copies out
+        # in one `split_with_sizes_copy`; the parameter autograd sees is a view of its first dim0
+        # rows. Its storage is empty whenever the group is sharded.
+        self._unsharded_padded: torch.Tensor | None = None
+        self.unsharded_param: nn.Parameter | None = None
+
+    # -- sharded side --------------------------------------------------------------------------
+
+    def _to_dtensor(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local,
+            self.mesh_info.mesh,
+            self.mesh_info.placements,
+            run_check=False,
+            shape=self.orig_size,
+            stride=_contiguous_stride(self.orig_size),
+        )
+
+    @property
+    def local_shard(self) -> torch.Tensor:
+        """This rank's valid rows of the sharded parameter (no padding)."""
+        return self.sharded_param.to_local()
+
+    def adopt_current_param(self) -> None:
+        """Take back the parameter the owner module holds now, if the user replaced it.
+
+        `load_state_dict(assign=True)`, `to_empty()` and friends may swap the registered parameter
+        object. The new one becomes the sharded parameter, so no user state is lost.
+        """
+        module, name = self.owners[0]
+        current = module._parameters.get(name)
+        if current is None or current is self.sharded_param or current is self.unsharded_param:
+            return
+        if not isinstance(current, DTensor) or tuple(current.placements) != self.mesh_info.placements:
+            raise ValueError(
+                f"Parameter '{self.fqn}' was replaced by a tensor that is not a DTensor sharded with "
+                f"{self.mesh_info.placements}; load sharded state with model.load_state_dict(...) "
+                f"(without assign=True) or assign DTensors from distribute_tensor(...)"
+            )
+        if current.size() != self.orig_size:
+            raise ValueError(
+                f"Parameter '{self.fqn}' was replaced by a DTensor of shape {tuple(current.size())}, "
+                f"expected {tuple(self.orig_size)}"
+            )
+        if not isinstance(current, nn.Parameter):
+            current = nn.Parameter(current, requires_grad=self.requires_grad)
+        self.sharded_param = current
+        self.install(sharded=True)
+
+    def install(self, sharded: bool) -> None:
+        """Register the sharded or the unsharded parameter on every owner module."""
+        param = self.sharded_param if sharded else self.unsharded_param
+        for module, name in self.owners:
+            module._parameters[name] = param
+
+    # -- unsharded side ------------------------------------------------------------------------
+
+    def alloc_unsharded(self, world: int) -> torch.Tensor:
+        """Allocate (or re-allocate) the unsharded storage; returns it viewed as (world, shard_numel)."""
+        if self._unsharded_padded is None:
+            padded = torch.empty(
+                (world * self.padded_dim0, *self.orig_size[1:]),
+                dtype=self.unsharded_dtype,
+                device=self.device,
+            )
+            self._unsharded_padded = padded
+            self.unsharded_param = nn.Parameter(padded[: self.orig_size[0]], self.requires_grad)
+        else:
+            storage = self._unsharded_padded.untyped_storage()
+            nbytes = self._unsharded_padded.numel() * self._unsharded_padded.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
+        return self._unsharded_padded.view(world, self.shard_numel)
+
+    def free_unsharded(self) -> None:
+        """Drop the unsharded storage; the parameter object (and any gradient on it) stays."""
+        if self._unsharded_padded is not None:
+            self._unsharded_padded.untyped_storage().resize_(0)
+
+    def padded_unsharded_grad(self, world: int, dtype: torch.dtype, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` (unsharded) as (world, shard_numel), cast and zero-padded to the padded rows."""
+        if grad.dtype != dtype:
+            grad = grad.to(dtype)
+        padded_rows = world * self.padded_dim0
+        if padded_rows != self.orig_size[0]:
+            padded = grad.new_zeros((padded_rows, *self.orig_size[1:]))
+            padded[: self.orig_size[0]].copy_(grad)
+            grad = padded
+        return grad.reshape(world, self.shard_numel)
+
+    def accumulate_sharded_grad(self, flat_shard: torch.Tensor) -> None:
+        """Set or add this rank's reduced gradient (padded, flat) to the sharded parameter."""
+        local = flat_shard[: self.num_valid_rows * self.row_numel].view(
+            self.num_valid_rows, *self.orig_size[1:]
+        )
+        local = local.to(self.orig_dtype).to(self.shard_device)
+        if self.sharded_param.grad is None:
+            self.sharded_param.grad = self._to_dtensor(local)
+        else:
+            self.sharded_param.grad = self._to_dtensor(self.sharded_param.grad.to_local() + local)
+
+
+def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(size):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))

@@ -1,0 +1,200 @@
+"""A communication group: the parameters of one `fully_shard` call, gathered and reduced as one bucket."""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum, auto
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ..policies import MixedPrecisionPolicy
+from .collectives import AllGatherWork, CommContext, all_gather, copy_out, reduce_scatter
+from .param import MeshInfo, ShardedParam
+
+logger = logging.getLogger(__name__)
+
+
+class ShardedState(Enum):
+    """Which parameters the owner modules hold right now."""
+
+    SHARDED = auto()  # after construction and after `reshard()`: only the DTensor shards exist
+    # After forward with an int `reshard_after_forward`: shards are registered, and a larger shard
+    # (1/N of the parameters) is kept so backward gathers over N ranks only.
+    SHARDED_POST_FORWARD = auto()
+    UNSHARDED = auto()  # after the all-gather was waited and copied out: full parameters registered
+
+
+class PostForwardMesh:
+    """The smaller groups an int `reshard_after_forward=N` reshards to.
+
+    Shard rank r keeps rows r % N of N equal slices of the all-gather output, and gathers them back
+    from the N consecutive shard ranks of its block: those N ranks together hold every slice.
+    """
+
+    def __init__(self, mesh_info: MeshInfo, size: int) -> None:
+        self.size = size
+        self.position = mesh_info.shard_rank % size
+        mesh_ranks = mesh_info.mesh.mesh.reshape(-1, mesh_info.shard_size).tolist()
+        my_block = mesh_info.shard_rank // size
+        my_row = next(row for row in mesh_ranks if dist.get_rank() in row)
+        self.group = None
+        # new_group is collective over the default group: every rank creates every block's group.
+        for row in mesh_ranks:
+            for block in range(mesh_info.shard_size // size):
+                ranks = row[block * size : (block + 1) * size]
+                pg = dist.new_group(ranks)
+                if row is my_row and block == my_block:
+                    self.group = pg
+
+
+class ParamGroup:
+    """All-gathers, reshards and reduce-scatters the parameters of one `fully_shard` call."""
+
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        mesh_info: MeshInfo,
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: Optional[Union[bool, int]],
+    ) -> None:
+        self.params = params
+        self.mesh_info = mesh_info
+        self.device = device
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward  # None until the root is known
+        self.post_forward_mesh: Optional[PostForwardMesh] = None
+        self.name = "<unnamed>"  # the module FQN(s), set at lazy init for logs and profiler ranges
+        self.comm: Optional[CommContext] = None  # the root's, set at lazy init
+
+        self.state = ShardedState.SHARDED
+        self._all_gather: Optional[AllGatherWork] = None  # issued, not yet copied out
+        self._post_forward_shard: Optional[torch.Tensor] = None  # lives from forward to re-gather
+
+        # User controls, as in FSDP2.
+        self.requires_gradient_sync = True
+        self.reshard_after_backward = True
+        self.gradient_divide_factor: Optional[float] = None
+
+        # Per-backward bookkeeping, reset by `reset_backward_state`.
+        self._num_grads_ready = 0
+        self.reduced_this_backward = False
+        self._num_trainable = sum(p.requires_grad for p in params)
+
+    @property
+    def world(self) -> int:
+        return self.mesh_info.shard_size
+
+    @property
+    def all_gather_dtype(self) -> torch.dtype:
+        return self.mp_policy.param_dtype or self.params[0].orig_dtype
+
+    def set_reshard_after_forward(self, value: Union[bool, int]) -> None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value == self.world:
+                value = True
+            elif value == 1:
+                value = False
+            elif self.post_forward_mesh is None or self.post_forward_mesh.size != value:
+                self.post_forward_mesh = PostForwardMesh(self.mesh_info, value)
+        self.reshard_after_forward = value
+
+    # -- unshard / reshard ---------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue this group's all-gather unless it is unsharded or already in flight."""
+        if self.state is ShardedState.UNSHARDED or self._all_gather is not None:
+            return
+        with torch.profiler.record_function(f"fsdp_graph::all_gather ({self.name})"):
+            logger.debug("fsdp_graph::all_gather (%s) async=%s", self.name, async_op)
+            if self.state is ShardedState.SHARDED_POST_FORWARD:
+                mesh = self.post_forward_mesh
+                self._all_gather = all_gather(
+                    self.params, mesh.group, mesh.size, self.all_gather_dtype, self.comm, async_op,
+                    input=self._post_forward_shard,
+                )
+            else:
+                for p in self.params:
+                    p.adopt_current_param()
+                self._all_gather = all_gather(
+                    self.params, self.mesh_info.shard_group, self.world, self.all_gather_dtype,
+                    self.comm, async_op,
+                )
+
+    def wait_for_unshard(self) -> None:
+        """Wait for the issued all-gather, copy out, and register the unsharded parameters."""
+        work = self._all_gather
+        if work is None:
+            return
+        with torch.profiler.record_function(f"fsdp_graph::copy_out ({self.name})"):
+            work.wait(self.comm)
+            new_params = [p.unsharded_param is None for p in self.params]
+            copy_out(self.params, work, self.world)
+            self.comm.retire(work)
+            self._all_gather = None
+            self._post_forward_shard = None
+            for p, is_new in zip(self.params, new_params):
+                if is_new and p.requires_grad:
+                    p.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.install(sharded=False)
+            self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the shards. A no-op when already sharded."""
+        if self._all_gather is not None:  # a prefetch nobody used
+            self._all_gather.wait(self.comm)
+            self.comm.retire(self._all_gather)
+            self._all_gather = None
+        if self.state is ShardedState.SHARDED:
+            return
+        logger.debug("fsdp_graph::reshard (%s)", self.name)
+        self._post_forward_shard = None
+        for p in self.params:
+            p.free_unsharded()
+            p.install(sharded=True)
+        self.state = ShardedState.SHARDED
+
+    def post_forward_reshard(self) -> None:
+        """Reshard as `reshard_after_forward` says: fully, to the smaller group, or not at all."""
+        if self.state is not ShardedState.UNSHARDED or self.reshard_after_forward is False:
+            return
+        if self.reshard_after_forward is True:
+            self.reshard()
+            return
+        mesh = self.post_forward_mesh
+        rows = slice(mesh.position * self.world // mesh.size, (mesh.position + 1) * self.world // mesh.size)
+        with torch.no_grad():
+            shard = torch.cat([p.alloc_unsharded(self.world)[rows] for p in self.params], dim=1)
+        self.reshard()
+        self._post_forward_shard = shard.reshape(-1)
+        self.state = ShardedState.SHARDED_POST_FORWARD
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def _on_grad_ready(self, _param: torch.Tensor) -> None:
+        self._num_grads_ready += 1
+        if self._num_grads_ready == self._num_trainable:
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """Reduce-scatter this group's unsharded gradients (once per backward) and reshard."""
+        if self.reduced_this_backward:
+            return None
+        self.reduced_this_backward = True
+        with torch.profiler.record_function(f"fsdp_graph::post_backward ({self.name})"):
+            logger.debug("fsdp_graph::post_backward (%s)", self.name)
+            with_grad = [
+                p for p in self.params if p.unsharded_param is not None and p.unsharded_param.grad is not None
+            ]
+            if with_grad and self.requires_gradient_sync:
+                factor = self.gradient_divide_factor or self.world * self.mesh_info.replicate_size
+                work = reduce_scatter(with_grad, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm)
+                self.comm.add_reduce_scatter(work)
+            if self.reshard_after_backward:
+                self.reshard()
+
+    def reset_backward_state(self) -> None:
+        self._num_grads_ready = 0
+        self.reduced_this_backward = False

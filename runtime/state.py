@@ -1,0 +1,245 @@
+"""Per-`fully_shard` state and the hooks that drive a group through forward and backward.
+
+One `FSDPState` per `fully_shard` call. The first state whose forward runs becomes the root: at lazy
+init it finds every state below it and shares one `RootContext` (streams, forward order, pending
+reduce-scatters) with them.
+
+Per step, for each state:
+    pre-forward     unshard (wait), prefetch the next groups named by `set_modules_to_forward_prefetch`
+    post-forward    reshard as `reshard_after_forward` says; hook the outputs for pre-backward
+    pre-backward    unshard again if resharded, prefetch the group that ran before this one in forward
+    post-backward   when every trainable parameter's gradient accumulated: reduce-scatter, reshard
+    final callback  (root) reduce what is left, wait for all reduce-scatters, reset
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum, auto
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..policies import MixedPrecisionPolicy
+from .collectives import CommContext
+from .param_group import ParamGroup
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingState(Enum):
+    """Where a state is in the current step."""
+
+    IDLE = auto()  # at construction, after post-forward, and after the backward's final callback
+    FORWARD = auto()  # from pre-forward to post-forward
+    BACKWARD = auto()  # from the first gradient reaching this state's outputs to the final callback
+
+
+class RootContext:
+    """What every state under one root shares."""
+
+    def __init__(self, root: "FSDPState", states: list["FSDPState"], device: torch.device) -> None:
+        self.root = root
+        self.states = states  # module order, root first
+        self.comm = CommContext(device)
+        self.forward_order: list[FSDPState] = []  # states by first pre-forward this step
+        self.final_callback_queued = False
+        self.is_last_backward = True
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class FSDPState:
+    """Hooks and training state of one `fully_shard` call over one or more modules."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: Optional[ParamGroup],
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward,
+        device: torch.device,
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.mp_policy = mp_policy
+        self.device = device
+        self.reshard_after_forward = reshard_after_forward  # as given; None means "root: False"
+        self.training_state = TrainingState.IDLE
+        self.ctx: Optional[RootContext] = None
+        self.is_root = False
+        self.name = type(modules[0]).__name__
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: Optional[list[FSDPState]] = None  # None: implicit
+        self._num_forwards_done = 0  # modules of this call whose forward finished this step
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook)
+            module.register_state_dict_pre_hook(self._reshard_for_state_dict)
+            module.register_load_state_dict_pre_hook(self._reshard_for_load_state_dict)
+
+    # -- lazy init -----------------------------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        """Make this state the root of every state below its modules, unless it has a root."""
+        if self.ctx is not None:
+            return
+        names: dict[FSDPState, list[str]] = {}
+        states: list[FSDPState] = []
+        for root_module in self.modules:
+            for fqn, module in root_module.named_modules():
+                state = getattr(module, "_fsdp_state", None)
+                if isinstance(state, FSDPState):
+                    if state not in names:
+                        states.append(state)
+                        names[state] = []
+                    names[state].append(fqn or "<root>")
+        self.ctx = RootContext(self, states, self.device)
+        for state in states:
+            state.ctx = self.ctx
+            state.is_root = state is self
+            state.name = ", ".join(names[state])
+            if state.reshard_after_forward is None:
+                state_raf = not state.is_root
+            else:
+                state_raf = state.reshard_after_forward
+            if state.group is not None:
+                state.group.name = state.name
+                state.group.comm = self.ctx.comm
+                state.group.set_reshard_after_forward(state_raf)
+        logger.debug("fsdp_graph::lazy_init root=%s states=%d", self.name, len(states))
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        if _in_backward():
+            # Recomputation under activation checkpointing: the group was gathered in pre-backward.
+            if self.group is not None:
+                self.group.unshard()
+                self.group.wait_for_unshard()
+            return args, kwargs
+        self.lazy_init()
+        if self.is_root:
+            self._root_pre_forward()
+        if self.training_state is TrainingState.FORWARD:  # a second module of fully_shard([a, b])
+            return args, kwargs
+        with torch.profiler.record_function(f"fsdp_graph::pre_forward ({self.name})"):
+            logger.debug("fsdp_graph::pre_forward (%s)", self.name)
+            self.training_state = TrainingState.FORWARD
+            if self not in self.ctx.forward_order:
+                self.ctx.forward_order.append(self)
+            if self.group is not None:
+                self.group.unshard()
+                self.group.wait_for_unshard()
+            for target in self.forward_prefetch:
+                if target.group is not None:
+                    target.group.unshard(async_op=True)
+            if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+                args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        return args, kwargs
+
+    def _root_pre_forward(self) -> None:
+        # Gradients of the last step must be final before parameters are read again, and a
+        # forward that raised must not leave groups gathered or states half-way.
+        self.ctx.comm.finish_reduce_scatters()
+        for state in self.ctx.states:
+            if state.training_state is not TrainingState.IDLE and state is not self:
+                state._reset_after_error()
+        self.ctx.forward_order.clear()
+        for state in self.ctx.states:
+            state._num_forwards_done = 0
+
+    def _reset_after_error(self) -> None:
+        logger.debug("fsdp_graph::reset (%s) from %s", self.name, self.training_state.name)
+        if self.group is not None:
+            self.group.reshard()
+            self.group.reset_backward_state()
+        self.training_state = TrainingState.IDLE
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any):
+        if _in_backward():
+            return output
+        with torch.profiler.record_function(f"fsdp_graph::post_forward ({self.name})"):
+            logger.debug("fsdp_graph::post_forward (%s)", self.name)
+            self._num_forwards_done += 1
+            if self._num_forwards_done >= len(self.modules):
+                if self.group is not None:
+                    self.group.post_forward_reshard()
+                self.training_state = TrainingState.IDLE
+            if self.mp_policy.output_dtype is not None:
+                output = _cast_floats(output, self.mp_policy.output_dtype)
+            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        return output
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def _pre_backward(self, *_unused) -> None:
+        if self.training_state is TrainingState.BACKWARD:
+            return
+        ctx = self.ctx
+        if not ctx.final_callback_queued:
+            ctx.final_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(ctx.root._post_backward_final)
+        with torch.profiler.record_function(f"fsdp_graph::pre_backward ({self.name})"):
+            logger.debug("fsdp_graph::pre_backward (%s)", self.name)
+            self.training_state = TrainingState.BACKWARD
+            if self.group is not None:
+                self.group.unshard()
+                self.group.wait_for_unshard()
+            for target in self._backward_prefetch_targets():
+                if target.group is not None:
+                    target.group.unshard(async_op=True)
+
+    def _backward_prefetch_targets(self) -> list["FSDPState"]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        order = self.ctx.forward_order
+        if self in order and order.index(self) > 0:
+            return [order[order.index(self) - 1]]
+        return []
+
+    def _post_backward_final(self) -> None:
+        """Root only: runs once when the whole backward finished."""
+        ctx = self.ctx
+        with torch.profiler.record_function("fsdp_graph::post_backward_final"):
+            logger.debug("fsdp_graph::post_backward_final (%s)", self.name)
+            for state in reversed(ctx.forward_order + [s for s in ctx.states if s not in ctx.forward_order]):
+                if state.group is not None:
+                    # Groups with unused or frozen parameters never counted all their gradients.
+                    state.group.post_backward()
+            if ctx.is_last_backward:
+                ctx.comm.finish_reduce_scatters()
+            for state in ctx.states:
+                if state.group is not None:
+                    if state.group.reshard_after_backward:
+                        state.group.reshard()
+                    state.group.reset_backward_state()
+                state.training_state = TrainingState.IDLE
+            ctx.final_callback_queued = False
+
+    # -- state dict ----------------------------------------------------------------------------
+
+    def _reshard_for_state_dict(self, *_args, **_kwargs) -> None:
+        # state_dict() must show the DTensor shards. Resharding is safe even between forward and
+        # backward: pre-backward gathers into the same storage autograd saved.
+        if self.group is not None and not _in_backward():
+            self.group.reshard()
+
+    def _reshard_for_load_state_dict(self, *_args, **_kwargs) -> None:
+        self._reshard_for_state_dict()
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x):
+        if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)

@@ -1,0 +1,75 @@
+"""Run a test body on several gloo ranks (forked processes, file store, a deadline per test)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 180
+
+
+def _rank_main(fn, rank, world_size, store_path, results, timeout_s, args) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        out = fn(rank, world_size, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, None, out))
+    except BaseException:  # report every failure, including SystemExit, to the parent
+        results.put((rank, traceback.format_exc(), None))
+
+
+def run_ranks(fn: Callable, world_size: int = 2, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return rank 0's result.
+
+    A failure on any rank fails the test with that rank's traceback; ranks still running after
+    `timeout_s` are killed and the test fails, so a hang never blocks the suite.
+    """
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    fd, store_path = tempfile.mkstemp(prefix="fsdp_graph_store_")
+    os.close(fd)
+    os.unlink(store_path)
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, store_path, results, timeout_s, args))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple] = {}
+    try:
+        while len(outcomes) < world_size:
+            try:
+                rank, error, out = results.get(timeout=timeout_s)
+            except Exception:
+                missing = sorted(set(range(world_size)) - set(outcomes))
+                raise AssertionError(f"ranks {missing} did not finish within {timeout_s}s") from None
+            outcomes[rank] = (error, out)
+            if error is not None:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(outcomes) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if os.path.exists(store_path):
+            os.unlink(store_path)
+    errors = [f"rank {r}:\n{e}" for r, (e, _) in sorted(outcomes.items()) if e is not None]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return outcomes[0][1]

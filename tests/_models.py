@@ -1,0 +1,146 @@
+"""Models, data and the unsharded reference shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from llama import Block, Llama, LlamaConfig, shard_llama  # noqa: E402
+
+__all__ = [
+    "Block", "Llama", "LlamaConfig", "MLPStack", "shard_llama", "tiny_llama",
+    "batch_for_step", "check_grads_match", "check_params_match", "global_mean",
+]
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class MLPStack(nn.Module):
+    """Blocks of uneven widths (dim 0 of 5, 13 and 1 do not divide by 2 or 4) and a head."""
+
+    def __init__(self, dim: int = 13, hidden: int = 5, num_blocks: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(MLPBlock(dim, hidden) for _ in range(num_blocks))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).squeeze(-1)
+
+
+def tiny_llama(num_layers: int = 2) -> Llama:
+    return Llama(LlamaConfig(vocab_size=64, dim=32, num_layers=num_layers, num_heads=2, hidden_dim=56))
+
+
+def batch_for_step(model: nn.Module, step: int, global_batch: int, rank: int, world_size: int):
+    """(global inputs, global targets, this rank's slice of both); the same on every rank."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    if isinstance(model, Llama):
+        seq = 8
+        tokens = torch.randint(0, model.cfg.vocab_size, (global_batch, seq + 1), generator=gen)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+    else:
+        x = torch.randn(global_batch, model.inp.in_features, generator=gen)
+        y = torch.randn(global_batch, generator=gen)
+    per_rank = global_batch // world_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    return x, y, x[local], y[local]
+
+
+def loss_fn(model: nn.Module, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if isinstance(model, Llama) or out.dim() == 3:
+        return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+    return nn.functional.mse_loss(out, y)
+
+
+def global_mean(value: torch.Tensor) -> float:
+    value = value.detach().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value.item() / dist.get_world_size()
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def check_grads_match(sharded: nn.Module, reference: nn.Module, rtol=1e-5, atol=1e-6) -> int:
+    """Every sharded gradient equals the matching shard of the reference gradient; returns the count."""
+    ref = dict(reference.named_parameters())
+    num = 0
+    for name, p in sharded.named_parameters():
+        r = ref[name]
+        if r.grad is None:
+            assert p.grad is None, f"{name}: reference has no grad but sharded does"
+            continue
+        assert p.grad is not None, f"{name}: sharded grad missing"
+        if isinstance(p, DTensor):
+            assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
+            expected = distribute_tensor(r.grad.detach(), p.device_mesh, p.placements).to_local()
+        else:
+            expected = r.grad
+        torch.testing.assert_close(_local(p.grad), expected, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        num += 1
+    return num
+
+
+def check_params_match(sharded: nn.Module, reference: nn.Module, rtol=1e-5, atol=1e-6) -> None:
+    ref = dict(reference.named_parameters())
+    for name, p in sharded.named_parameters():
+        if isinstance(p, DTensor):
+            expected = distribute_tensor(ref[name].detach(), p.device_mesh, p.placements).to_local()
+        else:
+            expected = ref[name].detach()
+        torch.testing.assert_close(_local(p).detach(), expected, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def train_and_compare(
+    model: nn.Module, shard, rank: int, world_size: int, steps: int = 5, global_batch: int = 8,
+    rtol: float = 1e-5, compare_grads: bool = True, lr: float = 1e-2,
+) -> list[float]:
+    """Train `shard(copy of model)` and an unsharded copy on the same global batch; compare every step.
+
+    Returns the sharded run's global losses.
+    """
+    reference = copy.deepcopy(model)
+    sharded = shard(copy.deepcopy(model))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y, lx, ly = batch_for_step(model, step, global_batch, rank, world_size)
+        ref_loss = loss_fn(reference, reference(x), y)
+        ref_loss.backward()
+        loss = loss_fn(sharded, sharded(lx), ly)
+        loss.backward()
+        got = global_mean(loss)
+        assert abs(got - ref_loss.item()) <= rtol * abs(ref_loss.item()) + 1e-7, (
+            f"step {step}: loss {got} != reference {ref_loss.item()}"
+        )
+        if compare_grads:
+            check_grads_match(sharded, reference)
+        losses.append(got)
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    check_params_match(sharded, reference)
+    return losses
