@@ -29,7 +29,6 @@ class FSDPModule:
     def unshard(self, async_op: bool = False) -> "UnshardHandle":
         """All-gather this module's group. With `async_op`, wait on the returned handle before use."""
         state = self._fsdp_state
-        state.lazy_init()
         handle = UnshardHandle(state)
         if state.group is not None:
             state.group.unshard(async_op=async_op)
@@ -67,9 +66,7 @@ class FSDPModule:
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward does not wait for its reduce-scatters (the next forward does)."""
         _check_bool("is_last_backward", is_last_backward)
-        state = self._fsdp_state
-        state.lazy_init()
-        state.ctx.is_last_backward = is_last_backward
+        self._fsdp_state.ctx.is_last_backward = is_last_backward
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """In this module's pre-forward, issue the all-gathers of `modules` (asynchronously)."""
@@ -171,6 +168,7 @@ def fully_shard(
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
+    state.claim_root()
     return module
 
 

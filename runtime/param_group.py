@@ -66,8 +66,8 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward  # None until the root is known
         self.post_forward_mesh: Optional[PostForwardMesh] = None
-        self.name = "<unnamed>"  # the module FQN(s), set at lazy init for logs and profiler ranges
-        self.comm: Optional[CommContext] = None  # the root's, set at lazy init
+        self.name = "<unnamed>"  # the module FQN(s), set when a root claims the group, for logs and profiler ranges
+        self.comm: Optional[CommContext] = None  # the root's, set when a root claims the group
 
         self.state = ShardedState.SHARDED
         self._all_gather: Optional[AllGatherWork] = None  # issued, not yet copied out

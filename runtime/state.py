@@ -1,8 +1,8 @@
 """Per-`fully_shard` state and the hooks that drive a group through forward and backward.
 
-One `FSDPState` per `fully_shard` call. The first state whose forward runs becomes the root: at lazy
-init it finds every state below it and shares one `RootContext` (streams, forward order, pending
-reduce-scatters) with them.
+One `FSDPState` per `fully_shard` call. Each call claims every state below its modules, so after the
+usual bottom-up wrapping the outermost call is the root: it shares one `RootContext` (streams,
+forward order) with all states below it. Roots are known before the first forward, eager or traced.
 
 Per step, for each state:
     pre-forward     unshard (wait), prefetch the next groups named by `set_modules_to_forward_prefetch`
@@ -83,12 +83,10 @@ class FSDPState:
             module.register_state_dict_pre_hook(self._reshard_for_state_dict)
             module.register_load_state_dict_pre_hook(self._reshard_for_load_state_dict)
 
-    # -- lazy init -----------------------------------------------------------------------------
+    # -- root --------------------------------------------------------------------------------
 
-    def lazy_init(self) -> None:
-        """Make this state the root of every state below its modules, unless it has a root."""
-        if self.ctx is not None:
-            return
+    def claim_root(self) -> None:
+        """Make this state the root of every state below its modules (called by `fully_shard`)."""
         names: dict[FSDPState, list[str]] = {}
         states: list[FSDPState] = []
         for root_module in self.modules:
@@ -112,7 +110,7 @@ class FSDPState:
                 state.group.name = state.name
                 state.group.comm = self.ctx.comm
                 state.group.set_reshard_after_forward(state_raf)
-        logger.debug("fsdp_graph::lazy_init root=%s states=%d", self.name, len(states))
+        logger.debug("fsdp_graph::claim_root (%s) states=%d", self.name, len(states))
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -123,7 +121,6 @@ class FSDPState:
                 self.group.unshard()
                 self.group.wait_for_unshard()
             return args, kwargs
-        self.lazy_init()
         if self.is_root:
             self._root_pre_forward()
         if self.training_state is TrainingState.FORWARD:  # a second module of fully_shard([a, b])
@@ -167,15 +164,20 @@ class FSDPState:
         with torch.profiler.record_function(f"fsdp_graph::post_forward ({self.name})"):
             logger.debug("fsdp_graph::post_forward (%s)", self.name)
             self._num_forwards_done += 1
-            if self._num_forwards_done >= len(self.modules):
-                if self.group is not None:
-                    self.group.post_forward_reshard()
-                self.training_state = TrainingState.IDLE
             if self.mp_policy.output_dtype is not None:
                 output = _cast_floats(output, self.mp_policy.output_dtype)
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             if tensors:
                 register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+            if self._num_forwards_done >= len(self.modules):
+                if self.group is not None:
+                    if tensors:
+                        self.group.post_forward_reshard()
+                    else:
+                        # No backward will read these parameters (no_grad, eval): keep none of
+                        # them, so an optimizer step before the next forward is never missed.
+                        self.group.reshard()
+                self.training_state = TrainingState.IDLE
         return output
 
     # -- backward ------------------------------------------------------------------------------

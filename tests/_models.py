@@ -17,7 +17,7 @@ from llama import Block, Llama, LlamaConfig, shard_llama  # noqa: E402
 
 __all__ = [
     "Block", "Llama", "LlamaConfig", "MLPStack", "shard_llama", "tiny_llama",
-    "batch_for_step", "check_grads_match", "check_params_match", "global_mean",
+    "batch_for_step", "check_grads_match", "comm_counts", "check_params_match", "global_mean",
 ]
 
 
@@ -59,7 +59,7 @@ def batch_for_step(model: nn.Module, step: int, global_batch: int, rank: int, wo
         tokens = torch.randint(0, model.cfg.vocab_size, (global_batch, seq + 1), generator=gen)
         x, y = tokens[:, :-1], tokens[:, 1:]
     else:
-        x = torch.randn(global_batch, model.inp.in_features, generator=gen)
+        x = torch.randn(global_batch, model.inp.weight.shape[1], generator=gen)
         y = torch.randn(global_batch, generator=gen)
     per_rank = global_batch // world_size
     local = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -70,6 +70,11 @@ def loss_fn(model: nn.Module, out: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     if isinstance(model, Llama) or out.dim() == 3:
         return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
     return nn.functional.mse_loss(out, y)
+
+
+def comm_counts(mode) -> dict[str, int]:
+    """Collectives a `CommDebugMode` saw, by short op name (e.g. '_allgather_base_')."""
+    return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
 
 
 def global_mean(value: torch.Tensor) -> float:
@@ -114,7 +119,7 @@ def check_params_match(sharded: nn.Module, reference: nn.Module, rtol=1e-5, atol
 
 def train_and_compare(
     model: nn.Module, shard, rank: int, world_size: int, steps: int = 5, global_batch: int = 8,
-    rtol: float = 1e-5, compare_grads: bool = True, lr: float = 1e-2,
+    rtol: float = 1e-5, compare_grads: bool = True, lr: float = 1e-2, before_forward=None,
 ) -> list[float]:
     """Train `shard(copy of model)` and an unsharded copy on the same global batch; compare every step.
 
@@ -129,6 +134,8 @@ def train_and_compare(
         x, y, lx, ly = batch_for_step(model, step, global_batch, rank, world_size)
         ref_loss = loss_fn(reference, reference(x), y)
         ref_loss.backward()
+        if before_forward is not None:
+            before_forward(sharded)
         loss = loss_fn(sharded, sharded(lx), ly)
         loss.backward()
         got = global_mean(loss)
@@ -142,5 +149,7 @@ def train_and_compare(
         opt.step()
         ref_opt.zero_grad()
         opt.zero_grad()
-    check_params_match(sharded, reference)
+    # AdamW divides by the gradient's running RMS, so entries whose gradients are ~1e-7 (where the
+    # gradient check's atol dominates) can move by a visible fraction of lr: compare at 1e-5.
+    check_params_match(sharded, reference, atol=1e-5)
     return losses
