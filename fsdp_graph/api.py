@@ -329,7 +329,7 @@ def _check_taken(taken: ShardedParam, owner: nn.Module, fqn: str, modules) -> No
 
 
 def _check_devices(owners) -> None:
-    devices = {p.device for p, _, _ in owners if not p.is_meta}
+    devices = {p.device for p, _, _ in owners}
     if len(devices) > 1:
         listing = ", ".join(f"'{fqn}' on {p.device}" for p, _, fqn in owners[:8])
         raise ValueError(
