@@ -4,17 +4,22 @@
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
+    model = torch.compile(model, backend="fsdp_graph")   # optional: collectives inside the graph
 """
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .backend import BackendConfig, Compiler, backend
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
+    "BackendConfig",
+    "Compiler",
     "CPUOffloadPolicy",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "backend",
     "fully_shard",
     "register_fsdp_forward_method",
 ]

@@ -26,6 +26,15 @@ class FSDPModule:
 
     _fsdp_state: FSDPState
 
+    def __call__(self, *args, **kwargs):
+        # [Note: One frame for the root's hooks]
+        # `torch.compile(module)` hands Dynamo `module.__call__`. Were that `nn.Module.__call__`
+        # (a torch file Dynamo skips), the root's forward hooks would each become a frame of their
+        # own and the root group's all-gather would be split from the forward graph. Defined here,
+        # in a file Dynamo traces, the whole call (hooks and forward) becomes one frame, without
+        # changing torch's `wrap_top_frame` config. In eager this is one plain Python call more.
+        return super().__call__(*args, **kwargs)
+
     def unshard(self, async_op: bool = False) -> "UnshardHandle":
         """All-gather this module's group. With `async_op`, wait on the returned handle before use."""
         state = self._fsdp_state

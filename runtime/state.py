@@ -24,6 +24,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..policies import MixedPrecisionPolicy
+from . import traced
 from .collectives import CommContext
 from .param_group import ParamGroup
 
@@ -48,6 +49,8 @@ class RootContext:
         self.forward_order: list[FSDPState] = []  # states by first pre-forward this step
         self.final_callback_queued = False
         self.is_last_backward = True
+        # State name -> why its hooks ran eagerly inside a compiled call; see runtime/traced.py.
+        self.fallbacks: dict[str, str] = {}
 
 
 def _in_backward() -> bool:
@@ -77,6 +80,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: Optional[list[FSDPState]] = None  # None: implicit
         self._num_forwards_done = 0  # modules of this call whose forward finished this step
+        self._traced_num_forwards = 0  # the same while Dynamo traces; owned by runtime/traced.py
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook)
@@ -115,6 +119,10 @@ class FSDPState:
     # -- forward -------------------------------------------------------------------------------
 
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        if torch.compiler.is_compiling():
+            return traced.pre_forward(self, module, args, kwargs)
+        if traced.in_compiled_call():
+            traced.record_fallback(self)
         if _in_backward():
             # Recomputation under activation checkpointing: the group was gathered in pre-backward.
             if self.group is not None:
@@ -159,6 +167,8 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any):
+        if torch.compiler.is_compiling():
+            return traced.post_forward(self, module, output)
         if _in_backward():
             return output
         with torch.profiler.record_function(f"fsdp_graph::post_forward ({self.name})"):
@@ -245,3 +255,8 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
+
+
+# Dynamo inlines these hooks when it traces a module call, and runs them eagerly (the fallback) when
+# it runs the call itself. See [Note: Fallback to the eager hooks].
+traced.skip_when_not_inlined(FSDPState._pre_forward_hook, FSDPState._post_forward_hook)

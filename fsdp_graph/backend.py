@@ -1,0 +1,288 @@
+"""The `fsdp_graph` compile backend: AOTAutograd with our joint-graph passes, then an inner compiler.
+
+    torch.compile(model, backend="fsdp_graph")                           # Inductor, defaults
+    torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", dump_dir="dump"))
+
+Dynamo traces each group's unshard into the graph (runtime/traced.py). This backend runs the joint
+forward-backward graph through the pass pipeline (passes/), partitions it with the min-cut
+partitioner, and hands forward and backward to Inductor or to plain eager execution (`aot_eager`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from importlib.metadata import entry_points
+from typing import Any, Callable, Optional
+
+import torch
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx import GraphModule
+
+from .dump import GraphDump, count_ops
+from .passes.nodes import GROUP_KEY, fsdp_meta
+from .passes.pipeline import GraphPass, PassPipeline
+from .passes.reshard import tag_reshard_after_forward
+from .runtime.param_group import ParamGroup
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "fsdp_graph"
+DUMP_ENV = "FSDP_GRAPH_DUMP"  # read when a backend with no dump_dir compiles a graph
+
+# Joint-graph passes, in order. Names are what `disabled_passes` accepts.
+JOINT_PASSES = (GraphPass("reshard_after_forward", tag_reshard_after_forward),)
+
+
+class Compiler(Enum):
+    """What compiles the partitioned forward and backward graphs."""
+
+    INDUCTOR = "inductor"  # Inductor (C++/Triton kernels); the collectives stay extern calls
+    AOT_EAGER = "aot_eager"  # run the graphs op by op: same numbers as eager, for debugging
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """How the `fsdp_graph` backend compiles.
+
+    Attributes:
+        compiler: the inner compiler, a `Compiler` or its value ("inductor", "aot_eager").
+        dump_dir: write every graph around every pass, and summary.json, here. None: use the
+            `FSDP_GRAPH_DUMP` environment variable if set, else dump nothing.
+        disabled_passes: names of passes to skip (see `JOINT_PASSES`), e.g. to compare graphs or
+            numbers with and without one. Skipping "reshard_after_forward" keeps every group's
+            unsharded parameters from forward to backward.
+    """
+
+    compiler: Compiler = Compiler.INDUCTOR
+    dump_dir: Optional[str] = None
+    disabled_passes: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if isinstance(self.compiler, str):
+            choices = [c.value for c in Compiler]
+            if self.compiler not in choices:
+                problems.append(f"compiler={self.compiler!r} is not one of {choices}")
+            else:
+                object.__setattr__(self, "compiler", Compiler(self.compiler))
+        elif not isinstance(self.compiler, Compiler):
+            problems.append(f"compiler must be a Compiler or a string, got {type(self.compiler).__name__}")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            problems.append(f"dump_dir must be a path or None, got {type(self.dump_dir).__name__}")
+        if isinstance(self.disabled_passes, str) or not isinstance(self.disabled_passes, (set, frozenset, list, tuple)):
+            problems.append(
+                f"disabled_passes must be a collection of pass names, got {self.disabled_passes!r}; "
+                f"e.g. disabled_passes={{'reshard_after_forward'}}"
+            )
+        else:
+            known = [p.name for p in JOINT_PASSES]
+            for name in self.disabled_passes:
+                if name not in known:
+                    problems.append(f"disabled_passes names {name!r}, which is not a pass; passes: {known}")
+            object.__setattr__(self, "disabled_passes", frozenset(self.disabled_passes))
+        if problems:
+            raise ValueError("Invalid fsdp_graph backend config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    @classmethod
+    def from_options(cls, options: Optional[dict[str, Any]]) -> "BackendConfig":
+        """From `torch.compile(..., options={...})`: the same names as the attributes."""
+        options = dict(options or {})
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ValueError(
+                f"Unknown fsdp_graph backend option(s) {unknown}; valid options: {sorted(names)}"
+            )
+        return cls(**options)
+
+
+def _graph_id() -> str:
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    if compile_id is None:
+        return "graph"
+    return f"frame_{compile_id.frame_id}_{compile_id.frame_compile_id}"
+
+
+def _sharded_param_of(t: Any):
+    """The `ShardedParam` a graph input belongs to: a sharded parameter, or an unsharded one that
+    the eager runtime reduces (a group that fell back); None for anything else."""
+    owner = getattr(t, "_fsdp_graph_param", None)
+    if owner is not None:
+        return owner
+    for hook in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).values():
+        group = getattr(hook, "__self__", None)
+        if isinstance(group, ParamGroup):
+            return group.params[0]
+    return None
+
+
+def _check_sharded(gm: GraphModule, example_inputs: list) -> list:
+    """Raise if the graph reads parameters but none of them is fsdp_graph's; return the owners."""
+    owners = [o for o in map(_sharded_param_of, example_inputs) if o is not None]
+    traced_groups = any(fsdp_meta(n, GROUP_KEY) for n in gm.graph.nodes)
+    has_params = any(isinstance(t, torch.nn.Parameter) for t in example_inputs)
+    if has_params and not owners and not traced_groups:
+        raise ValueError(
+            f"backend={BACKEND_NAME!r} got a graph whose parameters were never sharded; apply "
+            f"fsdp_graph.fully_shard to the model first (each block, then the root), then "
+            f"torch.compile(model, backend={BACKEND_NAME!r}); for an unsharded model use "
+            f"backend='inductor'"
+        )
+    return owners
+
+
+class FSDPGraphBackend:
+    """A configured backend: `torch.compile(model, backend=FSDPGraphBackend(config))`."""
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"FSDPGraphBackend({self.config})"
+
+    def _dump(self) -> Optional[GraphDump]:
+        directory = self.config.dump_dir or os.environ.get(DUMP_ENV)
+        return GraphDump(directory) if directory else None
+
+    def __call__(self, gm: GraphModule, example_inputs: list) -> Callable:
+        owners = _check_sharded(gm, example_inputs)
+        graph_id = _graph_id()
+        dump = self._dump()
+        joint = PassPipeline("joint", list(JOINT_PASSES), self.config.disabled_passes, dump)
+        logger.debug("fsdp_graph::compile (%s) with %s", graph_id, self.config.compiler.value)
+        if dump is not None:
+            dump.write_graph(gm, f"{graph_id}.dynamo")
+        if self.config.compiler is Compiler.AOT_EAGER:
+            compiled = self._aot_eager(gm, example_inputs, graph_id, joint, dump)
+        else:
+            compiled = self._inductor(gm, example_inputs, graph_id, joint, dump)
+        if dump is None:
+            return compiled
+        return _RecordFallbacks(compiled, owners, dump)
+
+    def _aot_eager(self, gm, example_inputs, graph_id, joint: PassPipeline, dump: Optional[GraphDump]):
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        def partition(joint_gm, joint_inputs, **kwargs):
+            joint_gm = joint(joint_gm, graph_id)
+            return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+
+        def inner(kind: str):
+            def compile_graph(graph: GraphModule, _inputs):
+                _log_graph(graph_id, kind, graph, dump)
+                return make_boxed_func(graph.forward)
+
+            return compile_graph
+
+        return aot_autograd(
+            fw_compiler=inner("forward"),
+            bw_compiler=inner("backward"),
+            partition_fn=partition,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+    def _inductor(self, gm, example_inputs, graph_id, joint: PassPipeline, dump: Optional[GraphDump]):
+        from torch._inductor.compile_fx import compile_fx
+
+        patches: dict[str, Any] = {"joint_custom_pre_pass": _InductorJointPass(joint, graph_id, dump is not None)}
+        if dump is not None:
+            patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump)
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _log_graph(graph_id: str, kind: str, gm: GraphModule, dump: Optional[GraphDump]) -> None:
+    logger.debug("fsdp_graph::graph (%s.%s) %s", graph_id, kind, count_ops(gm))
+    if dump is not None:
+        dump.write_graph(gm, f"{graph_id}.{kind}")
+        dump.record_graph(graph_id, kind, gm)
+
+
+class _InductorJointPass(CustomGraphPass):
+    """Runs the joint pipeline inside Inductor. A stable `uuid` keeps the FX graph cache usable; when
+    dumping, None disables the cache so every graph is written."""
+
+    def __init__(self, pipeline: PassPipeline, graph_id: str, dumping: bool) -> None:
+        self.pipeline = pipeline
+        self.graph_id = graph_id
+        self.dumping = dumping
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.pipeline(graph.owning_module, self.graph_id)
+
+    def uuid(self) -> Optional[str]:
+        if self.dumping:
+            return None
+        return f"fsdp_graph.joint.v1:{','.join(self.pipeline.names)}:off={','.join(sorted(self.pipeline.disabled))}"
+
+
+class _InductorLogPass(CustomGraphPass):
+    """Dumps the forward and backward graphs as Inductor is about to lower them."""
+
+    def __init__(self, graph_id: str, dump: GraphDump) -> None:
+        self.graph_id = graph_id
+        self.dump = dump
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        is_backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+        _log_graph(self.graph_id, "backward" if is_backward else "forward", graph.owning_module, self.dump)
+
+    def uuid(self) -> Optional[str]:
+        return None
+
+
+class _RecordFallbacks:
+    """Wraps a compiled graph while dumping: after each call, writes new fallbacks of its roots."""
+
+    def __init__(self, compiled: Callable, owners: list, dump: GraphDump) -> None:
+        self.compiled = compiled
+        self.dump = dump
+        self.roots = []
+        for owner in owners:
+            ctx = owner.group_modules[0]._fsdp_state.ctx
+            if all(ctx is not r for r in self.roots):
+                self.roots.append(ctx)
+        self._num_written = -1
+        # Dynamo calls a compiled graph with boxed inputs when the callable says so.
+        self._boxed_call = getattr(compiled, "_boxed_call", False)
+
+    def __call__(self, *args):
+        out = self.compiled(*args)
+        fallbacks = {name: reason for ctx in self.roots for name, reason in ctx.fallbacks.items()}
+        if len(fallbacks) != self._num_written:
+            self.dump.record_fallbacks(fallbacks)
+            self._num_written = len(fallbacks)
+        return out
+
+
+def backend(config: Optional[BackendConfig] = None, **options: Any) -> FSDPGraphBackend:
+    """A configured `fsdp_graph` backend: pass a `BackendConfig`, or its fields as keywords.
+
+        torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", dump_dir="dump"))
+    """
+    if config is not None and options:
+        raise TypeError("fsdp_graph.backend takes a BackendConfig or keyword options, not both")
+    if config is not None and not isinstance(config, BackendConfig):
+        raise TypeError(f"config must be a BackendConfig, got {type(config).__name__}")
+    return FSDPGraphBackend(config or BackendConfig.from_options(options))
+
+
+def fsdp_graph_backend(gm: GraphModule, example_inputs: list, options: Optional[dict[str, Any]] = None) -> Callable:
+    """The backend registered as "fsdp_graph"; `torch.compile(..., options={...})` configures it."""
+    return FSDPGraphBackend(BackendConfig.from_options(options))(gm, example_inputs)
+
+
+def _register() -> None:
+    # Installed packages register through the `torch_dynamo_backends` entry point, which Dynamo
+    # loads (and registers) on first lookup; registering here too would be a duplicate. A source
+    # checkout on sys.path has no entry point, so it registers on import.
+    if not entry_points(group="torch_dynamo_backends", name=BACKEND_NAME):
+        torch._dynamo.register_backend(fsdp_graph_backend, name=BACKEND_NAME)
+
+
+_register()

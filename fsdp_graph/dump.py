@@ -1,0 +1,122 @@
+"""Graph dumps: every graph the backend sees, before and after each pass, and a summary.
+
+A dump directory holds:
+    <graph>.dynamo.txt                     the graph Dynamo captured
+    <graph>.joint.<pass>.{before,after}.txt the joint graph around each joint pass
+    <graph>.{forward,backward}.txt         the partitioned graphs the inner compiler gets
+    summary.json                           per graph: collectives in order, with group and bytes;
+                                           per root: modules that fell back to the eager hooks, and why
+
+`<graph>` is Dynamo's compile id (`frame_<frame>_<recompile>`), the same as in `TORCH_LOGS`.
+`python -m fsdp_graph.inspect DIR` prints the summary (`format_summary`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from torch.fx import GraphModule
+
+from .passes.nodes import group_of, is_collective, is_wait_tensor, tensor_bytes
+
+SUMMARY_FILE = "summary.json"
+
+
+def collectives(gm: GraphModule) -> list[dict[str, Any]]:
+    """The collectives of `gm` in graph order: op, group, bytes of the output, node index."""
+    found = []
+    for index, node in enumerate(gm.graph.nodes):
+        if is_collective(node):
+            found.append(
+                {
+                    "index": index,
+                    "op": node.target.__name__.split(".")[0],
+                    "group": group_of(node) or "?",
+                    "bytes": tensor_bytes(node),
+                }
+            )
+    return found
+
+
+def count_ops(gm: GraphModule) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if is_collective(node) or is_wait_tensor(node):
+            name = node.target.__name__.split(".")[0]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+class GraphDump:
+    """Writes graphs and the summary into one directory (created on first write)."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+
+    def _path(self, name: str) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return self.directory / name
+
+    def write_graph(self, gm: GraphModule, label: str) -> None:
+        text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+        self._path(f"{label}.txt").write_text(text)
+
+    def _update_summary(self, update) -> None:
+        path = self._path(SUMMARY_FILE)
+        summary = json.loads(path.read_text()) if path.exists() else {"graphs": {}, "fallbacks": {}}
+        update(summary)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=1, sort_keys=True))
+        tmp.replace(path)
+
+    def record_graph(self, graph_id: str, kind: str, gm: GraphModule) -> None:
+        """Add `gm`'s collectives to the summary under `graph_id` / `kind` (forward, backward...)."""
+        entry = {"collectives": collectives(gm), "num_nodes": len(gm.graph.nodes)}
+        self._update_summary(lambda s: s["graphs"].setdefault(graph_id, {}).__setitem__(kind, entry))
+
+    def record_fallbacks(self, fallbacks: dict[str, str]) -> None:
+        self._update_summary(lambda s: s["fallbacks"].update(fallbacks))
+
+
+def load_summary(directory: str | os.PathLike) -> dict[str, Any]:
+    path = Path(directory) / SUMMARY_FILE
+    if not path.exists():
+        raise ValueError(
+            f"{directory} has no {SUMMARY_FILE}; dump graphs first with FSDP_GRAPH_DUMP={directory} or "
+            f"torch.compile(model, backend=fsdp_graph.backend(dump_dir={str(directory)!r}))"
+        )
+    return json.loads(path.read_text())
+
+
+def _format_bytes(num: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num < 1024 or unit == "GiB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+        num /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """Per graph: collectives in order with their group and bytes, totals per group; then fallbacks."""
+    lines = []
+    for graph_id in sorted(summary["graphs"]):
+        for kind, entry in sorted(summary["graphs"][graph_id].items()):
+            found = entry["collectives"]
+            lines.append(f"{graph_id} {kind}: {len(found)} collectives, {entry['num_nodes']} nodes")
+            per_group: dict[tuple[str, str], list[int]] = {}
+            for c in found:
+                lines.append(f"  #{c['index']:<5} {c['op']:<24} {c['group']:<20} {_format_bytes(c['bytes'])}")
+                per_group.setdefault((c["group"], c["op"]), []).append(c["bytes"])
+            for (group, op), sizes in sorted(per_group.items()):
+                lines.append(f"  total {op:<24} {group:<20} x{len(sizes)} {_format_bytes(sum(sizes))}")
+    fallbacks = summary.get("fallbacks", {})
+    if fallbacks:
+        lines.append(f"fell back to the eager hooks: {len(fallbacks)} module(s)")
+        for name, reason in sorted(fallbacks.items()):
+            lines.append(f"  {name}: {reason}")
+    else:
+        lines.append("fell back to the eager hooks: none")
+    return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""Node predicates and the `node.meta` keys that the traced runtime and the passes share.
+
+The traced unshard runs under `torch.fx.traceback.annotate`, so every node it makes, and every
+backward node AOTAutograd derives from them, carries `node.meta["custom"]` with the keys below.
+Passes read group facts from there and never from node names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.fx import Node
+
+_C10D = torch.ops._c10d_functional
+
+# Keys inside `node.meta["custom"]`.
+GROUP_KEY = "fsdp_graph_group"  # the group's module FQN(s), e.g. "layers.0"
+RESHARD_KEY = "fsdp_graph_reshard_after_forward"  # bool: backward must gather again
+ROLE_KEY = "fsdp_graph_role"  # one of the ROLE_* values
+
+ROLE_UNSHARD = "unshard"  # copy-in, all-gather, wait, copy-out (and their backward: the reduce-scatter)
+
+
+def is_all_gather(node: Node) -> bool:
+    return node.op == "call_function" and node.target is _C10D.all_gather_into_tensor.default
+
+
+def is_reduce_scatter(node: Node) -> bool:
+    return node.op == "call_function" and node.target is _C10D.reduce_scatter_tensor.default
+
+
+def is_all_reduce(node: Node) -> bool:
+    return node.op == "call_function" and node.target is _C10D.all_reduce.default
+
+
+def is_wait_tensor(node: Node) -> bool:
+    return node.op == "call_function" and node.target is _C10D.wait_tensor.default
+
+
+def is_collective(node: Node) -> bool:
+    return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
+
+
+def fsdp_meta(node: Node, key: str) -> Optional[Any]:
+    """The value the traced runtime annotated `node` with under `key`, or None."""
+    custom = node.meta.get("custom")
+    return custom.get(key) if isinstance(custom, dict) else None
+
+
+def group_of(node: Node) -> Optional[str]:
+    return fsdp_meta(node, GROUP_KEY)
+
+
+def tensor_bytes(node: Node) -> int:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    return 0

@@ -1,0 +1,208 @@
+"""The unshard and reshard a group does while Dynamo traces its module: collectives as graph nodes.
+
+When `torch.compiler.is_compiling()`, `FSDPState`'s forward hooks delegate here. Nothing here touches
+the eager runtime's buffers or states: the group stays `ShardedState.SHARDED` the whole step, the
+sharded DTensor parameters are the graph's inputs, and autograd writes their `.grad` directly.
+
+[Note: Traced unshard]
+Pre-forward builds the same bucket as the eager runtime (`collectives._copy_in` / `copy_out`):
+
+    flat   = cat(pad(p.to_local(), padded_dim0 rows).flatten() for p in group.params)
+    full   = wait(all_gather_into_tensor(flat))            # (world * sum shard_numel,)
+    param  = full.view(world, -1)[:, offset:offset + shard_numel].reshape(world * padded_dim0, ...)[:dim0]
+
+and installs each unsharded tensor by shadowing: `owner.__dict__[name] = param`. `nn.Module`
+keeps parameters in `_parameters` and `__getattr__` is only a fallback, so the instance dict wins
+and the module's forward reads the gathered tensor, while `named_parameters()`, the optimizer and
+`state_dict()` still see the DTensor. Post-forward deletes the shadows again.
+
+The all-gather and its gradient are one autograd.Function (`_AllGatherShards`) whose backward does
+what `collectives.reduce_scatter` does, in the same order: cast to the reduce dtype, reduce-scatter
+with SUM, all-reduce over the replicate axis (HSDP), divide, cast back. So fp32 gradients match the
+eager runtime bit for bit.
+
+Every node made here runs under `torch.fx.traceback.annotate` with the group's name and whether it
+reshards after forward (see passes/nodes.py); `passes/reshard.py` uses that to make the backward
+gather again instead of saving the unsharded parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx.traceback import annotate
+
+from ..passes.nodes import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
+
+if TYPE_CHECKING:
+    from .param_group import ParamGroup
+    from .state import FSDPState
+
+logger = logging.getLogger(__name__)
+
+_C10D = torch.ops._c10d_functional
+
+
+
+class _AllGatherShards(torch.autograd.Function):
+    """Forward: all-gather a flat bucket. Backward: reduce-scatter (SUM) its gradient and divide.
+
+    Both directions are functional collectives followed by `wait_tensor`, so they are graph nodes
+    that passes can move. See [Note: Traced unshard].
+    """
+
+    @staticmethod
+    def forward(ctx, flat, all_gather_dtype, reduce_dtype, world, group_name, replicate, divide_factor):
+        ctx.reduce_dtype = reduce_dtype
+        ctx.flat_dtype = flat.dtype
+        ctx.world = world
+        ctx.group_name = group_name
+        ctx.replicate = replicate  # (replicate group name) for HSDP, else None
+        ctx.divide_factor = divide_factor
+        gathered = _C10D.all_gather_into_tensor(flat.to(all_gather_dtype), world, group_name)
+        return _C10D.wait_tensor(gathered)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype = ctx.reduce_dtype or grad.dtype
+        reduced = _C10D.reduce_scatter_tensor(grad.to(dtype).contiguous(), "sum", ctx.world, ctx.group_name)
+        reduced = _C10D.wait_tensor(reduced)
+        if ctx.replicate is not None:
+            reduced = _C10D.wait_tensor(_C10D.all_reduce(reduced, "sum", ctx.replicate))
+        reduced = reduced / ctx.divide_factor
+        return reduced.to(ctx.flat_dtype), None, None, None, None, None, None
+
+
+def _reshards_after_forward(group: "ParamGroup") -> bool:
+    # An int `reshard_after_forward` reshards to a smaller group in eager; in a graph the backward
+    # gathers from the full shard group instead, which gives the same numbers.
+    return group.reshard_after_forward is not False
+
+
+def unshard(group: "ParamGroup") -> list[torch.Tensor]:
+    """Trace the all-gather of `group`; returns one unsharded tensor per `group.params` entry."""
+    params = group.params
+    world = group.world
+    orig_dtypes = {p.orig_dtype for p in params}
+    flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else group.all_gather_dtype
+    mesh_info = group.mesh_info
+    replicate = mesh_info.replicate_group.group_name if mesh_info.is_hsdp else None
+    divide_factor = group.gradient_divide_factor or float(world * mesh_info.replicate_size)
+    annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
+    with annotate(annotation):
+        pieces = []
+        for p in params:
+            local = p.sharded_param.to_local().reshape(-1)
+            num_padding = p.shard_numel - p.num_valid_rows * p.row_numel
+            if num_padding:
+                local = F.pad(local, (0, num_padding))
+            pieces.append(local.to(flat_dtype))
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        gathered = _AllGatherShards.apply(
+            flat,
+            group.all_gather_dtype,
+            group.mp_policy.reduce_dtype,
+            world,
+            mesh_info.shard_group.group_name,
+            replicate,
+            divide_factor,
+        )
+        rows = gathered.view(world, -1)
+        unsharded = []
+        offset = 0
+        for p in params:
+            chunk = rows[:, offset : offset + p.shard_numel]
+            offset += p.shard_numel
+            full = chunk.reshape(world * p.padded_dim0, *p.orig_size[1:])
+            unsharded.append(full[: p.orig_size[0]])
+    return unsharded
+
+
+def _install(group: "ParamGroup", unsharded: Optional[list[torch.Tensor]]) -> None:
+    """Shadow (or un-shadow, with None) every owner's parameter attribute. See [Note: Traced unshard]."""
+    for i, p in enumerate(group.params):
+        for module, name in p.owners:
+            if unsharded is None:
+                del module.__dict__[name]
+            else:
+                module.__dict__[name] = unsharded[i]
+
+
+def pre_forward(state: "FSDPState", module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Traced pre-forward: gather the group (once for `fully_shard([a, b])`), cast the inputs.
+
+    `state._traced_num_forwards` counts the modules of the call whose forward began. It is 0 whenever
+    a graph is entered (the last post-forward resets it), so Dynamo's guard on it always holds.
+    """
+    from .state import _cast_floats
+
+    num_forwards = state._traced_num_forwards
+    if state.group is not None and num_forwards == 0:
+        _install(state.group, unshard(state.group))
+    state._traced_num_forwards = num_forwards + 1
+    if state.mp_policy.param_dtype is not None and state.mp_policy.cast_forward_inputs:
+        args, kwargs = _cast_floats((args, kwargs), state.mp_policy.param_dtype)
+    return args, kwargs
+
+
+def post_forward(state: "FSDPState", module: torch.nn.Module, output: Any) -> Any:
+    """Traced post-forward: cast the outputs; after the group's last module, drop the shadows."""
+    from .state import _cast_floats
+
+    if state.mp_policy.output_dtype is not None:
+        output = _cast_floats(output, state.mp_policy.output_dtype)
+    if state._traced_num_forwards >= len(state.modules):
+        state._traced_num_forwards = 0
+        if state.group is not None:
+            _install(state.group, None)
+    return output
+
+
+# -- fallback --------------------------------------------------------------------------------------
+
+# [Note: Fallback to the eager hooks]
+# Dynamo traces a module call as a whole or not at all: a graph break anywhere inside the call
+# (without nested graph breaks, which torch 2.13 leaves off) makes the enclosing traced frame stop
+# at the call and run it in Python, and a `torch.compiler.disable`d module or forward is always run
+# that way. Dynamo then treats every Python function the call reaches as a frame of its own, the
+# forward hooks included, and would compile each hook into a tiny graph whose gathered tensors leave
+# the graph. Instead the two forward hooks' code objects are marked "skip this frame and everything
+# it calls" (`FrameAction.SKIP` twice). That mark only concerns frames Dynamo is handed by CPython;
+# inlining ignores it, so a traced module call still traces the hooks. A module whose call Dynamo
+# ran in Python therefore goes through the eager runtime's hooks: bucketed, with the same numbers,
+# its gradients reduced by the eager post-backward. A module is on one path or the other for a whole
+# call, so no group is gathered by both or left unreduced:
+#   traced group: stays SHARDED in eager terms; autograd writes the DTensor gradients;
+#   eager group:  the usual unshard/reshard/reduce-scatter; the root's final callback finishes it.
+# The root falls back whenever any break propagates up to it, since its call encloses all others.
+
+
+def skip_when_not_inlined(*hooks) -> None:
+    """Make Dynamo run `hooks` (and what they call) eagerly when it meets them as frames."""
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+    for hook in hooks:
+        set_code_exec_strategy(hook.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+
+
+def in_compiled_call() -> bool:
+    """True inside a call of a `torch.compile`d module (whose frames Dynamo may or may not trace)."""
+    return torch._dynamo.eval_frame._is_in_optimized_module()
+
+
+_FALLBACK_REASON = (
+    "Dynamo ran the module's call in Python instead of tracing it: a graph break inside or around "
+    "the call, or torch.compiler.disable on the module or its forward (TORCH_LOGS=graph_breaks shows "
+    "the break); its group used the eager runtime's hooks"
+)
+
+
+def record_fallback(state: "FSDPState") -> None:
+    """Note (once per state and root) that `state`'s hooks ran eagerly inside a compiled call."""
+    fallbacks = state.ctx.fallbacks
+    if state.name not in fallbacks:
+        fallbacks[state.name] = _FALLBACK_REASON
+        logger.warning("fsdp_graph::fallback (%s): %s", state.name, _FALLBACK_REASON)

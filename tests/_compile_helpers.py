@@ -1,0 +1,104 @@
+"""Training loops and graph helpers shared by the test_compile_* files."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from _models import batch_for_step, check_grads_match, check_params_match, global_mean, loss_fn
+
+C10D = torch.ops._c10d_functional
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def train_compiled_and_compare(
+    model: nn.Module,
+    shard: Callable[[nn.Module], nn.Module],
+    backend,
+    rank: int,
+    world_size: int,
+    steps: int = 3,
+    global_batch: int = 8,
+    bitwise: bool = True,
+    rtol: float = 1e-5,
+    lr: float = 1e-2,
+) -> dict:
+    """Train three copies on the same global batch: an unsharded reference, the eager runtime, and
+    `torch.compile(shard(copy), backend=backend)`; compare the compiled run with both every step.
+
+    Against the reference: global losses within `rtol`, every sharded gradient and the final
+    parameters as in `train_and_compare`. Against the eager runtime: local losses, every gradient
+    shard and the final parameters, bit for bit when `bitwise`, else within `rtol`.
+    Returns {"losses": [...], "max_rel_diff_vs_reference": float}.
+    """
+    reference = copy.deepcopy(model)
+    eager = shard(copy.deepcopy(model))
+    compiled_module = shard(copy.deepcopy(model))
+    compiled = torch.compile(compiled_module, backend=backend)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (reference, eager, compiled_module)]
+    losses, max_rel = [], 0.0
+    for step in range(steps):
+        x, y, lx, ly = batch_for_step(model, step, global_batch, rank, world_size)
+        ref_loss = loss_fn(reference, reference(x), y)
+        ref_loss.backward()
+        eager_loss = loss_fn(eager, eager(lx), ly)
+        eager_loss.backward()
+        loss = loss_fn(compiled_module, compiled(lx), ly)
+        loss.backward()
+
+        got = global_mean(loss)
+        rel = abs(got - ref_loss.item()) / abs(ref_loss.item())
+        max_rel = max(max_rel, rel)
+        assert rel <= rtol, f"step {step}: compiled loss {got} != reference {ref_loss.item()}"
+        check_grads_match(compiled_module, reference, rtol=rtol)
+        _compare_with_eager(compiled_module, eager, loss, eager_loss, bitwise, rtol, f"step {step}")
+        losses.append(got)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    check_params_match(compiled_module, reference, atol=1e-5)
+    _compare_with_eager(compiled_module, eager, None, None, bitwise, rtol, "final parameters", params=True)
+    return {"losses": losses, "max_rel_diff_vs_reference": max_rel}
+
+
+def _compare_with_eager(compiled, eager, loss, eager_loss, bitwise, rtol, where, params=False):
+    pairs = []
+    if loss is not None:
+        pairs.append(("loss", loss.detach(), eager_loss.detach()))
+    eager_params = dict(eager.named_parameters())
+    for name, p in compiled.named_parameters():
+        q = eager_params[name]
+        if params:
+            pairs.append((name, _local(p.detach()), _local(q.detach())))
+        else:
+            assert (p.grad is None) == (q.grad is None), f"{where}: {name} grad presence differs"
+            if p.grad is not None:
+                assert type(p.grad) is type(q.grad), f"{where}: {name} grad types differ"
+                pairs.append((name + ".grad", _local(p.grad), _local(q.grad)))
+    for name, got, expected in pairs:
+        if bitwise:
+            assert torch.equal(got, expected), (
+                f"{where}: {name} differs from the eager runtime by {(got - expected).abs().max().item()}"
+            )
+        else:
+            torch.testing.assert_close(got, expected, rtol=rtol, atol=1e-6, msg=lambda m: f"{where}: {name}: {m}")
+
+
+def count_collectives(gm: torch.fx.GraphModule) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (
+            C10D.all_gather_into_tensor.default,
+            C10D.reduce_scatter_tensor.default,
+            C10D.all_reduce.default,
+        ):
+            name = node.target.__name__.split(".")[0]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
