@@ -76,7 +76,7 @@ class AllGatherWork:
     """An issued all-gather: its output (world x sum of shard sizes) and how to wait for it."""
 
     output: torch.Tensor
-    input: torch.Tensor  # kept alive until the collective finished; see the module note
+    input: torch.Tensor  # a view of `output`, or a post-forward shard kept until the gather ends
     handle: Optional[dist.Work] = None  # CPU: the async work handle
     event: object = None  # CUDA: recorded on the all-gather stream after the collective
     done: bool = False
@@ -92,9 +92,14 @@ class AllGatherWork:
         self.done = True
 
 
-def _copy_in(params: list[ShardedParam], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _copy_in(params: list[ShardedParam], output: torch.Tensor, rank: int) -> torch.Tensor:
+    """Copy (and cast) the shards into this rank's slot of the all-gather output; return that slot.
+
+    The all-gather runs in place (its input is a view of its output), so a bucket in flight costs
+    one buffer, not two.
+    """
     total = sum(p.shard_numel for p in params)
-    flat = torch.empty(total, dtype=dtype, device=device)
+    flat = output[rank * total : (rank + 1) * total]
     offset = 0
     for p in params:
         num_valid = p.num_valid_rows * p.row_numel
@@ -116,10 +121,12 @@ def all_gather(
 ) -> AllGatherWork:
     """Gather `params` as one bucket. `input` replaces the copy-in (a post-forward shard)."""
     device = ctx.device
+    total = input.numel() if input is not None else sum(p.shard_numel for p in params)
+    rank = dist.get_rank(group)
     if not ctx.uses_streams:
+        output = torch.empty(world * total, dtype=dtype, device=device)
         if input is None:
-            input = _copy_in(params, dtype, device)
-        output = torch.empty(world * input.numel(), dtype=dtype, device=device)
+            input = _copy_in(params, output, rank)
         handle = dist.all_gather_single(output, input, group=group, async_op=async_op)
         return AllGatherWork(output, input, handle=handle, done=not async_op)
 
@@ -127,9 +134,9 @@ def all_gather(
     ctx.release_retired()
     ctx.copy_in_stream.wait_stream(ctx.current_stream())
     with mod.stream(ctx.copy_in_stream):
+        output = torch.empty(world * total, dtype=dtype, device=device)
         if input is None:
-            input = _copy_in(params, dtype, device)
-        output = torch.empty(world * input.numel(), dtype=dtype, device=device)
+            input = _copy_in(params, output, rank)
     ctx.all_gather_stream.wait_stream(ctx.copy_in_stream)
     with mod.stream(ctx.all_gather_stream):
         dist.all_gather_single(output, input, group=group)
