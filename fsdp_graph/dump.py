@@ -18,9 +18,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.fx import GraphModule
 
-from .passes.nodes import group_of, is_collective, is_wait_tensor, tensor_bytes
+from .passes.nodes import gathered_from, group_of, is_collective, is_wait_tensor, tensor_bytes
 
 SUMMARY_FILE = "summary.json"
 
@@ -39,6 +40,68 @@ def collectives(gm: GraphModule) -> list[dict[str, Any]]:
                 }
             )
     return found
+
+
+def saved_unsharded(gm: GraphModule) -> list[dict[str, str]]:
+    """Outputs of a forward graph that are (views of) all-gathered parameters: what the forward
+    keeps unsharded for backward. Empty when every group reshards after forward."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    found = []
+    for value in output.all_input_nodes:
+        gathered = gathered_from(value)
+        if gathered is not None:
+            found.append({"node": value.name, "group": group_of(gathered) or "?"})
+    return found
+
+
+def _short_target(node) -> str:
+    name = str(node.target) if node.op == "call_function" else f"{node.op}:{node.target}"
+    return name.removesuffix(".default")
+
+
+def _format_arg(arg) -> str:
+    if isinstance(arg, torch.fx.Node):
+        return arg.name
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(_format_arg(a) for a in arg)
+        return f"[{inner}]"
+    if isinstance(arg, torch.dtype):
+        return str(arg).removeprefix("torch.")
+    return repr(arg)
+
+
+def _format_value(node) -> str:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        dtype = str(val.dtype).removeprefix("torch.")
+        return f"{dtype}{list(val.shape)}"
+    if isinstance(val, (int, torch.SymInt)):
+        return "int"
+    return ""
+
+
+def format_graph(gm: GraphModule) -> str:
+    """One line per node: `name = op(args) : dtype[shape]`, collectives marked with their group and
+    nodes a pass tagged for recompute marked `recompute`. Compact enough to diff and to test."""
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            lines.append(f"{node.name}: {_format_value(node)}")
+            continue
+        if node.op == "output":
+            lines.append(f"return {_format_arg(node.args[0])}")
+            continue
+        args = [_format_arg(a) for a in node.args] + [f"{k}={_format_arg(v)}" for k, v in node.kwargs.items()]
+        line = f"{node.name} = {_short_target(node)}({', '.join(args)}) : {_format_value(node)}"
+        notes = []
+        if is_collective(node):
+            notes.append(group_of(node) or "?")
+        if "recompute" in node.meta and "ac_graph_id" in node.meta:
+            notes.append("recompute")
+        if notes:
+            line += "  # " + " ".join(notes)
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def count_ops(gm: GraphModule) -> dict[str, int]:
@@ -61,8 +124,7 @@ class GraphDump:
         return self.directory / name
 
     def write_graph(self, gm: GraphModule, label: str) -> None:
-        text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-        self._path(f"{label}.txt").write_text(text)
+        self._path(f"{label}.txt").write_text(format_graph(gm))
 
     def _update_summary(self, update) -> None:
         path = self._path(SUMMARY_FILE)
@@ -75,6 +137,8 @@ class GraphDump:
     def record_graph(self, graph_id: str, kind: str, gm: GraphModule) -> None:
         """Add `gm`'s collectives to the summary under `graph_id` / `kind` (forward, backward...)."""
         entry = {"collectives": collectives(gm), "num_nodes": len(gm.graph.nodes)}
+        if kind == "forward":
+            entry["saved_unsharded"] = saved_unsharded(gm)
         self._update_summary(lambda s: s["graphs"].setdefault(graph_id, {}).__setitem__(kind, entry))
 
     def record_fallbacks(self, fallbacks: dict[str, str]) -> None:
@@ -112,6 +176,9 @@ def format_summary(summary: dict[str, Any]) -> str:
                 per_group.setdefault((c["group"], c["op"]), []).append(c["bytes"])
             for (group, op), sizes in sorted(per_group.items()):
                 lines.append(f"  total {op:<24} {group:<20} x{len(sizes)} {_format_bytes(sum(sizes))}")
+            if "saved_unsharded" in entry:
+                saved = ", ".join(f"{s['node']} ({s['group']})" for s in entry["saved_unsharded"]) or "none"
+                lines.append(f"  unsharded parameters saved for backward: {saved}")
     fallbacks = summary.get("fallbacks", {})
     if fallbacks:
         lines.append(f"fell back to the eager hooks: {len(fallbacks)} module(s)")

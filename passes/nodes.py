@@ -57,3 +57,16 @@ def tensor_bytes(node: Node) -> int:
     if isinstance(val, torch.Tensor):
         return val.numel() * val.element_size()
     return 0
+
+
+def gathered_from(node: Node) -> Optional[Node]:
+    """The all-gather `node` is a view or copy of, following single-input ops (slice, view, clone,
+    transpose...) back through the wait; None if `node` is computed from anything else."""
+    while node.op == "call_function":
+        if is_wait_tensor(node) and is_all_gather(node.args[0]):
+            return node.args[0]
+        inputs = node.all_input_nodes
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+    return None

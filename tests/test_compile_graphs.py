@@ -1,0 +1,181 @@
+"""Graph structure of the compiled step, one process on a fake process group of 8 ranks.
+
+The graphs are read from the backend's own dump (`dump_dir`): the forward and backward graphs the
+inner compiler receives. Update the inline graphs with `EXPECTTEST_ACCEPT=1`.
+"""
+
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import expecttest
+import torch
+import torch.nn as nn
+
+import fsdp_graph
+from _harness import fake_process_group
+from fsdp_graph import MixedPrecisionPolicy, fully_shard
+
+
+class TwoLayerMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 16, bias=False)  # 2 rows per rank
+        self.fc2 = nn.Linear(16, 4, bias=False)  # 4 rows over 8 ranks: 1 row, half the ranks pad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class CompiledGraphTest(expecttest.TestCase):
+    def setUp(self) -> None:
+        self._pg = fake_process_group(8)
+        self._pg.__enter__()
+        torch._dynamo.reset()
+
+    def tearDown(self) -> None:
+        self._pg.__exit__(None, None, None)
+
+    def compile_step(self, backend_options=None, **shard_kwargs) -> dict:
+        """Shard, compile with aot_eager, run one step; returns the dumped graphs and summary."""
+        with tempfile.TemporaryDirectory() as tmp:
+            return self._compile_step(Path(tmp), backend_options or {}, shard_kwargs)
+
+    def _compile_step(self, tmp: Path, backend_options: dict, shard_kwargs: dict) -> dict:
+        torch.manual_seed(0)
+        model = TwoLayerMLP()
+        fully_shard(model.fc1, **shard_kwargs)
+        fully_shard(model.fc2, **shard_kwargs)
+        fully_shard(model)
+        backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=str(tmp), **backend_options)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        compiled(torch.randn(2, 16)).sum().backward()
+        assert model.fc1.weight.grad.placements == model.fc1.weight.placements
+        summary = json.loads((tmp / "summary.json").read_text())
+        (graph_id,) = summary["graphs"]
+        return {
+            "forward": (tmp / f"{graph_id}.forward.txt").read_text(),
+            "backward": (tmp / f"{graph_id}.backward.txt").read_text(),
+            "summary": summary["graphs"][graph_id],
+        }
+
+    @staticmethod
+    def saved_unsharded_groups(graphs: dict) -> list[str]:
+        return [s["group"] for s in graphs["summary"]["forward"]["saved_unsharded"]]
+
+    @staticmethod
+    def collectives(graphs: dict) -> str:
+        """Collectives in graph order, forward then backward: `forward all_gather_into_tensor fc1`."""
+        return "\n".join(
+            f"{kind} {c['op']} {c['group']}"
+            for kind in ("forward", "backward")
+            for c in graphs["summary"][kind]["collectives"]
+        )
+
+    def test_reshard_after_forward_regathers_in_backward(self):
+        graphs = self.compile_step(reshard_after_forward=True)
+        self.assertEqual(self.saved_unsharded_groups(graphs), [])
+        self.assertExpectedInline(graphs["forward"], """\
+primals_1: float32[2, 16]
+primals_2: float32[2, 16]
+primals_3: 
+primals_4: float32[1, 16]
+primals_5: 
+view = aten.view(primals_2, [2, 16]) : float32[2, 16]  # recompute
+view_1 = aten.view(view, [-1]) : float32[32]  # recompute
+all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(view_1, 8, '0') : float32[256]  # fc1 recompute
+wait_tensor = _c10d_functional.wait_tensor(all_gather_into_tensor) : float32[256]  # recompute
+view_2 = aten.view(wait_tensor, [8, -1]) : float32[8, 32]  # recompute
+alias = aten.alias(view_2) : float32[8, 32]  # recompute
+view_3 = aten.view(alias, [16, 16]) : float32[16, 16]  # recompute
+slice_1 = aten.slice.Tensor(view_3, 0, 0, 16) : float32[16, 16]  # recompute
+t = aten.t(slice_1) : float32[16, 16]
+mm = aten.mm(primals_1, t) : float32[2, 16]
+relu = aten.relu(mm) : float32[2, 16]
+view_4 = aten.view(primals_4, [1, 16]) : float32[1, 16]  # recompute
+view_5 = aten.view(view_4, [-1]) : float32[16]  # recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(view_5, 8, '0') : float32[128]  # fc2 recompute
+wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[128]  # recompute
+view_6 = aten.view(wait_tensor_1, [8, -1]) : float32[8, 16]  # recompute
+alias_1 = aten.alias(view_6) : float32[8, 16]  # recompute
+view_7 = aten.view(alias_1, [8, 16]) : float32[8, 16]  # recompute
+slice_2 = aten.slice.Tensor(view_7, 0, 0, 4) : float32[4, 16]  # recompute
+t_1 = aten.t(slice_2) : float32[16, 4]
+mm_1 = aten.mm(relu, t_1) : float32[2, 4]
+return [mm_1, primals_1, primals_2, primals_4, relu, primals_3, primals_5]
+""")
+        self.assertExpectedInline(graphs["backward"], """\
+primals_1: float32[2, 16]
+primals_2: float32[2, 16]
+primals_4: float32[1, 16]
+relu: float32[2, 16]
+primals_3: 
+primals_5: 
+tangents_1: float32[2, 4]
+t_2 = aten.t(tangents_1) : float32[4, 2]
+mm_2 = aten.mm(t_2, relu) : float32[4, 16]
+t_3 = aten.t(mm_2) : float32[16, 4]
+view_4 = aten.view(primals_4, [1, 16]) : float32[1, 16]  # recompute
+view_5 = aten.view(view_4, [-1]) : float32[16]  # recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(view_5, 8, '0') : float32[128]  # fc2 recompute
+wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[128]  # recompute
+view_6 = aten.view(wait_tensor_1, [8, -1]) : float32[8, 16]  # recompute
+alias_1 = aten.alias(view_6) : float32[8, 16]  # recompute
+view_7 = aten.view(alias_1, [8, 16]) : float32[8, 16]  # recompute
+slice_2 = aten.slice.Tensor(view_7, 0, 0, 4) : float32[4, 16]  # recompute
+t_1 = aten.t(slice_2) : float32[16, 4]
+t_4 = aten.t(t_1) : float32[4, 16]
+mm_3 = aten.mm(tangents_1, t_4) : float32[2, 16]
+t_5 = aten.t(t_3) : float32[4, 16]
+slice_backward = aten.slice_backward(t_5, [8, 16], 0, 0, 4, 1) : float32[8, 16]
+view_8 = aten.view(slice_backward, [8, 16]) : float32[8, 16]
+view_9 = aten.view(view_8, [128]) : float32[128]
+reduce_scatter_tensor = _c10d_functional.reduce_scatter_tensor(view_9, 'sum', 8, '0') : float32[16]  # fc2
+wait_tensor_2 = _c10d_functional.wait_tensor(reduce_scatter_tensor) : float32[16]
+div = aten.div.Tensor(wait_tensor_2, 8.0) : float32[16]
+view_10 = aten.view(div, [1, 16]) : float32[1, 16]
+view_11 = aten.view(view_10, [1, 16]) : float32[1, 16]
+detach = aten.detach(relu) : float32[2, 16]
+detach_1 = aten.detach(detach) : float32[2, 16]
+threshold_backward = aten.threshold_backward(mm_3, detach_1, 0) : float32[2, 16]
+t_6 = aten.t(threshold_backward) : float32[16, 2]
+mm_4 = aten.mm(t_6, primals_1) : float32[16, 16]
+t_7 = aten.t(mm_4) : float32[16, 16]
+t_8 = aten.t(t_7) : float32[16, 16]
+slice_backward_1 = aten.slice_backward(t_8, [16, 16], 0, 0, 16, 1) : float32[16, 16]
+view_12 = aten.view(slice_backward_1, [8, 32]) : float32[8, 32]
+view_13 = aten.view(view_12, [256]) : float32[256]
+reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_13, 'sum', 8, '0') : float32[32]  # fc1
+wait_tensor_3 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1) : float32[32]
+div_1 = aten.div.Tensor(wait_tensor_3, 8.0) : float32[32]
+view_14 = aten.view(div_1, [2, 16]) : float32[2, 16]
+view_15 = aten.view(view_14, [2, 16]) : float32[2, 16]
+return [None, view_15, primals_3, view_11, primals_5]
+""")
+
+    def test_no_reshard_after_forward_saves_unsharded_and_never_regathers(self):
+        graphs = self.compile_step(reshard_after_forward=False)
+        # fc1's full weight is not needed in backward (its input needs no gradient); fc2's is kept.
+        self.assertEqual(self.saved_unsharded_groups(graphs), ["fc2"])
+        self.assertExpectedInline(self.collectives(graphs), """\
+forward all_gather_into_tensor fc1
+forward all_gather_into_tensor fc2
+backward reduce_scatter_tensor fc2
+backward reduce_scatter_tensor fc1""")
+
+    def test_reshard_pass_switched_off_keeps_unsharded_like_false(self):
+        on = self.compile_step(reshard_after_forward=True)
+        off = self.compile_step({"disabled_passes": {"reshard_after_forward"}}, reshard_after_forward=True)
+        false = self.compile_step(reshard_after_forward=False)
+        self.assertNotEqual(self.collectives(on), self.collectives(off))
+        self.assertEqual(self.collectives(off), self.collectives(false))
+        self.assertEqual(self.saved_unsharded_groups(off), ["fc2"])
+
+    def test_mixed_precision_casts_are_graph_nodes(self):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        graphs = self.compile_step(reshard_after_forward=True, mp_policy=policy)
+        forward, backward = graphs["forward"], graphs["backward"]
+        self.assertRegex(forward, r"_to_copy = aten._to_copy\(view_1, dtype=bfloat16\).*\n.*all_gather_into_tensor\(_to_copy,")
+        self.assertEqual(re.findall(r"all_gather_into_tensor\(.*: (\w+)\[", forward), ["bfloat16", "bfloat16"])
+        self.assertEqual(re.findall(r"reduce_scatter_tensor\(.*: (\w+)\[", backward), ["float32", "float32"])
