@@ -80,6 +80,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: Optional[list[FSDPState]] = None  # None: implicit
         self._num_forwards_done = 0  # modules of this call whose forward finished this step
+        self._modules_in_forward: set[nn.Module] = set()  # modules of this call that entered forward
         self._traced_num_forwards = 0  # the same while Dynamo traces; owned by runtime/traced.py
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -129,13 +130,15 @@ class FSDPState:
                 self.group.unshard()
                 self.group.wait_for_unshard()
             return args, kwargs
+        if self.training_state is TrainingState.FORWARD and module not in self._modules_in_forward:
+            self._modules_in_forward.add(module)  # a second module of fully_shard([a, b])
+            return args, kwargs
         if self.is_root:
             self._root_pre_forward()
-        if self.training_state is TrainingState.FORWARD:  # a second module of fully_shard([a, b])
-            return args, kwargs
         with torch.profiler.record_function(f"fsdp_graph::pre_forward ({self.name})"):
             logger.debug("fsdp_graph::pre_forward (%s)", self.name)
             self.training_state = TrainingState.FORWARD
+            self._modules_in_forward = {module}
             if self not in self.ctx.forward_order:
                 self.ctx.forward_order.append(self)
             if self.group is not None:
@@ -150,20 +153,23 @@ class FSDPState:
 
     def _root_pre_forward(self) -> None:
         # Gradients of the last step must be final before parameters are read again, and a
-        # forward that raised must not leave groups gathered or states half-way.
+        # forward or backward that raised must not leave groups gathered or states half-way.
         self.ctx.comm.finish_reduce_scatters()
         for state in self.ctx.states:
-            if state.training_state is not TrainingState.IDLE and state is not self:
+            if state.training_state is not TrainingState.IDLE:
                 state._reset_after_error()
-        self.ctx.forward_order.clear()
-        for state in self.ctx.states:
             state._num_forwards_done = 0
+        self.ctx.forward_order.clear()
+        self.ctx.final_callback_queued = False
 
     def _reset_after_error(self) -> None:
         logger.debug("fsdp_graph::reset (%s) from %s", self.name, self.training_state.name)
         if self.group is not None:
             self.group.reshard()
             self.group.reset_backward_state()
+            for p in self.group.params:  # partial gradients of a backward that raised
+                if p.unsharded_param is not None:
+                    p.unsharded_param.grad = None
         self.training_state = TrainingState.IDLE
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any):

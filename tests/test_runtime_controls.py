@@ -135,6 +135,32 @@ def test_forward_error_leaves_model_usable():
     run_ranks(_error_recovery, 2)
 
 
+def _backward_error_recovery(rank, world_size):
+    torch.manual_seed(0)
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    sharded = shard_llama(copy.deepcopy(model), fully_shard)
+    x, y, lx, ly = batch_for_step(model, 0, 8, rank, world_size)
+    out = sharded(lx)
+
+    def fail(_grad):
+        raise RuntimeError("error in backward")
+
+    out.register_hook(lambda g: g)
+    h = sharded.layers[0](sharded.tok_embeddings(lx), sharded.rope_cos[:8, None], sharded.rope_sin[:8, None])
+    h.register_hook(fail)
+    with pytest.raises(RuntimeError, match="error in backward"):
+        (loss_fn(sharded, out, ly) + h.sum()).backward()
+    sharded.zero_grad()
+    loss_fn(reference, reference(x), y).backward()
+    loss_fn(sharded, sharded(lx), ly).backward()
+    check_grads_match(sharded, reference)
+
+
+def test_backward_error_leaves_model_usable():
+    run_ranks(_backward_error_recovery, 2)
+
+
 class WithGenerate(MLPStack):
     def score(self, x):
         return self.head(self.inp(x)).squeeze(-1)
