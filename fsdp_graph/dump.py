@@ -156,6 +156,8 @@ def load_summary(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def _format_bytes(num: int) -> str:
+    if num < 0:
+        return "? B (symbolic size)"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if num < 1024 or unit == "GiB":
             return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
@@ -175,7 +177,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                 lines.append(f"  #{c['index']:<5} {c['op']:<24} {c['group']:<20} {_format_bytes(c['bytes'])}")
                 per_group.setdefault((c["group"], c["op"]), []).append(c["bytes"])
             for (group, op), sizes in sorted(per_group.items()):
-                lines.append(f"  total {op:<24} {group:<20} x{len(sizes)} {_format_bytes(sum(sizes))}")
+                total = -1 if min(sizes) < 0 else sum(sizes)
+                lines.append(f"  total {op:<24} {group:<20} x{len(sizes)} {_format_bytes(total)}")
             if "saved_unsharded" in entry:
                 saved = ", ".join(f"{s['node']} ({s['group']})" for s in entry["saved_unsharded"]) or "none"
                 lines.append(f"  unsharded parameters saved for backward: {saved}")

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 _C10D = torch.ops._c10d_functional
 
@@ -53,10 +54,14 @@ def group_of(node: Node) -> Optional[str]:
 
 
 def tensor_bytes(node: Node) -> int:
+    """Bytes of `node`'s tensor value; -1 when its size is symbolic (a dynamic-shape graph)."""
     val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    return 0
+    if not isinstance(val, torch.Tensor):
+        return 0
+    numel = val.numel()
+    if not is_concrete_int(numel):
+        return -1
+    return int(numel) * val.element_size()
 
 
 def gathered_from(node: Node) -> Optional[Node]:

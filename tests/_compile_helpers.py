@@ -36,7 +36,8 @@ def train_compiled_and_compare(
     Against the reference: global losses within `rtol`, every sharded gradient and the final
     parameters as in `train_and_compare`. Against the eager runtime: local losses, every gradient
     shard and the final parameters, bit for bit when `bitwise`, else within `rtol`.
-    Returns {"losses": [...], "max_rel_diff_vs_reference": float}.
+    Returns {"losses": [...], "max_rel_diff_vs_reference": float, "fallbacks": {module: reason}}
+    (the modules whose groups ran on the eager hooks inside the compiled step).
     """
     reference = copy.deepcopy(model)
     eager = shard(copy.deepcopy(model))
@@ -65,7 +66,8 @@ def train_compiled_and_compare(
             opt.zero_grad()
     check_params_match(compiled_module, reference, atol=1e-5)
     _compare_with_eager(compiled_module, eager, None, None, bitwise, rtol, "final parameters", params=True)
-    return {"losses": losses, "max_rel_diff_vs_reference": max_rel}
+    fallbacks = dict(compiled_module._fsdp_state.ctx.fallbacks)
+    return {"losses": losses, "max_rel_diff_vs_reference": max_rel, "fallbacks": fallbacks}
 
 
 def _compare_with_eager(compiled, eager, loss, eager_loss, bitwise, rtol, where, params=False):
