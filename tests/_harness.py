@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import tempfile
 import traceback
 from datetime import timedelta
@@ -25,7 +26,8 @@ def _rank_main(fn, rank, world_size, store_path, results, timeout_s, args) -> No
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-        out = fn(rank, world_size, *args)
+        # Pickled here, not in the queue's feeder thread, so an unpicklable result fails the test.
+        out = pickle.dumps(fn(rank, world_size, *args))
         dist.barrier()
         results.put((rank, None, out))
     except BaseException:  # report every failure, including SystemExit, to the parent
@@ -78,7 +80,7 @@ def run_ranks(fn: Callable, world_size: int = 2, *args, timeout_s: float = DEFAU
     errors = [f"rank {r}:\n{e}" for r, (e, _) in sorted(outcomes.items()) if e is not None]
     if errors:
         raise AssertionError("\n".join(errors))
-    return outcomes[0][1]
+    return pickle.loads(outcomes[0][1])
 
 
 class fake_process_group:
