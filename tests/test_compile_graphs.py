@@ -179,3 +179,11 @@ backward reduce_scatter_tensor fc1""")
         self.assertRegex(forward, r"_to_copy = aten._to_copy\(view_1, dtype=bfloat16\).*\n.*all_gather_into_tensor\(_to_copy,")
         self.assertEqual(re.findall(r"all_gather_into_tensor\(.*: (\w+)\[", forward), ["bfloat16", "bfloat16"])
         self.assertEqual(re.findall(r"reduce_scatter_tensor\(.*: (\w+)\[", backward), ["float32", "float32"])
+
+    def test_int_reshard_after_forward_regathers_from_the_full_group(self):
+        # The eager runtime keeps a 1/2 slice and re-gathers over 2 ranks; a graph re-gathers over
+        # the whole shard group instead, which gives the same numbers.
+        self.assertEqual(
+            self.collectives(self.compile_step(reshard_after_forward=2)),
+            self.collectives(self.compile_step(reshard_after_forward=True)),
+        )

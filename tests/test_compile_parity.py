@@ -55,3 +55,19 @@ def test_inductor_matches_unsharded_reference():
     # Default resharding: blocks reshard after forward (re-gathered in backward), the root does not.
     result = run_ranks(_mlp, 2, "inductor", None)
     assert result["max_rel_diff_vs_reference"] <= 1e-5
+
+
+def _hsdp(rank, world_size):
+    # Replicate over both ranks, shard over one: the gradient all-reduce over the replicate axis
+    # runs inside the backward graph.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1))
+    torch.manual_seed(0)
+    return train_compiled_and_compare(
+        MLPStack(), lambda m: _shard_mlp(m, mesh=mesh), fsdp_graph.backend(compiler="aot_eager"), rank, world_size
+    )
+
+
+def test_hsdp_aot_eager_equals_eager_runtime_bitwise():
+    run_ranks(_hsdp, 2)
