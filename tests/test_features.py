@@ -1,0 +1,122 @@
+"""FSDP2 features beyond plain training, in the eager runtime: activation checkpointing, gradient
+clipping, CPU offload, meta-device init."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils.checkpoint import checkpoint
+
+from _harness import run_ranks
+from _models import (
+    Llama, MLPStack, batch_for_step, check_grads_match, comm_counts, loss_fn, shard_llama, tiny_llama,
+    train_and_compare,
+)
+from fsdp_graph import CPUOffloadPolicy, fully_shard
+
+
+class CheckpointedLlama(Llama):
+    """Recomputes every block in backward (torch.utils.checkpoint inside forward)."""
+
+    def forward(self, tokens):
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq, None, :], self.rope_sin[:seq, None, :]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+        return self.output(self.norm(h))
+
+
+def _wrapped_blocks(model):
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(layer)
+    return model
+
+
+def _activation_checkpointing(rank, world_size, how):
+    torch.manual_seed(0)
+    model = tiny_llama()
+    if how == "checkpoint":
+        model.__class__ = CheckpointedLlama
+    else:
+        model = _wrapped_blocks(model)
+    train_and_compare(model, lambda m: shard_llama(m, fully_shard), rank, world_size, steps=3)
+    counts = []
+    for m in (model, tiny_llama()):  # with and without recomputation
+        sharded = shard_llama(copy.deepcopy(m), fully_shard)
+        _, _, x, y = batch_for_step(m, 0, 8, rank, world_size)
+        with CommDebugMode() as mode:
+            loss_fn(sharded, sharded(x), y).backward()
+        counts.append(comm_counts(mode))
+    assert counts[0] == counts[1], counts  # recomputation gathers nothing extra
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_wrapper"])
+def test_activation_checkpointing(how):
+    run_ranks(_activation_checkpointing, 2, how)
+
+
+def _clip(rank, world_size):
+    torch.manual_seed(0)
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    sharded = shard_llama(copy.deepcopy(model), fully_shard)
+    x, y, lx, ly = batch_for_step(model, 0, 8, rank, world_size)
+    loss_fn(reference, reference(x), y).backward()
+    loss_fn(sharded, sharded(lx), ly).backward()
+    ref_norm = nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.1)
+    norm = nn.utils.clip_grad_norm_(sharded.parameters(), max_norm=0.1)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    assert ref_norm > 0.1  # clipping did something
+    check_grads_match(sharded, reference)
+
+
+def test_clip_grad_norm_matches_unsharded():
+    run_ranks(_clip, 2)
+
+
+def _offload(rank, world_size):
+    torch.manual_seed(0)
+
+    def shard(m):
+        shard_llama(m, fully_shard, offload_policy=CPUOffloadPolicy(pin_memory=True))
+        assert all(p.device.type == "cpu" for p in m.parameters())
+        return m
+
+    train_and_compare(tiny_llama(), shard, rank, world_size, steps=3)
+
+
+def test_cpu_offload_policy_trains_like_unsharded():
+    run_ranks(_offload, 2)
+
+
+def _deterministic_init(model):
+    # Deterministic, so the sharded (DTensor) and the plain init must agree exactly. DTensor random
+    # ops are only rank-consistent on CUDA (see README, Known limits).
+    for i, (name, p) in enumerate(model.named_parameters()):
+        nn.init.constant_(p, 0.05 * (i % 5) - 0.1)
+
+
+def _meta_init(rank, world_size):
+    reference = MLPStack()
+    _deterministic_init(reference)
+    with torch.device("meta"):
+        model = MLPStack()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    _deterministic_init(model)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), reference.get_parameter(name).detach()), name
+    torch.manual_seed(0)
+    train_and_compare(reference, lambda m: model, rank, world_size, steps=3)
+
+
+def test_meta_device_init_then_to_empty():
+    run_ranks(_meta_init, 2)
