@@ -56,10 +56,8 @@ class CommContext:
             self._retired_all_gathers.append((work, event))
 
     def add_reduce_scatter(self, work: "ReduceScatterWork") -> None:
-        """Track an issued reduce-scatter; keep at most one in flight to bound gradient memory."""
+        """Track an issued reduce-scatter until `finish_reduce_scatters`."""
         self.pending_reduce_scatters.append(work)
-        while len(self.pending_reduce_scatters) > 1:
-            self.pending_reduce_scatters.pop(0).finish(self)
 
     def finish_reduce_scatters(self) -> None:
         while self.pending_reduce_scatters:
@@ -190,6 +188,16 @@ class ReduceScatterWork:
         self.keep_alive.clear()
 
 
+def _pack(params: list[ShardedParam], grads: list[torch.Tensor], world: int, dtype, device) -> torch.Tensor:
+    """The reduce-scatter input: rank r's row holds every parameter's slot r, cast to `dtype`."""
+    packed = torch.empty((world, sum(p.shard_numel for p in params)), dtype=dtype, device=device)
+    offset = 0
+    for p, grad in zip(params, grads):
+        p.pack_grad(grad, packed[:, offset : offset + p.shard_numel])
+        offset += p.shard_numel
+    return packed
+
+
 @torch.no_grad()
 def reduce_scatter(
     params: list[ShardedParam],
@@ -214,7 +222,7 @@ def reduce_scatter(
     work = ReduceScatterWork(params, output, mesh_info, divide_factor)
 
     if not ctx.uses_streams:
-        packed = torch.cat([p.padded_unsharded_grad(world, dtype, g) for p, g in zip(params, grads)], 1)
+        packed = _pack(params, grads, world, dtype, ctx.device)
         work.handle = dist.reduce_scatter_single(
             output, packed.view(-1), op=dist.ReduceOp.SUM, group=mesh_info.shard_group, async_op=True
         )
@@ -224,7 +232,7 @@ def reduce_scatter(
     mod = ctx._device_module
     ctx.reduce_scatter_stream.wait_stream(ctx.current_stream())
     with mod.stream(ctx.reduce_scatter_stream):
-        packed = torch.cat([p.padded_unsharded_grad(world, dtype, g) for p, g in zip(params, grads)], 1)
+        packed = _pack(params, grads, world, dtype, ctx.device)
         dist.reduce_scatter_single(
             output, packed.view(-1), op=dist.ReduceOp.SUM, group=mesh_info.shard_group
         )

@@ -184,16 +184,22 @@ class ShardedParam:
         if self._unsharded_padded is not None:
             self._unsharded_padded.untyped_storage().resize_(0)
 
-    def padded_unsharded_grad(self, world: int, dtype: torch.dtype, grad: torch.Tensor) -> torch.Tensor:
-        """`grad` (unsharded) as (world, shard_numel), cast and zero-padded to the padded rows."""
-        if grad.dtype != dtype:
-            grad = grad.to(dtype)
-        padded_rows = world * self.padded_dim0
-        if padded_rows != self.orig_size[0]:
-            padded = grad.new_zeros((padded_rows, *self.orig_size[1:]))
-            padded[: self.orig_size[0]].copy_(grad)
-            grad = padded
-        return grad.reshape(world, self.shard_numel)
+    def pack_grad(self, grad: torch.Tensor, dest: torch.Tensor) -> None:
+        """Write the unsharded `grad` into `dest` (world, shard_numel), casting, zero-padded.
+
+        Rank r's slot gets rows [r * padded_dim0, (r + 1) * padded_dim0) of the gradient.
+        """
+        world = dest.shape[0]
+        slots = dest.view(world, self.padded_dim0, self.row_numel)
+        rows = grad.reshape(self.orig_size[0], self.row_numel)
+        num_full = self.orig_size[0] // self.padded_dim0 if self.padded_dim0 else 0
+        if num_full:
+            slots[:num_full].copy_(rows[: num_full * self.padded_dim0].view(num_full, self.padded_dim0, -1))
+        if num_full < world:
+            slots[num_full:].zero_()
+            remainder = self.orig_size[0] - num_full * self.padded_dim0
+            if remainder:
+                slots[num_full, :remainder].copy_(rows[num_full * self.padded_dim0 :])
 
     def accumulate_sharded_grad(self, flat_shard: torch.Tensor) -> None:
         """Set or add this rank's reduced gradient (padded, flat) to the sharded parameter."""

@@ -189,6 +189,9 @@ class ParamGroup:
                 p for p in self.params if p.unsharded_param is not None and p.unsharded_param.grad is not None
             ]
             if with_grad and self.requires_gradient_sync:
+                # The previous group's reduce-scatter had this group's backward to finish: wait
+                # for it first, so at most one packed gradient buffer is alive at a time.
+                self.comm.finish_reduce_scatters()
                 factor = self.gradient_divide_factor or self.world * self.mesh_info.replicate_size
                 work = reduce_scatter(with_grad, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm)
                 self.comm.add_reduce_scatter(work)
