@@ -16,6 +16,10 @@ keeps parameters in `_parameters` and `__getattr__` is only a fallback, so the i
 and the module's forward reads the gathered tensor, while `named_parameters()`, the optimizer and
 `state_dict()` still see the DTensor. Post-forward deletes the shadows again.
 
+Differences from eager, by design: `requires_gradient_sync=False` still reduces each backward (the
+sum of reduced gradients equals the reduced sum); a parameter the forward does not use gets a zero
+gradient instead of None; an int `reshard_after_forward` re-gathers from the full shard group.
+
 The all-gather and its gradient are one autograd.Function (`_AllGatherShards`) whose backward does
 what `collectives.reduce_scatter` does, in the same order: cast to the reduce dtype, reduce-scatter
 with SUM, all-reduce over the replicate axis (HSDP), divide, cast back. So fp32 gradients match the
@@ -46,7 +50,6 @@ logger = logging.getLogger(__name__)
 _C10D = torch.ops._c10d_functional
 
 
-
 class _AllGatherShards(torch.autograd.Function):
     """Forward: all-gather a flat bucket. Backward: reduce-scatter (SUM) its gradient and divide.
 
@@ -60,7 +63,7 @@ class _AllGatherShards(torch.autograd.Function):
         ctx.flat_dtype = flat.dtype
         ctx.world = world
         ctx.group_name = group_name
-        ctx.replicate = replicate  # (replicate group name) for HSDP, else None
+        ctx.replicate = replicate  # HSDP: the replicate axis' group name; else None
         ctx.divide_factor = divide_factor
         gathered = _C10D.all_gather_into_tensor(flat.to(all_gather_dtype), world, group_name)
         return _C10D.wait_tensor(gathered)
