@@ -18,12 +18,15 @@ their last use; each buffer below says when that is. Memory is therefore freed a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .param import MeshInfo, ShardedParam
+
+# (packed gradient, output shard, shard process group) -> None: writes the summed shard to output.
+CommHook = Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup], None]
 
 
 class CommContext:
@@ -172,13 +175,16 @@ class ReduceScatterWork:
     # allocated on the current one; they die in `finish`, after the current stream waited `event`.
     keep_alive: list = field(default_factory=list)
 
+    def reduce_across_replicas_and_divide(self) -> None:
+        if self.mesh_info.is_hsdp:
+            dist.all_reduce(self.output, group=self.mesh_info.replicate_group)
+        self.output.div_(self.divide_factor)
+
     @torch.no_grad()
     def finish(self, ctx: CommContext) -> None:
         if self.handle is not None:
             self.handle.wait()
-            if self.mesh_info.is_hsdp:
-                dist.all_reduce(self.output, group=self.mesh_info.replicate_group)
-            self.output.div_(self.divide_factor)
+            self.reduce_across_replicas_and_divide()
         if self.event is not None:
             ctx.current_stream().wait_event(self.event)
         offset = 0
@@ -205,11 +211,13 @@ def reduce_scatter(
     reduce_dtype: Optional[torch.dtype],
     divide_factor: float,
     ctx: CommContext,
+    comm_hook: Optional[CommHook] = None,
 ) -> ReduceScatterWork:
     """Reduce-scatter the unsharded gradients of `params` as one bucket and average them.
 
     The sum is divided explicitly afterwards: gloo has no PREMUL_SUM, and one code path for every
-    backend keeps eager and compiled numerics identical.
+    backend keeps eager and compiled numerics identical. A `comm_hook` replaces the
+    reduce-scatter itself (it runs synchronously); HSDP's all-reduce and the division stay ours.
     """
     world = mesh_info.shard_size
     dtype = reduce_dtype or params[0].unsharded_param.grad.dtype
@@ -223,6 +231,10 @@ def reduce_scatter(
 
     if not ctx.uses_streams:
         packed = _pack(params, grads, world, dtype, ctx.device)
+        if comm_hook is not None:
+            comm_hook(packed.view(-1), output, mesh_info.shard_group)
+            work.reduce_across_replicas_and_divide()
+            return work
         work.handle = dist.reduce_scatter_single(
             output, packed.view(-1), op=dist.ReduceOp.SUM, group=mesh_info.shard_group, async_op=True
         )
@@ -233,12 +245,11 @@ def reduce_scatter(
     ctx.reduce_scatter_stream.wait_stream(ctx.current_stream())
     with mod.stream(ctx.reduce_scatter_stream):
         packed = _pack(params, grads, world, dtype, ctx.device)
-        dist.reduce_scatter_single(
-            output, packed.view(-1), op=dist.ReduceOp.SUM, group=mesh_info.shard_group
-        )
-        if mesh_info.is_hsdp:
-            dist.all_reduce(output, group=mesh_info.replicate_group)
-        output.div_(divide_factor)
+        if comm_hook is not None:
+            comm_hook(packed.view(-1), output, mesh_info.shard_group)
+        else:
+            dist.reduce_scatter_single(output, packed.view(-1), op=dist.ReduceOp.SUM, group=mesh_info.shard_group)
+        work.reduce_across_replicas_and_divide()
         work.event = ctx.reduce_scatter_stream.record_event()
     work.keep_alive = [packed, grads]
     return work

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
@@ -159,6 +160,29 @@ class ShardedParam:
         param = self.sharded_param if sharded else self.unsharded_param
         for module, name in self.owners:
             module._parameters[name] = param
+
+    def scatter_from(self, full: torch.Tensor | None, src: int) -> None:
+        """Overwrite the shard with this rank's rows of `full`, which only global rank `src` has."""
+        world, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
+        local = self.local_shard
+        rows = torch.empty((self.padded_dim0, *self.orig_size[1:]), dtype=self.orig_dtype, device=self.device)
+        group = self.mesh_info.shard_group
+        if self.mesh_info.is_hsdp or src not in dist.get_process_group_ranks(group):
+            # The source is not in this shard group: every rank receives the whole parameter.
+            whole = full.to(self.device, self.orig_dtype) if dist.get_rank() == src else torch.empty(
+                self.orig_size, dtype=self.orig_dtype, device=self.device
+            )
+            dist.broadcast(whole, src=src)
+            start = rank * self.padded_dim0
+            local.copy_(whole[start : start + self.num_valid_rows])
+            return
+        chunks = None
+        if dist.get_rank() == src:
+            padded = full.new_zeros((world * self.padded_dim0, *self.orig_size[1:]), dtype=self.orig_dtype, device=self.device)
+            padded[: self.orig_size[0]].copy_(full)
+            chunks = list(padded.chunk(world))
+        dist.scatter(rows, chunks, src=src, group=group)
+        local.copy_(rows[: self.num_valid_rows])
 
     # -- unsharded side ------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..policies import MixedPrecisionPolicy
-from .collectives import AllGatherWork, CommContext, all_gather, copy_out, reduce_scatter
+from .collectives import AllGatherWork, CommContext, CommHook, all_gather, copy_out, reduce_scatter
 from .param import MeshInfo, ShardedParam
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class ParamGroup:
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: Optional[float] = None
+        self.comm_hook: Optional[CommHook] = None  # replaces the reduce-scatter (FSDP1 comm hooks)
 
         # Per-backward bookkeeping, reset by `reset_backward_state`.
         self._num_grads_ready = 0
@@ -193,7 +194,9 @@ class ParamGroup:
                 # for it first, so at most one packed gradient buffer is alive at a time.
                 self.comm.finish_reduce_scatters()
                 factor = self.gradient_divide_factor or self.world * self.mesh_info.replicate_size
-                work = reduce_scatter(with_grad, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm)
+                work = reduce_scatter(
+                    with_grad, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm, self.comm_hook
+                )
                 self.comm.add_reduce_scatter(work)
             if self.reshard_after_backward:
                 self.reshard()
