@@ -1,0 +1,260 @@
+"""Predict one graph's run on a machine: compute and communication timelines, exposed communication,
+peak memory.
+
+A graph is first reduced to a `Program`: its nodes in order, each with machine-independent facts
+(passes/cost_model.py) and what it reads. Programs are plain data, written to dumps as JSON, so the
+inspector can replay a CPU run's schedule on a GPU profile.
+
+[Note: Simulator model]
+- One compute stream runs compute nodes in graph order, back to back. Views, waits and
+  placeholders take no time.
+- One communication stream runs collectives in issue order: a collective starts when it is issued
+  (the compute clock at its position) and the previous collective has finished.
+- A `wait_tensor` stalls the compute stream until its collective has finished; the stall is
+  *exposed communication*. The step ends when both streams are idle.
+- Memory counts bytes the graph allocates (inputs are the caller's). A non-view node allocates its
+  output at its position; views (per the op schema) and `getitem`s share their input's storage; a
+  storage dies after the last node that reads it or any view of it, or lives to the end if the graph
+  returns it. A collective reads its input until its wait, and its output exists from its issue.
+This is the model the scheduling passes optimise against; it ignores contention between the two
+streams, allocator caching and fragmentation.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Optional
+
+from torch.fx import GraphModule, Node
+
+from .cost_model import CollectiveKind, CostModel, OpFacts, _val_bytes, is_view, op_facts
+from .nodes import group_of, is_collective, is_wait_tensor
+
+
+class OpKind(Enum):
+    INPUT = "input"
+    COMPUTE = "compute"
+    VIEW = "view"
+    COLLECTIVE = "collective"
+    WAIT = "wait"
+    OUTPUT = "output"
+
+
+@dataclass
+class Op:
+    """One node of a `Program`. Attributes:
+    name: the FX node's name.
+    kind: an `OpKind`.
+    target: the op, short (`aten.mm`), for display.
+    inputs: names of the nodes it reads, in order.
+    out_bytes: bytes of its output (0 for the output node).
+    facts: what it does (flops, bytes, collective) -- see `OpFacts`.
+    group: the fsdp_graph group of a collective, e.g. "layers.3".
+    """
+
+    name: str
+    kind: OpKind
+    target: str
+    inputs: list[str]
+    out_bytes: int = 0
+    facts: OpFacts = field(default_factory=OpFacts)
+    group: Optional[str] = None
+
+    def to_json(self) -> dict:
+        facts = asdict(self.facts)
+        facts["collective"] = self.facts.collective.value if self.facts.collective else None
+        return {"name": self.name, "kind": self.kind.value, "target": self.target, "inputs": self.inputs,
+                "out_bytes": self.out_bytes, "facts": facts, "group": self.group}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Op":
+        facts = dict(data["facts"])
+        facts["collective"] = CollectiveKind(facts["collective"]) if facts["collective"] else None
+        return cls(data["name"], OpKind(data["kind"]), data["target"], list(data["inputs"]),
+                   data["out_bytes"], OpFacts(**facts), data.get("group"))
+
+
+Program = list[Op]
+
+
+def _kind(node: Node) -> OpKind:
+    if node.op == "placeholder" or node.op == "get_attr":
+        return OpKind.INPUT
+    if node.op == "output":
+        return OpKind.OUTPUT
+    if is_collective(node):
+        return OpKind.COLLECTIVE
+    if is_wait_tensor(node):
+        return OpKind.WAIT
+    if is_view(node) or node.target is operator.getitem:
+        return OpKind.VIEW
+    return OpKind.COMPUTE
+
+
+def _short(node: Node) -> str:
+    if node.op != "call_function":
+        return node.op
+    return str(getattr(node.target, "__name__", node.target)).removesuffix(".default")
+
+
+def op_of(node: Node) -> Op:
+    kind = _kind(node)
+    facts = op_facts(node) if kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) else OpFacts()
+    out_bytes = 0 if kind is OpKind.OUTPUT else _val_bytes(node.meta.get("val"))
+    group = group_of(node) if kind is OpKind.COLLECTIVE else None
+    return Op(node.name, kind, _short(node), [a.name for a in node.all_input_nodes], out_bytes, facts, group)
+
+
+def program_of(gm: GraphModule) -> Program:
+    """`gm`'s nodes in graph order as a `Program`."""
+    return [op_of(node) for node in gm.graph.nodes]
+
+
+# -- memory ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MemoryProfile:
+    """Attributes: peak_bytes (graph-allocated, inputs excluded), peak_at (the node allocating at the
+    peak), live_bytes (after each op, in program order)."""
+
+    peak_bytes: int
+    peak_at: Optional[str]
+    live_bytes: list[int]
+
+
+def memory_profile(program: Program) -> MemoryProfile:
+    """Live bytes by liveness over program order. See [Note: Simulator model]."""
+    position = {op.name: i for i, op in enumerate(program)}
+    storage: dict[str, Optional[str]] = {}  # node -> the node that allocated its storage (None: an input)
+    wait_of: dict[str, int] = {}  # collective -> position of its wait
+    for i, op in enumerate(program):
+        if op.kind is OpKind.INPUT:
+            storage[op.name] = None
+        elif op.kind in (OpKind.VIEW, OpKind.WAIT):
+            storage[op.name] = storage.get(op.inputs[0]) if op.inputs else None
+            if op.kind is OpKind.WAIT and op.inputs:
+                wait_of[op.inputs[0]] = i
+        elif op.kind is not OpKind.OUTPUT:
+            storage[op.name] = op.name
+    last = len(program)
+    last_use: dict[str, int] = {}
+    for i, op in enumerate(program):
+        owner = storage.get(op.name)
+        if owner is not None:
+            last_use.setdefault(owner, i)
+        until = last if op.kind is OpKind.OUTPUT else wait_of.get(op.name, i) if op.kind is OpKind.COLLECTIVE else i
+        for name in op.inputs:
+            owner = storage.get(name)
+            if owner is not None:
+                last_use[owner] = max(last_use.get(owner, 0), until, i)
+    dies_at: dict[int, list[str]] = {}
+    for owner, i in last_use.items():
+        dies_at.setdefault(i, []).append(owner)
+    sizes = {op.name: op.out_bytes for op in program}
+    live, peak, peak_at, curve = 0, 0, None, []
+    for i, op in enumerate(program):
+        if storage.get(op.name) == op.name:
+            live += sizes[op.name]
+            if live > peak:
+                peak, peak_at = live, op.name
+        for owner in dies_at.get(i, ()):
+            live -= sizes[owner]
+        curve.append(live)
+    return MemoryProfile(peak, peak_at, curve)
+
+
+# -- time ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CollectiveSpan:
+    """One collective on the communication stream. Attributes: name, kind, group, num_bytes,
+    issue_index / wait_index (positions in the program), prefetch_distance (compute nodes between
+    issue and wait: what can hide it), issue_s / start_s / end_s, exposed_s (the stall at its wait)."""
+
+    name: str
+    kind: str
+    group: Optional[str]
+    num_bytes: int
+    issue_index: int
+    wait_index: int
+    prefetch_distance: int
+    issue_s: float
+    start_s: float
+    end_s: float
+    exposed_s: float = 0.0
+
+
+@dataclass
+class Simulation:
+    """Attributes: total_s (step time), compute_s, comm_s (busy time of each stream), exposed_comm_s
+    (compute-stream stalls at waits), compute_spans ([name, start_s, end_s] of compute nodes),
+    collectives (`CollectiveSpan`s in issue order), memory (`MemoryProfile`), profile (its name)."""
+
+    total_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    compute_spans: list[tuple[str, float, float]]
+    collectives: list[CollectiveSpan]
+    memory: MemoryProfile
+    profile: str
+
+    @property
+    def exposed_fraction(self) -> float:
+        return self.exposed_comm_s / self.total_s if self.total_s else 0.0
+
+
+def simulate(program: "Program | GraphModule", cost_model: CostModel) -> Simulation:
+    """Run `program` on `cost_model`'s machine. See [Note: Simulator model]."""
+    if isinstance(program, GraphModule):
+        program = program_of(program)
+    clock = comm_free = compute_s = comm_s = exposed = 0.0
+    spans: list[tuple[str, float, float]] = []
+    by_name: dict[str, CollectiveSpan] = {}
+    collectives: list[CollectiveSpan] = []
+    num_compute = 0
+    compute_seen: dict[str, int] = {}
+    for i, op in enumerate(program):
+        if op.kind is OpKind.COMPUTE:
+            duration = cost_model.seconds(op.facts)
+            spans.append((op.name, clock, clock + duration))
+            clock += duration
+            compute_s += duration
+            num_compute += 1
+        elif op.kind is OpKind.COLLECTIVE:
+            duration = cost_model.seconds(op.facts)
+            start = max(clock, comm_free)
+            comm_free = start + duration
+            comm_s += duration
+            span = CollectiveSpan(op.name, op.facts.collective.value, op.group, op.facts.collective_bytes,
+                                  i, -1, 0, clock, start, comm_free)
+            by_name[op.name] = span
+            compute_seen[op.name] = num_compute
+            collectives.append(span)
+        elif op.kind is OpKind.WAIT and op.inputs and op.inputs[0] in by_name:
+            span = by_name[op.inputs[0]]
+            span.wait_index = i
+            span.prefetch_distance = num_compute - compute_seen[span.name]
+            if span.end_s > clock:
+                span.exposed_s = span.end_s - clock
+                exposed += span.exposed_s
+                clock = span.end_s
+    total = max(clock, comm_free)
+    return Simulation(total, compute_s, comm_s, exposed, spans, collectives, memory_profile(program), cost_model.profile.name)
+
+
+def in_flight_bytes(program: Program) -> int:
+    """The most collective bytes issued and not yet waited on at any point of `program`."""
+    pending: dict[str, int] = {}
+    worst = 0
+    for op in program:
+        if op.kind is OpKind.COLLECTIVE:
+            pending[op.name] = op.facts.collective_bytes
+            worst = max(worst, sum(pending.values()))
+        elif op.kind is OpKind.WAIT and op.inputs:
+            pending.pop(op.inputs[0], None)
+    return worst
