@@ -111,6 +111,13 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def reset_buffers(self) -> None:
+        """Recompute the rotary tables (they are not in the state dict), e.g. after `to_empty`."""
+        cos, sin = _rotary_tables(self.cfg.dim // self.cfg.num_heads, self.cfg.max_seq_len)
+        with torch.no_grad():
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
         cos, sin = self.rope_cos[:seq, None, :], self.rope_sin[:seq, None, :]
