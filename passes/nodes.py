@@ -22,6 +22,10 @@ ROLE_KEY = "fsdp_graph_role"  # one of the ROLE_* values
 
 ROLE_UNSHARD = "unshard"  # copy-in, all-gather, wait, copy-out (and their backward: the reduce-scatter)
 
+# Top-level `node.meta` keys the scheduling passes set (passes/bucketing.py, passes/reorder.py).
+BUCKET_META = "fsdp_graph_bucket"  # on a collective: tuple of the groups whose data it carries
+PASS_META = "fsdp_graph_pass"  # on a node a scheduling pass made or moved: that pass's name
+
 
 def is_all_gather(node: Node) -> bool:
     return node.op == "call_function" and node.target is _C10D.all_gather_into_tensor.default
@@ -41,6 +45,18 @@ def is_wait_tensor(node: Node) -> bool:
 
 def is_collective(node: Node) -> bool:
     return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
+
+
+def collective_of(wait: Node) -> Optional[Node]:
+    """The collective a `wait_tensor` waits on, or None."""
+    if is_wait_tensor(wait) and isinstance(wait.args[0], Node) and is_collective(wait.args[0]):
+        return wait.args[0]
+    return None
+
+
+def wait_of(collective: Node) -> Optional[Node]:
+    """The `wait_tensor` of a collective (the first, if several), or None."""
+    return next((u for u in collective.users if is_wait_tensor(u)), None)
 
 
 def fsdp_meta(node: Node, key: str) -> Optional[Any]:
