@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Shard
+from torch._dynamo.eval_frame import OptimizedModule
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .runtime.param import MeshInfo, ShardedParam
@@ -37,6 +39,7 @@ class FSDPModule:
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle":
         """All-gather this module's group. With `async_op`, wait on the returned handle before use."""
+        _check_bool("async_op", async_op)
         state = self._fsdp_state
         handle = UnshardHandle(state)
         if state.group is not None:
@@ -133,6 +136,7 @@ def fully_shard(
     """
     modules = _check_modules(module)
     mesh = _check_mesh(mesh)
+    _install_optimizer_check()
     mesh_info = MeshInfo(mesh)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh_info)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -153,6 +157,7 @@ def fully_shard(
     shard_device = torch.device("cpu") if isinstance(offload_policy, CPUOffloadPolicy) else device
     owners = _collect_params(modules, ignored)
     _check_devices(owners)
+    _check_shardable(owners)
     params = []
     for param, param_owners, fqn in owners:
         if shard_placement_fn is not None:
@@ -183,6 +188,11 @@ def fully_shard(
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run `module.<method_name>` under the same unshard/reshard hooks as `forward`."""
+    if not isinstance(method_name, str):
+        raise TypeError(
+            f"register_fsdp_forward_method expects the method's name as a str, got {method_name!r}; "
+            f"e.g. register_fsdp_forward_method(model, 'generate')"
+        )
     if not isinstance(module, FSDPModule):
         raise ValueError(
             f"register_fsdp_forward_method needs a module passed to fully_shard, got "
@@ -219,10 +229,21 @@ def _check_modules(module) -> tuple[nn.Module, ...]:
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
         raise ValueError("fully_shard got an empty list; pass a module or a non-empty list of modules")
-    for m in modules:
+    for i, m in enumerate(modules):
         if not isinstance(m, nn.Module):
             raise TypeError(
                 f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}"
+            )
+        if any(m is other for other in modules[:i]):
+            raise ValueError(
+                f"fully_shard got the same {type(m).__name__} twice in its list (position {i}); "
+                f"list each module once"
+            )
+        if isinstance(m, OptimizedModule):
+            raise ValueError(
+                f"fully_shard got a torch.compile'd module (OptimizedModule of "
+                f"{type(m._orig_mod).__name__}); shard the original module first, then compile: "
+                f"fully_shard(model); model = torch.compile(model, backend='fsdp_graph')"
             )
         if isinstance(m, FSDPModule):
             raise ValueError(
@@ -253,6 +274,12 @@ def _check_mesh(mesh: Optional[DeviceMesh]) -> DeviceMesh:
         raise ValueError(
             f"mesh must be 1-D (FSDP) or 2-D (HSDP: replicate on axis 0, shard on axis 1), got a "
             f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; slice it, e.g. mesh['dp']"
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"mesh {mesh.mesh.tolist()} does not include this process (global rank "
+            f"{dist.get_rank()} of {dist.get_world_size()}); every rank must call fully_shard with a "
+            f"mesh that contains it, e.g. init_device_mesh(device_type, (world_size,))"
         )
     return mesh
 
@@ -347,11 +374,80 @@ def _check_devices(owners) -> None:
         )
 
 
+def _check_shardable(owners) -> None:
+    """Every parameter can be sharded on dim 0 as a plain tensor; raise once listing those that cannot."""
+    problems = []
+    for param, _, fqn in owners:
+        if param.dim() == 0:
+            problems.append(
+                f"'{fqn}' is a 0-dim (scalar) parameter and has no dim 0 to shard; keep it replicated "
+                f"with ignored_params={{...}} or give it shape (1,)"
+            )
+        elif isinstance(param, DTensor):
+            problems.append(
+                f"'{fqn}' is already a DTensor with placements {param.placements}; fsdp_graph shards "
+                f"plain tensors only (no tensor parallelism yet): pass it in ignored_params or "
+                f"apply fully_shard to plain parameters"
+            )
+    if problems:
+        raise ValueError("fully_shard cannot shard these parameters:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         for name, buf in sub._buffers.items():
             if buf is not None and not buf.is_meta and buf.device != device:
                 sub._buffers[name] = buf.to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _install_optimizer_check() -> None:
+    """Register `_check_optimizer_params` before every optimizer step, once per process.
+
+    [Note: Optimizer built before fully_shard]
+    `fully_shard` replaces each parameter on its module with a new DTensor shard. An optimizer built
+    earlier holds the replaced parameters: they never get a gradient, so its `step()` silently does
+    nothing. An optimizer instance cannot be reached from the module, so a global step pre-hook
+    checks every optimizer's parameters instead (a dict lookup per parameter and step). It also
+    catches a step taken while gradients are still unreduced or in flight.
+    """
+    register_optimizer_step_pre_hook(_check_optimizer_params)
+
+
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    """See [Note: Optimizer built before fully_shard]."""
+    stale, unreduced, contexts = [], [], []
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            owner = p.__dict__.get(_OWNER_ATTR)
+            if owner is None:
+                continue
+            if p is not owner.sharded_param:
+                stale.append(owner.fqn)
+            elif owner.unsharded_param is not None and owner.unsharded_param.grad is not None:
+                unreduced.append(owner.fqn)
+            ctx = owner.group_modules[0]._fsdp_state.ctx
+            if all(ctx is not c for c in contexts):
+                contexts.append(ctx)
+    if stale:
+        raise ValueError(
+            f"{type(optimizer).__name__} holds parameters that fully_shard (or a later "
+            f"load_state_dict(assign=True)) replaced, e.g. {stale[:3]}; they never get gradients. "
+            f"Build the optimizer after fully_shard: optimizer = {type(optimizer).__name__}"
+            f"(model.parameters(), ...)"
+        )
+    if unreduced:
+        raise ValueError(
+            f"{type(optimizer).__name__}.step() was called while gradients of {unreduced[:3]} are "
+            f"not reduced yet (set_requires_gradient_sync(False) in the last backward); call "
+            f"model.set_requires_gradient_sync(True) before the last micro-batch's backward"
+        )
+    if any(ctx.comm.pending_reduce_scatters for ctx in contexts):
+        raise ValueError(
+            f"{type(optimizer).__name__}.step() was called while gradient reduce-scatters are still "
+            f"in flight (set_is_last_backward(False)); call model.set_is_last_backward(True) before "
+            f"the step's last backward"
+        )
 
 
 def _prefetch_states(method: str, modules) -> list[FSDPState]:

@@ -138,6 +138,7 @@ class ShardedParam:
         module, name = self.owners[0]
         current = module._parameters.get(name)
         if current is None or current is self.sharded_param or current is self.unsharded_param:
+            self._check_unchanged()
             return
         if not isinstance(current, DTensor) or tuple(current.placements) != self.mesh_info.placements:
             raise ValueError(
@@ -153,7 +154,33 @@ class ShardedParam:
         if not isinstance(current, nn.Parameter):
             current = nn.Parameter(current, requires_grad=self.requires_grad)
         self.sharded_param = current
+        self._check_unchanged()
         self.install(sharded=True)
+
+    def _check_unchanged(self) -> None:
+        """The sharded parameter still has what the group was built for (checked before a gather).
+
+        The unsharded parameter, the gradient count and the all-gather buffer were fixed by
+        `fully_shard`; changing these afterwards would train silently wrong, so it raises instead.
+        """
+        param = self.sharded_param
+        if param.requires_grad != self.requires_grad:
+            raise ValueError(
+                f"Parameter '{self.fqn}' had requires_grad set to {param.requires_grad} after fully_shard; "
+                f"freeze or unfreeze parameters before calling fully_shard"
+            )
+        if param.dtype != self.orig_dtype:
+            raise ValueError(
+                f"Parameter '{self.fqn}' was converted to {param.dtype} after fully_shard (it was "
+                f"{self.orig_dtype}); convert the module before fully_shard, or keep fp32 shards and "
+                f"set MixedPrecisionPolicy(param_dtype={param.dtype})"
+            )
+        if param.is_meta:
+            raise ValueError(
+                f"Parameter '{self.fqn}' is still on the meta device; materialize and initialize the "
+                f"model before its first forward: model.to_empty(device=...), then initialize the "
+                f"parameters (e.g. reset_parameters())"
+            )
 
     def install(self, sharded: bool) -> None:
         """Register the sharded or the unsharded parameter on every owner module."""

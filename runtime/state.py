@@ -21,12 +21,13 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..policies import MixedPrecisionPolicy
 from . import traced
 from .collectives import CommContext
-from .param_group import ParamGroup
+from .param_group import ParamGroup, ShardedState
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,9 @@ class FSDPState:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook)
             module.register_state_dict_pre_hook(self._reshard_for_state_dict)
-            module.register_load_state_dict_pre_hook(self._reshard_for_load_state_dict)
+            module.register_load_state_dict_pre_hook(self._check_and_reshard_for_load_state_dict)
+        for owner in self._owners_inside_group():
+            owner.register_forward_pre_hook(self._check_called_through_group)
 
     # -- root --------------------------------------------------------------------------------
 
@@ -250,8 +253,63 @@ class FSDPState:
         if self.group is not None and not _in_backward():
             self.group.reshard()
 
-    def _reshard_for_load_state_dict(self, *_args, **_kwargs) -> None:
+    def _check_and_reshard_for_load_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, *_args) -> None:
+        """Raise once, naming every key, if `state_dict` cannot be copied into this group's shards."""
+        # Every group under this module, nested ones included, so one error names every bad key.
+        sharded = {id(p.sharded_param): p for s in self.ctx.states if s.group is not None for p in s.group.params}
+        if sharded:
+            problems = []
+            for name, param in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+                p = sharded.get(id(param))
+                value = state_dict.get(name)
+                if p is None or value is None or not torch.is_tensor(value):
+                    continue
+                if value.shape != p.orig_size:
+                    problems.append(
+                        f"'{name}' has shape {tuple(value.shape)}, the parameter has shape "
+                        f"{tuple(p.orig_size)}: the checkpoint is from another model or config"
+                    )
+                elif not isinstance(value, DTensor):
+                    problems.append(
+                        f"'{name}' is a plain tensor; the sharded parameter is a DTensor: load full "
+                        f"(unsharded) state with torch.distributed.checkpoint.state_dict.set_state_dict("
+                        f"model, [], model_state_dict=..., options=StateDictOptions(full_state_dict=True))"
+                    )
+            if problems:
+                raise ValueError(
+                    f"load_state_dict into the sharded {type(module).__name__} failed:\n"
+                    + "\n".join(f"  - {p}" for p in problems)
+                )
         self._reshard_for_state_dict()
+
+    # -- misuse checks -------------------------------------------------------------------------
+
+    def _owners_inside_group(self) -> list[nn.Module]:
+        """Submodules (not the `fully_shard` modules themselves) that hold parameters of this group."""
+        if self.group is None:
+            return []
+        owners: list[nn.Module] = []
+        for p in self.group.params:
+            for owner, _ in p.owners:
+                if all(owner is not m for m in self.modules) and all(owner is not o for o in owners):
+                    owners.append(owner)
+        return owners
+
+    def _check_called_through_group(self, module: nn.Module, _args) -> None:
+        # A submodule whose parameters belong to this group, called on its own, would see DTensor
+        # shards instead of gathered parameters; raise instead of failing deep in an op.
+        if (
+            torch.compiler.is_compiling()
+            or self.training_state is not TrainingState.IDLE
+            or self.group.state is ShardedState.UNSHARDED
+        ):
+            return
+        names = [p.fqn for p in self.group.params if any(owner is module for owner, _ in p.owners)]
+        raise ValueError(
+            f"{type(module).__name__} was called on its own, but its parameters {names} are sharded "
+            f"in the fully_shard group of '{self.name}'; call '{self.name}' instead, gather first with "
+            f"unshard(), or give it a group of its own: fully_shard(submodule) before fully_shard(parent)"
+        )
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -265,4 +323,6 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 
 # Dynamo inlines these hooks when it traces a module call, and runs them eagerly (the fallback) when
 # it runs the call itself. See [Note: Fallback to the eager hooks].
-traced.skip_when_not_inlined(FSDPState._pre_forward_hook, FSDPState._post_forward_hook)
+traced.skip_when_not_inlined(
+    FSDPState._pre_forward_hook, FSDPState._post_forward_hook, FSDPState._check_called_through_group
+)
