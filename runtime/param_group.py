@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from enum import Enum, auto
 from typing import Optional, Union
 
@@ -40,13 +41,24 @@ class PostForwardMesh:
         my_block = mesh_info.shard_rank // size
         my_row = next(row for row in mesh_ranks if dist.get_rank() in row)
         self.group = None
+        # `new_group` defaults to 30 minutes whatever `init_process_group(timeout=...)` said: pass
+        # the shard group's, so a failed rank stops these gathers as soon as the others.
+        timeout = _timeout_of(mesh_info.shard_group, mesh_info.mesh.device_type)
         # new_group is collective over the default group: every rank creates every block's group.
         for row in mesh_ranks:
             for block in range(mesh_info.shard_size // size):
                 ranks = row[block * size : (block + 1) * size]
-                pg = dist.new_group(ranks)
+                pg = dist.new_group(ranks, timeout=timeout)
                 if row is my_row and block == my_block:
                     self.group = pg
+
+
+def _timeout_of(group: dist.ProcessGroup, device_type: str) -> Optional[timedelta]:
+    """The collective timeout of `group` (None: unknown, `new_group` then uses its default)."""
+    try:
+        return group._get_backend(torch.device(device_type)).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class ParamGroup:
