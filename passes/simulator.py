@@ -192,7 +192,8 @@ class CollectiveSpan:
 class Simulation:
     """Attributes: total_s (step time), compute_s, comm_s (busy time of each stream), exposed_comm_s
     (compute-stream stalls at waits), compute_spans ([name, start_s, end_s] of compute nodes),
-    collectives (`CollectiveSpan`s in issue order), memory (`MemoryProfile`), profile (its name)."""
+    collectives (`CollectiveSpan`s in issue order), memory (`MemoryProfile`), profile (its name),
+    memory_points ([compute clock, live bytes] after each node)."""
 
     total_s: float
     compute_s: float
@@ -202,6 +203,7 @@ class Simulation:
     collectives: list[CollectiveSpan]
     memory: MemoryProfile
     profile: str
+    memory_points: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def exposed_fraction(self) -> float:
@@ -218,6 +220,7 @@ def simulate(program: "Program | GraphModule", cost_model: CostModel) -> Simulat
     collectives: list[CollectiveSpan] = []
     num_compute = 0
     compute_seen: dict[str, int] = {}
+    clocks: list[float] = []
     for i, op in enumerate(program):
         if op.kind is OpKind.COMPUTE:
             duration = cost_model.seconds(op.facts)
@@ -243,8 +246,11 @@ def simulate(program: "Program | GraphModule", cost_model: CostModel) -> Simulat
                 span.exposed_s = span.end_s - clock
                 exposed += span.exposed_s
                 clock = span.end_s
+        clocks.append(clock)
     total = max(clock, comm_free)
-    return Simulation(total, compute_s, comm_s, exposed, spans, collectives, memory_profile(program), cost_model.profile.name)
+    memory = memory_profile(program)
+    points = list(zip(clocks, memory.live_bytes))
+    return Simulation(total, compute_s, comm_s, exposed, spans, collectives, memory, cost_model.profile.name, points)
 
 
 def in_flight_bytes(program: Program) -> int:

@@ -1,0 +1,295 @@
+"""Reorder collectives for overlap with compute, within a bytes-in-flight limit and a memory budget;
+then pin the order so Inductor's scheduler keeps it.
+
+Indices below count all-gathers (AG) in graph order and reduce-scatters (RS) by group; compute(i)
+is what runs between wait(AG(i)) and wait(AG(i+1)). In the forward i runs over the root then the
+blocks, in the backward over the blocks in reverse (so "AG(i+1)" there is the backward's next
+re-gather, AG of the block before in forward order):
+
+    AG(i+d) is issued before wait(AG(i)), so it runs under compute(i) (d = 1, or 2 when compute(i)
+            alone cannot hide it); the first AG of a graph may go to the start of the graph;
+    RS(i)   is issued right after the node that finishes its gradient;
+    wait(RS(i)) and the nodes that only feed the graph's outputs from it move to the graph's end;
+    wait(AG(i)) stays just before its first user.
+
+Each move is one candidate, tried in graph order; it is kept only if afterwards
+    - the bytes of collectives issued and not yet waited on never exceed `max_bytes_in_flight`,
+    - the simulated peak memory stays within `memory_budget_bytes` (or does not grow, when the
+      graph exceeded it to begin with), and
+    - the simulated exposed communication does not grow (among prefetch depths, the smallest with
+      the least exposure wins).
+So a tighter budget gives shallower prefetch (down to none), never an error. Decisions depend only
+on shapes and the cost model, hence are the same on every rank. Rejections are logged with the
+reason and recorded in `gm.meta[SCHEDULE_META]`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .cost_model import CostModel
+from .nodes import PASS_META, collective_of, is_all_gather, is_collective, is_reduce_scatter, is_wait_tensor, wait_of
+from .simulator import Op, OpKind, in_flight_bytes, memory_profile, op_of, simulate
+
+logger = logging.getLogger(__name__)
+
+SCHEDULE_META = "fsdp_graph_schedule"  # gm.meta: the `ScheduleReport` of the last reorder
+
+# Prefetching 3 ahead gains nothing on one communication stream that 2 ahead does not already,
+# unless single compute segments are far shorter than single all-gathers; it only costs memory.
+_MAX_PREFETCH_DEPTH = 2
+
+
+@dataclass
+class ScheduleReport:
+    """What `reorder_for_overlap` decided. Attributes: prefetch_depth (all-gather name -> depth
+    kept), sunk_waits (collectives whose wait moved to the end), rejected ([collective, reason]),
+    peak_bytes and exposed_s before/after (simulated), max_in_flight_bytes after."""
+
+    prefetch_depth: dict[str, int] = field(default_factory=dict)
+    sunk_waits: list[str] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    peak_bytes_before: int = 0
+    peak_bytes_after: int = 0
+    exposed_s_before: float = 0.0
+    exposed_s_after: float = 0.0
+    max_in_flight_bytes: int = 0
+
+
+class _Order:
+    """The candidate order of a graph's nodes (placeholders and output fixed at the ends)."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        nodes = list(gm.graph.nodes)
+        self.head = [n for n in nodes if n.op == "placeholder"]
+        self.body = [n for n in nodes if n.op not in ("placeholder", "output")]
+        self.tail = [n for n in nodes if n.op == "output"]
+        self.ops: dict[Node, Op] = {n: op_of(n) for n in nodes}
+
+    def program(self, body: list[Node]) -> list[Op]:
+        return [self.ops[n] for n in self.head + body + self.tail]
+
+
+def _moved(body: list[Node], nodes: list[Node], before: Optional[Node]) -> list[Node]:
+    """`body` with `nodes` (kept in their order) moved to just before `before` (None: the end)."""
+    moving = set(nodes)
+    rest = [n for n in body if n not in moving]
+    at = rest.index(before) if before is not None else len(rest)
+    return rest[:at] + nodes + rest[at:]
+
+
+def _inputs_after(node: Node, anchor_index: int, index: dict[Node, int]) -> Optional[list[Node]]:
+    """`node` and what it depends on from `anchor_index` on, in order, if none is a collective's
+    wait or anything else that must stay put (only data preparation moves); else None."""
+    found: set[Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in found or n.op == "placeholder" or index[n] < anchor_index:
+            continue
+        if n is not node and (is_wait_tensor(n) or is_collective(n)):
+            return None
+        found.add(n)
+        stack.extend(n.all_input_nodes)
+    return sorted(found, key=index.__getitem__)
+
+
+def _output_tail(wait: Node) -> Optional[list[Node]]:
+    """`wait` and everything computed from it, if all of that only feeds the graph's output."""
+    closure = {wait}
+    stack = list(wait.users)
+    while stack:
+        n = stack.pop()
+        if n.op == "output" or n in closure:
+            continue
+        closure.add(n)
+        stack.extend(n.users)
+    for n in closure:
+        for user in n.users:
+            if user.op != "output" and user not in closure:
+                return None
+        # A node with another input from after the wait is fine: moving to the end keeps it after.
+    return list(closure)
+
+
+class _Scheduler:
+    def __init__(self, gm: GraphModule, cost_model: CostModel, max_bytes_in_flight: Optional[int], memory_budget_bytes: Optional[int]) -> None:
+        self.order = _Order(gm)
+        self.cost_model = cost_model
+        self.max_bytes_in_flight = max_bytes_in_flight
+        self.memory_budget_bytes = memory_budget_bytes
+        self.body = self.order.body
+        self.report = ScheduleReport()
+        self._measure_current()
+        self.report.peak_bytes_before, self.report.exposed_s_before = self.peak, self.exposed
+
+    def _measure(self, body: list[Node]) -> tuple[int, float, int]:
+        program = self.order.program(body)
+        peak = memory_profile(program).peak_bytes
+        exposed = simulate(program, self.cost_model).exposed_comm_s
+        return peak, exposed, in_flight_bytes(program)
+
+    def _accept(self, body: list[Node]) -> None:
+        self.body = body
+        self.peak, self.exposed, self.in_flight = self._measure(body)
+
+    def _check(self, body: list[Node]) -> tuple[Optional[str], float]:
+        """(why `body` is rejected or None, its exposed seconds)."""
+        peak, exposed, in_flight = self._measure(body)
+        if self.max_bytes_in_flight is not None and in_flight > self.max_bytes_in_flight and in_flight > self.in_flight:
+            return f"{in_flight} bytes in flight > max_bytes_in_flight={self.max_bytes_in_flight}", exposed
+        budget = self.memory_budget_bytes
+        if budget is not None and peak > budget and peak > self.peak:
+            return f"peak {peak} bytes > memory_budget_bytes={budget}", exposed
+        return None, exposed
+
+    def _measure_current(self) -> None:
+        self.peak, self.exposed, self.in_flight = self._measure(self.body)
+
+    def issue_reduce_scatters_early(self) -> None:
+        for rs in [n for n in self.body if is_reduce_scatter(n)]:
+            index = {n: i for i, n in enumerate(self.body)}
+            producer = max(rs.all_input_nodes, key=lambda n: index.get(n, -1))
+            if producer not in index or index[producer] + 1 == index[rs]:
+                continue
+            following = self.body[index[producer] + 1]
+            self.body = _moved(self.body, [rs], following)
+            rs.meta[PASS_META] = "reorder_for_overlap"
+
+    def sink_waits(self) -> None:
+        for rs in [n for n in self.body if is_reduce_scatter(n) or (is_collective(n) and not is_all_gather(n))]:
+            wait = wait_of(rs)
+            tail = _output_tail(wait) if wait is not None else None
+            if tail is None:
+                continue
+            index = {n: i for i, n in enumerate(self.body)}
+            tail.sort(key=index.__getitem__)
+            candidate = _moved(self.body, tail, None)
+            why, exposed = self._check(candidate)
+            if why is None and exposed <= self.exposed + 1e-12:
+                self._accept(candidate)
+                self.report.sunk_waits.append(rs.name)
+                for n in tail:
+                    n.meta[PASS_META] = "reorder_for_overlap"
+            else:
+                reason = why or "sinking its wait exposes more communication"
+                self.report.rejected.append((rs.name, f"wait not sunk: {reason}"))
+                logger.debug("fsdp_graph::reorder (%s) wait not sunk: %s", rs.name, reason)
+
+    def prefetch_all_gathers(self) -> None:
+        gathers = [n for n in self.body if is_all_gather(n) and wait_of(n) is not None]
+        for j, ag in enumerate(gathers):
+            best: Optional[tuple[float, int, list[Node]]] = None
+            reasons = []
+            for depth in range(1, _MAX_PREFETCH_DEPTH + 1):
+                index = {n: i for i, n in enumerate(self.body)}
+                anchor = wait_of(gathers[j - depth]) if j - depth >= 0 else (self.body[0] if j - depth == -1 else None)
+                if anchor is None or index[anchor] >= index[ag]:
+                    continue
+                moving = _inputs_after(ag, index[anchor], index)
+                if moving is None:
+                    reasons.append(f"depth {depth}: its inputs are not ready")
+                    continue
+                anchor = next((n for n in self.body[index[anchor]:] if n not in moving), None)
+                if anchor is None or index[anchor] > index[moving[0]]:
+                    continue
+                candidate = _moved(self.body, moving, anchor)
+                why, exposed = self._check(candidate)
+                if why is not None:
+                    reasons.append(f"depth {depth}: {why}")
+                    continue
+                if exposed < self.exposed - 1e-12 and (best is None or exposed < best[0] - 1e-12):
+                    best = (exposed, depth, candidate)
+            if best is None:
+                self.report.prefetch_depth[ag.name] = 0
+                if reasons:
+                    self.report.rejected.append((ag.name, "not prefetched: " + "; ".join(reasons)))
+                    logger.debug("fsdp_graph::reorder (%s) not prefetched: %s", ag.name, "; ".join(reasons))
+                continue
+            _, depth, candidate = best
+            self._accept(candidate)
+            self.report.prefetch_depth[ag.name] = depth
+            ag.meta[PASS_META] = "reorder_for_overlap"
+
+    def apply(self, gm: GraphModule) -> None:
+        output = self.order.tail[0]
+        for node in self.body:
+            output.prepend(node)
+        self._measure_current()
+        self.report.peak_bytes_after, self.report.exposed_s_after = self.peak, self.exposed
+        self.report.max_in_flight_bytes = self.in_flight
+
+
+def reorder_for_overlap(
+    gm: GraphModule,
+    cost_model: CostModel,
+    max_bytes_in_flight: Optional[int] = None,
+    memory_budget_bytes: Optional[int] = None,
+) -> GraphModule:
+    """Schedule the graph's collectives for overlap; see the module docstring for the schedule.
+
+    Assumes: a partitioned forward or backward graph whose collectives are each waited on once.
+    Guarantees: the same nodes with the same arguments, in a topological order; only all-gathers
+    with the data preparation feeding them, reduce-scatters, and reduce-scatter waits with what
+    only feeds the outputs from them move. `gm.meta[SCHEDULE_META]` holds a `ScheduleReport`.
+    """
+    if not any(is_collective(n) for n in gm.graph.nodes):
+        return gm
+    scheduler = _Scheduler(gm, cost_model, max_bytes_in_flight, memory_budget_bytes)
+    scheduler.issue_reduce_scatters_early()
+    scheduler._measure_current()
+    scheduler.sink_waits()
+    scheduler.prefetch_all_gathers()
+    scheduler.apply(gm)
+    gm.meta[SCHEDULE_META] = scheduler.report
+    r = scheduler.report
+    logger.debug(
+        "fsdp_graph::reorder prefetch %s, %d waits sunk, exposed %.3g -> %.3g s, peak %d -> %d bytes",
+        r.prefetch_depth, len(r.sunk_waits), r.exposed_s_before, r.exposed_s_after, r.peak_bytes_before, r.peak_bytes_after,
+    )
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def pin_order(gm: GraphModule) -> GraphModule:
+    """Make the collectives' order binding for Inductor's scheduler, with `control_deps` edges.
+
+    Assumes: the graph is in the order to keep (run after `reorder_for_overlap`), about to be lowered
+    by Inductor. Guarantees: each collective gets an edge to the compute node after it (it is issued
+    before that compute), and each wait an edge from the compute node before it (it is not hoisted
+    above that compute), so the overlap windows survive Inductor's reordering. Values unchanged.
+    """
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
+    from .simulator import _kind
+
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    if not any(is_collective(n) for n in nodes):
+        return gm
+    compute = [i for i, n in enumerate(nodes) if _kind(n) is OpKind.COMPUTE]
+    deps: dict[Node, OrderedSet[Node]] = {}
+    import bisect
+
+    for i, node in enumerate(nodes):
+        if is_collective(node):
+            k = bisect.bisect_right(compute, i)
+            if k < len(compute):
+                after = nodes[compute[k]]
+                if node not in after.all_input_nodes:
+                    deps.setdefault(after, OrderedSet()).add(node)
+        elif is_wait_tensor(node) and collective_of(node) is not None:
+            k = bisect.bisect_left(compute, i) - 1
+            if k >= 0:
+                before = nodes[compute[k]]
+                deps.setdefault(node, OrderedSet()).add(before)
+    preserve_node_ordering(gm.graph, deps)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,46 @@
+"""The scheduling passes of the forward and backward graphs, in order, with their options bound.
+
+    bucket_by_group      one bucket per fully_shard group (the eager runtime's plan)
+    auto_bucket          merge latency-bound buckets, split ones over the cap
+    reorder_for_overlap  prefetch all-gathers, issue reduce-scatters early and wait late
+    pin_order            (Inductor only) control dependencies so Inductor keeps that order
+
+Each can be switched off by name (`BackendConfig.disabled_passes`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from .bucketing import auto_bucket, bucket_by_group
+from .cost_model import CostModel
+from .pipeline import GraphPass
+from .reorder import pin_order, reorder_for_overlap
+
+SCHEDULING_PASS_NAMES = ("bucket_by_group", "auto_bucket", "reorder_for_overlap", "pin_order")
+
+
+def scheduling_passes(
+    cost_model: CostModel,
+    bucket_cap_bytes: int,
+    max_bytes_in_flight: Optional[int],
+    memory_budget_bytes: Optional[int],
+    for_inductor: bool,
+) -> list[GraphPass]:
+    passes = [
+        GraphPass("bucket_by_group", bucket_by_group),
+        GraphPass("auto_bucket", functools.partial(auto_bucket, cost_model=cost_model, bucket_cap_bytes=bucket_cap_bytes)),
+        GraphPass(
+            "reorder_for_overlap",
+            functools.partial(
+                reorder_for_overlap,
+                cost_model=cost_model,
+                max_bytes_in_flight=max_bytes_in_flight,
+                memory_budget_bytes=memory_budget_bytes,
+            ),
+        ),
+    ]
+    if for_inductor:
+        passes.append(GraphPass("pin_order", pin_order))
+    return passes
