@@ -25,8 +25,10 @@ from torch.fx import GraphModule
 
 from .dump import GraphDump, count_ops
 from .passes.nodes import GROUP_KEY, fsdp_meta
+from .passes.cost_model import CostModel, Profile
 from .passes.pipeline import GraphPass, PassPipeline
 from .passes.reshard import tag_reshard_after_forward
+from .passes.scheduling import SCHEDULING_PASS_NAMES, scheduling_passes
 from .runtime.param_group import ParamGroup
 
 logger = logging.getLogger(__name__)
@@ -55,12 +57,26 @@ class BackendConfig:
             `FSDP_GRAPH_DUMP` environment variable if set, else dump nothing.
         disabled_passes: names of passes to skip (see `JOINT_PASSES`), e.g. to compare graphs or
             numbers with and without one. Skipping "reshard_after_forward" keeps every group's
-            unsharded parameters from forward to backward.
+            unsharded parameters from forward to backward. The scheduling passes of the forward and
+            backward graphs (passes/scheduling.py) are "bucket_by_group", "auto_bucket",
+            "reorder_for_overlap" and "pin_order".
+        hardware_profile: the cost model's machine: a name ("h100-nvlink", "h100-infiniband",
+            "cpu-gloo") or a `HardwareProfile` (e.g. from `passes.cost_model.calibrate`). None:
+            "h100-nvlink" when CUDA is available, else "cpu-gloo".
+        bucket_cap_bytes: auto-bucketing merges latency-bound buckets up to this size and splits
+            larger buckets.
+        max_bytes_in_flight: the most collective bytes issued and not yet waited on; None: no limit.
+        memory_budget_bytes: the predicted peak memory one graph may allocate (inputs excluded)
+            when reordering; prefetch gets shallower to stay within it. None: no budget.
     """
 
     compiler: Compiler = Compiler.INDUCTOR
     dump_dir: Optional[str] = None
     disabled_passes: frozenset[str] = field(default_factory=frozenset)
+    hardware_profile: Any = None
+    bucket_cap_bytes: int = 1 << 30
+    max_bytes_in_flight: Optional[int] = None
+    memory_budget_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -80,13 +96,39 @@ class BackendConfig:
                 f"e.g. disabled_passes={{'reshard_after_forward'}}"
             )
         else:
-            known = [p.name for p in JOINT_PASSES]
+            known = [p.name for p in JOINT_PASSES] + list(SCHEDULING_PASS_NAMES)
             for name in self.disabled_passes:
                 if name not in known:
                     problems.append(f"disabled_passes names {name!r}, which is not a pass; passes: {known}")
             object.__setattr__(self, "disabled_passes", frozenset(self.disabled_passes))
+        problems += self._scheduling_problems()
         if problems:
             raise ValueError("Invalid fsdp_graph backend config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    def _scheduling_problems(self) -> list[str]:
+        problems = []
+        try:
+            self.cost_model()
+        except ValueError as error:
+            problems.append(str(error))
+        if not isinstance(self.bucket_cap_bytes, int) or self.bucket_cap_bytes <= 0:
+            problems.append(f"bucket_cap_bytes must be a positive int, got {self.bucket_cap_bytes!r}")
+        for name in ("max_bytes_in_flight", "memory_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                problems.append(f"{name} must be a non-negative int or None, got {value!r}")
+        return problems
+
+    def cost_model(self) -> CostModel:
+        profile = self.hardware_profile
+        if profile is None:
+            profile = Profile.H100_NVLINK if torch.cuda.is_available() else Profile.CPU_GLOO
+        return CostModel(profile)
+
+    def scheduling_passes(self, for_inductor: bool) -> list[GraphPass]:
+        return scheduling_passes(
+            self.cost_model(), self.bucket_cap_bytes, self.max_bytes_in_flight, self.memory_budget_bytes, for_inductor
+        )
 
     @classmethod
     def from_options(cls, options: Optional[dict[str, Any]]) -> "BackendConfig":
@@ -173,9 +215,12 @@ class FSDPGraphBackend:
             joint_gm = joint(joint_gm, graph_id)
             return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
 
+        schedule = PassPipeline("schedule", self.config.scheduling_passes(False), self.config.disabled_passes, dump)
+
         def inner(kind: str):
             def compile_graph(graph: GraphModule, _inputs):
                 _log_graph(graph_id, kind, graph, dump)
+                graph = _schedule(schedule, graph_id, kind, graph, dump)
                 return make_boxed_func(graph.forward)
 
             return compile_graph
@@ -191,8 +236,8 @@ class FSDPGraphBackend:
         from torch._inductor.compile_fx import compile_fx
 
         patches: dict[str, Any] = {"joint_custom_pre_pass": _InductorJointPass(joint, graph_id, dump is not None)}
-        if dump is not None:
-            patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump)
+        schedule = PassPipeline("schedule", self.config.scheduling_passes(True), self.config.disabled_passes, dump)
+        patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump, schedule, self.config)
         return compile_fx(gm, example_inputs, config_patches=patches)
 
 
@@ -222,18 +267,40 @@ class _InductorJointPass(CustomGraphPass):
 
 
 class _InductorLogPass(CustomGraphPass):
-    """Dumps the forward and backward graphs as Inductor is about to lower them."""
+    """Dumps the forward and backward graphs as Inductor is about to lower them, then schedules them."""
 
-    def __init__(self, graph_id: str, dump: GraphDump) -> None:
+    def __init__(self, graph_id: str, dump: Optional[GraphDump], schedule: PassPipeline, config: BackendConfig) -> None:
         self.graph_id = graph_id
         self.dump = dump
+        self.schedule = schedule
+        self.config = config
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         is_backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
-        _log_graph(self.graph_id, "backward" if is_backward else "forward", graph.owning_module, self.dump)
+        kind = "backward" if is_backward else "forward"
+        if self.dump is not None:
+            _log_graph(self.graph_id, kind, graph.owning_module, self.dump)
+        _schedule(self.schedule, self.graph_id, kind, graph.owning_module, self.dump)
 
     def uuid(self) -> Optional[str]:
-        return None
+        if self.dump is not None:
+            return None
+        c = self.config
+        return (
+            f"fsdp_graph.schedule.v1:{','.join(self.schedule.names)}:off={','.join(sorted(self.schedule.disabled))}:"
+            f"{c.cost_model().profile}:{c.bucket_cap_bytes}:{c.max_bytes_in_flight}:{c.memory_budget_bytes}"
+        )
+
+
+def _schedule(schedule: PassPipeline, graph_id: str, kind: str, gm: GraphModule, dump: Optional[GraphDump]) -> GraphModule:
+    """Run the scheduling passes on a forward or backward graph; when dumping, write its program
+    for `python -m fsdp_graph.inspect` (see fsdp_graph/timeline.py)."""
+    from .timeline import write_program
+
+    gm = schedule(gm, f"{graph_id}.{kind}")
+    if dump is not None:
+        write_program(dump.directory, f"{graph_id}.{kind}", gm)
+    return gm
 
 
 class _RecordFallbacks:
