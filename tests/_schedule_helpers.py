@@ -1,0 +1,94 @@
+"""Capture the partitioned forward and backward graphs of one compiled step, for the pass tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from fsdp_graph import fully_shard
+from fsdp_graph.passes.cost_model import CostModel, HardwareProfile
+from fsdp_graph.passes.reshard import tag_reshard_after_forward
+
+# A fixed machine for the pass tests: 1 GFLOP/s, 1 GB/s memory, 10 us + 1 B/ns collectives.
+FIXED = CostModel(HardwareProfile("fixed", 1e9, 1e9, 1e9, 0.0, 10e-6, 1e9))
+# The same machine with collectives that cost only latency (every bucket is latency-bound).
+LATENCY_BOUND = CostModel(HardwareProfile("latency-bound", 1e9, 1e9, 1e9, 0.0, 1e-3, 1e15))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim, bias=False)
+        self.down = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    """Three blocks and a head; each block is one fully_shard group, the head is in the root's."""
+
+    def __init__(self, dim: int = 16, num_blocks: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(num_blocks))
+        self.head = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def sharded_stack(**kwargs) -> Stack:
+    torch.manual_seed(0)
+    model = Stack()
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def capture_graphs(model: nn.Module, x: torch.Tensor) -> dict[str, torch.fx.GraphModule]:
+    """The forward and backward graphs as the backend's passes get them (joint pass applied)."""
+    graphs = {}
+
+    def partition(joint_gm, joint_inputs, **kwargs):
+        tag_reshard_after_forward(joint_gm)
+        return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+
+    def compiler(kind):
+        def compile_graph(gm, _inputs):
+            graphs[kind] = gm
+            return make_boxed_func(gm.forward)
+
+        return compile_graph
+
+    backend = aot_autograd(
+        fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), partition_fn=partition,
+        keep_inference_input_mutations=True,
+    )
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(x).sum().backward()
+    return graphs
+
+
+def schedule_lines(gm: torch.fx.GraphModule) -> str:
+    """Collectives, waits and matmuls in graph order: `AG blocks.0`, `wait AG blocks.0`, `mm`."""
+    from fsdp_graph.passes.bucketing import bucket_groups
+    from fsdp_graph.passes.nodes import collective_of, is_all_gather, is_collective, is_wait_tensor
+
+    def short(node):
+        return ("AG " if is_all_gather(node) else "RS ") + "+".join(bucket_groups(node))
+
+    lines = []
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            lines.append(short(node))
+        elif is_wait_tensor(node) and collective_of(node) is not None:
+            lines.append("wait " + short(collective_of(node)))
+        elif node.op == "call_function" and node.target is torch.ops.aten.mm.default:
+            lines.append("mm")
+    return "\n".join(lines)

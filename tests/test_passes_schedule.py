@@ -1,0 +1,166 @@
+"""Scheduling passes on one process, a fake process group of 8 ranks and a fixed cost model.
+
+Update the inline expectations with `EXPECTTEST_ACCEPT=1`.
+"""
+
+import expecttest
+import torch
+
+from _harness import fake_process_group
+from _schedule_helpers import FIXED, LATENCY_BOUND, capture_graphs, schedule_lines, sharded_stack
+from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group, buckets
+from fsdp_graph.passes.cost_model import CollectiveKind, CostModel, Profile
+from fsdp_graph.passes.reorder import SCHEDULE_META, reorder_for_overlap
+from fsdp_graph.passes.simulator import in_flight_bytes, program_of, simulate
+
+_BLOCK_BYTES = 16 * 32 * 2 * 4  # up and down weights of one block, fp32, all ranks
+
+
+class SchedulingPassTest(expecttest.TestCase):
+    def setUp(self) -> None:
+        self._pg = fake_process_group(8)
+        self._pg.__enter__()
+
+    def tearDown(self) -> None:
+        self._pg.__exit__(None, None, None)
+
+    def graphs(self, **shard_kwargs):
+        return capture_graphs(sharded_stack(**shard_kwargs), torch.randn(4, 16))
+
+    def test_cost_model_collective_formula(self):
+        nvlink = CostModel("h100-nvlink")
+        p = Profile.H100_NVLINK.value
+        seconds = nvlink.collective_seconds(CollectiveKind.ALL_GATHER, 8 << 20, 8)
+        self.assertAlmostEqual(seconds, p.collective_latency_s + 7 / 8 * (8 << 20) / p.bus_bytes_per_s)
+        self.assertAlmostEqual(
+            nvlink.collective_seconds(CollectiveKind.ALL_REDUCE, 8 << 20, 8) - p.collective_latency_s,
+            2 * (seconds - p.collective_latency_s),
+        )
+        with self.assertRaisesRegex(ValueError, "Unknown hardware profile 'a100'"):
+            CostModel("a100")
+
+    def test_bucket_by_group_is_the_eager_plan(self):
+        graphs = self.graphs()
+        forward = bucket_by_group(graphs["forward"])
+        self.assertEqual(
+            [(b["op"], b["groups"], b["bytes"]) for b in buckets(forward)],
+            [("all_gather", ["<root>"], 16 * 4 * 8), *[("all_gather", [f"blocks.{i}"], _BLOCK_BYTES) for i in range(3)]],
+        )
+        backward = bucket_by_group(graphs["backward"])
+        self.assertEqual(
+            [(b["op"], b["groups"]) for b in buckets(backward)],
+            [("all_gather", ["blocks.2"]), ("reduce_scatter", ["blocks.2"]), ("all_gather", ["blocks.1"]),
+             ("reduce_scatter", ["blocks.1"]), ("all_gather", ["blocks.0"]), ("reduce_scatter", ["blocks.0"]),
+             ("reduce_scatter", ["<root>"])],
+        )
+
+    def test_auto_bucket_merges_latency_bound_buckets_up_to_the_cap(self):
+        graphs = self.graphs()
+        forward = auto_bucket(bucket_by_group(graphs["forward"]), LATENCY_BOUND, bucket_cap_bytes=2 * _BLOCK_BYTES + 512)
+        self.assertEqual(
+            [(b["groups"], b["bytes"]) for b in buckets(forward)],
+            [(["<root>", "blocks.0", "blocks.1"], 512 + 2 * _BLOCK_BYTES), (["blocks.2"], _BLOCK_BYTES)],
+        )
+        backward = auto_bucket(bucket_by_group(graphs["backward"]), LATENCY_BOUND, bucket_cap_bytes=1 << 20)
+        self.assertEqual(
+            [(b["op"], b["groups"]) for b in buckets(backward)],
+            [("all_gather", ["blocks.2", "blocks.1", "blocks.0"]),
+             ("reduce_scatter", ["blocks.2", "blocks.1", "blocks.0", "<root>"])],
+        )
+
+    def test_auto_bucket_leaves_bandwidth_bound_buckets_and_splits_over_the_cap(self):
+        forward = auto_bucket(bucket_by_group(self.graphs()["forward"]), FIXED, bucket_cap_bytes=_BLOCK_BYTES // 2)
+        self.assertEqual(
+            [(b["groups"], b["bytes"]) for b in buckets(forward)],
+            [(["<root>"], 512)] + [([f"blocks.{i}"], _BLOCK_BYTES // 2) for i in range(3) for _ in range(2)],
+        )
+
+    def test_reorder_forward_prefetches_the_next_all_gather(self):
+        forward = reorder_for_overlap(bucket_by_group(self.graphs()["forward"]), FIXED)
+        # AG(i+1) is issued before wait(AG(i)), hence before compute(i); blocks.2 goes two ahead
+        # because compute(blocks.0) alone cannot hide it on this machine.
+        self.assertExpectedInline(schedule_lines(forward), """\
+AG <root>
+AG blocks.0
+wait AG <root>
+AG blocks.1
+AG blocks.2
+wait AG blocks.0
+mm
+mm
+wait AG blocks.1
+mm
+mm
+wait AG blocks.2
+mm
+mm
+mm""")
+        report = forward.meta[SCHEDULE_META]
+        self.assertLess(report.exposed_s_after, report.exposed_s_before)
+
+    def test_reorder_backward_regathers_ahead_and_waits_reduce_scatters_last(self):
+        backward = reorder_for_overlap(bucket_by_group(self.graphs()["backward"]), FIXED)
+        self.assertExpectedInline(schedule_lines(backward), """\
+AG blocks.2
+mm
+mm
+mm
+AG blocks.1
+AG blocks.0
+wait AG blocks.2
+mm
+mm
+mm
+RS blocks.2
+mm
+wait AG blocks.1
+mm
+mm
+mm
+RS blocks.1
+mm
+wait AG blocks.0
+mm
+mm
+RS blocks.0
+RS <root>
+wait RS blocks.2
+wait RS blocks.1
+wait RS blocks.0
+wait RS <root>""")
+
+    def test_memory_budget_gives_shallower_prefetch_never_an_error(self):
+        unlimited = reorder_for_overlap(bucket_by_group(self.graphs()["forward"]), FIXED).meta[SCHEDULE_META]
+        depths = {}
+        for budget in (unlimited.peak_bytes_after, unlimited.peak_bytes_after - 1, unlimited.peak_bytes_before, 1):
+            gm = reorder_for_overlap(bucket_by_group(self.graphs()["forward"]), FIXED, memory_budget_bytes=budget)
+            report = gm.meta[SCHEDULE_META]
+            peak = simulate(gm, FIXED).memory.peak_bytes
+            self.assertEqual(peak, report.peak_bytes_after)
+            self.assertLessEqual(peak, max(budget, report.peak_bytes_before))
+            depths[budget] = sum(report.prefetch_depth.values())
+        self.assertEqual(depths[unlimited.peak_bytes_after], sum(unlimited.prefetch_depth.values()))
+        self.assertLess(depths[unlimited.peak_bytes_after - 1], depths[unlimited.peak_bytes_after])
+        # Over budget from the start: only moves that do not grow the peak are kept.
+        over = reorder_for_overlap(bucket_by_group(self.graphs()["forward"]), FIXED, memory_budget_bytes=1)
+        self.assertEqual(over.meta[SCHEDULE_META].peak_bytes_after, over.meta[SCHEDULE_META].peak_bytes_before)
+
+    def test_bytes_in_flight_limit(self):
+        limit = _BLOCK_BYTES + 512
+        for kind in ("forward", "backward"):
+            gm = reorder_for_overlap(bucket_by_group(self.graphs()[kind]), FIXED, max_bytes_in_flight=limit)
+            self.assertLessEqual(in_flight_bytes(program_of(gm)), limit)
+            self.assertLessEqual(gm.meta[SCHEDULE_META].max_in_flight_bytes, limit)
+
+    def test_simulator_exposes_unscheduled_communication(self):
+        forward = self.graphs()["forward"]
+        sim = simulate(forward, FIXED)
+        # Every all-gather is waited on right after it is issued: all communication is exposed.
+        self.assertAlmostEqual(sim.exposed_comm_s, sim.comm_s)
+        self.assertAlmostEqual(sim.total_s, sim.compute_s + sim.comm_s)
+        self.assertEqual([c.prefetch_distance for c in sim.collectives], [0, 0, 0, 0])
+
+    def test_decisions_do_not_depend_on_the_rank(self):
+        first = schedule_lines(reorder_for_overlap(bucket_by_group(self.graphs()["backward"]), FIXED))
+        second = schedule_lines(reorder_for_overlap(bucket_by_group(self.graphs()["backward"]), FIXED))
+        self.assertEqual(first, second)
