@@ -1,0 +1,70 @@
+"""Every scheduling pass on and off gives the same losses and gradients (2 gloo ranks).
+
+`train_compiled_and_compare` checks each compiled run against an unsharded reference and,
+bit for bit (aot_eager runs the same ops), against the eager runtime; here all runs must also give
+identical losses. The options force every pass to act: a latency-bound profile makes auto-bucketing
+merge, a small cap makes it split, and no limits let the reorder prefetch and sink waits.
+"""
+
+import torch
+
+import fsdp_graph
+from _compile_helpers import train_compiled_and_compare
+from _harness import run_ranks
+from _models import MLPStack
+from fsdp_graph import fully_shard
+from fsdp_graph.passes.cost_model import HardwareProfile
+
+
+
+def shard_mlp(model):
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+_LATENCY_BOUND = HardwareProfile("latency-bound", 1e9, 1e9, 1e9, 0.0, 1e-3, 1e15)
+
+
+def _run(rank, world_size):
+    results = {}
+    configs = {
+        "all on, merging": dict(hardware_profile=_LATENCY_BOUND),
+        "all on, splitting": dict(hardware_profile="cpu-gloo", bucket_cap_bytes=64),
+        "bucket_by_group off": dict(hardware_profile=_LATENCY_BOUND, disabled_passes={"bucket_by_group"}),
+        "auto_bucket off": dict(hardware_profile=_LATENCY_BOUND, disabled_passes={"auto_bucket"}),
+        "reorder_for_overlap off": dict(hardware_profile=_LATENCY_BOUND, disabled_passes={"reorder_for_overlap"}),
+        "all off": dict(disabled_passes={"bucket_by_group", "auto_bucket", "reorder_for_overlap"}),
+    }
+    for name, options in configs.items():
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        results[name] = train_compiled_and_compare(
+            MLPStack(), shard_mlp, fsdp_graph.backend(compiler="aot_eager", **options), rank, world_size
+        )["losses"]
+    return results
+
+
+def test_each_scheduling_pass_on_and_off_gives_identical_training():
+    losses = run_ranks(_run, 2)
+    for name, values in losses.items():
+        assert values == losses["all off"], f"{name}: {values} != {losses['all off']}"
+
+
+def _calibrate(rank, world_size):
+    from fsdp_graph.passes.cost_model import calibrate
+
+    import torch.distributed as dist
+
+    profile = calibrate()
+    numbers = (profile.collective_latency_s, profile.bus_bytes_per_s, profile.fp32_matmul_flops_per_s)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, numbers)
+    assert all(n == numbers for n in everyone), everyone
+    return numbers
+
+
+def test_calibration_gives_the_same_profile_on_every_rank():
+    latency, bus, flops = run_ranks(_calibrate, 2)
+    assert latency >= 0 and bus > 0 and flops > 0
