@@ -19,6 +19,13 @@ def process_group():
     with fake_process_group(8):
         torch._dynamo.reset()
         yield
+    _forget_compiles()
+
+
+def _forget_compiles():
+    # Tests later in this pytest process fork ranks that inherit Dynamo's caches and counters.
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
 
 
 def _sharded_mlp(num_blocks=2):

@@ -36,6 +36,9 @@ class CompiledGraphTest(expecttest.TestCase):
 
     def tearDown(self) -> None:
         self._pg.__exit__(None, None, None)
+        # Tests later in this pytest process fork ranks that inherit Dynamo's caches and counters.
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
 
     def compile_step(self, backend_options=None, **shard_kwargs) -> dict:
         """Shard, compile with aot_eager, run one step; returns the dumped graphs and summary."""
