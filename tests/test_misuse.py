@@ -123,7 +123,6 @@ def test_scalar_and_dtensor_parameters_are_listed_together():
     m.weight = nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Shard(1)]))
     err = _raises(ValueError, "'temperature' is a 0-dim .* ignored_params", fully_shard, m)
     assert "'weight' is already a DTensor with placements (Shard(dim=1),)" in str(err)
-    fully_shard(nn.Linear(4, 4), ignored_params=None)
 
 
 def test_requires_grad_changed_after_fully_shard():
