@@ -1,0 +1,245 @@
+"""Benchmark the compiled path: fsdp_graph's scheduling against no scheduling, FSDP2 and Inductor's own passes.
+
+CPU / gloo, 2 ranks, the 8-block example Llama (timings):
+    torchrun --nproc-per-node 2 examples/benchmark_compile.py
+    torchrun --nproc-per-node 2 examples/benchmark_compile.py --dim 128 --seq-len 64 --rounds 5   # quicker
+
+Predicted exposed communication of a Llama-3-8B-shaped model at world size 8 (one process, a fake
+8-rank process group, meta tensors: nothing is allocated or computed, the full 32-layer graph is
+traced; shapes as Llama-3-8B except full multi-head attention instead of grouped-query: 8.84B params;
+4 sequences of 2048 tokens per rank, since on CPU scaled_dot_product_attention traces as the math kernel
+whose seq x seq scores a GPU's flash attention would not store):
+    python examples/benchmark_compile.py --predict-8b --profile h100-nvlink
+
+Timing rows: fsdp_graph compiled (Inductor) with the scheduling passes, the same without them,
+PyTorch's FSDP2 eager, FSDP2 + torch.compile, and our captured graph with Inductor's in-tree FX
+bucketing and comm reordering instead of our passes. Steps alternate between the rows. Per row:
+median step time, collectives per step (profiler events), peak live tensor memory (MemTracker).
+The prediction compares, on the chosen profile, the unscheduled graph, our schedule, and Inductor's
+`schedule_overlap_bucketing` run on the same graph with our cost model's estimates.
+This is a benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama import Llama, LlamaConfig, shard_llama  # noqa: E402
+
+import fsdp_graph  # noqa: E402
+from fsdp_graph import MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+SCHEDULING = {"bucket_by_group", "auto_bucket", "reorder_for_overlap", "pin_order"}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=8, help="timed steps per row")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row (the first compiles)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--predict-8b", action="store_true", help="only the Llama-3-8B prediction, one process")
+    parser.add_argument("--profile", default="h100-nvlink", help="hardware profile of the prediction")
+    parser.add_argument("--predict-batch", type=int, default=4, help="sequences per rank in the prediction")
+    parser.add_argument("--predict-seq-len", type=int, default=2048, help="tokens per sequence in the prediction")
+    return parser.parse_args()
+
+
+# -- timings on 2 gloo ranks ---------------------------------------------------------------------------
+
+
+class Row:
+    def __init__(self, name: str, model: torch.nn.Module, compile_backend=None, inductor_patches=None) -> None:
+        self.name = name
+        self.model = model
+        self.run = torch.compile(model, backend=compile_backend) if compile_backend is not None else model
+        self.patches = inductor_patches
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.times: list[float] = []
+        self.peak = "n/a"
+        self.collectives = "n/a"
+
+    def step(self, tokens: torch.Tensor) -> float:
+        patch = torch._inductor.config.patch(self.patches) if self.patches else nullcontext()
+        with patch:
+            logits = self.run(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss.item()
+
+    def timed_step(self, tokens: torch.Tensor) -> None:
+        dist.barrier()
+        start = time.perf_counter()
+        self.step(tokens)
+        self.times.append(time.perf_counter() - start)
+
+    def measure(self, tokens: torch.Tensor) -> None:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        try:
+            tracker = MemTracker()
+            tracker.track_external(self.model, self.optimizer)
+            with tracker:
+                self.step(tokens)
+            peak = sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("peak").values())
+            peak_t = torch.tensor([peak], dtype=torch.float64)
+            dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+            self.peak = f"{peak_t.item() / 2**20:.1f}"
+        except Exception as error:  # MemTracker does not follow every compiled path
+            self.peak = f"n/a ({type(error).__name__})"
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            self.step(tokens)
+        counts = {"all_gather": 0, "reduce_scatter": 0}
+        for event in prof.events():
+            name = event.name.lower()
+            if not name.startswith("gloo:"):
+                continue
+            for kind in counts:
+                if kind.replace("_", "") in name.replace("_", ""):
+                    counts[kind] += 1
+        self.collectives = f"{counts['all_gather']} AG, {counts['reduce_scatter']} RS"
+
+
+def timings(args) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    cfg = LlamaConfig(vocab_size=256, dim=args.dim, num_layers=args.layers, num_heads=4,
+                      hidden_dim=args.dim * 11 // 4, max_seq_len=args.seq_len + 1)
+
+    def model(shard):
+        torch.manual_seed(0)
+        return shard_llama(Llama(cfg), shard)
+
+    ours = fsdp_graph.backend(compiler="inductor")
+    unscheduled = fsdp_graph.backend(compiler="inductor", disabled_passes=SCHEDULING)
+    in_tree = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all", "reorder_for_compute_comm_overlap": True}
+    rows = [
+        Row("fsdp_graph scheduled", model(fully_shard), ours),
+        Row("fsdp_graph unscheduled", model(fully_shard), unscheduled),
+        Row("FSDP2 eager", model(torch_fully_shard)),
+        Row("FSDP2 + compile", model(torch_fully_shard), "inductor"),
+        Row("ours + Inductor passes", model(fully_shard), unscheduled, in_tree),
+    ]
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen) for _ in range(4)]
+    for row in list(rows):
+        try:
+            for i in range(args.warmup):
+                row.step(batches[i % len(batches)])
+        except Exception as error:
+            if rank == 0:
+                print(f"{row.name}: failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+            rows.remove(row)
+    for i in range(args.rounds):
+        for row in rows:
+            row.timed_step(batches[i % len(batches)])
+        if rank == 0:
+            print(f"round {i + 1}/{args.rounds}", file=sys.stderr)
+    for row in rows:
+        row.measure(batches[0])
+    if rank == 0:
+        eager = statistics.median(next(r for r in rows if r.name == "FSDP2 eager").times)
+        print(f"{'':26}{'step ms':>10}{'vs FSDP2 eager':>16}{'peak MiB':>10}  collectives per step")
+        for row in rows:
+            median = statistics.median(row.times)
+            print(f"{row.name:26}{median * 1e3:>10.1f}{median / eager:>16.3f}{row.peak:>10}  {row.collectives}")
+    dist.barrier()
+    os._exit(0)  # see train_llama.py: torch 2.13's gloo teardown can abort
+
+
+# -- predicted exposed communication, Llama-3-8B shape at world size 8 ----------------------------------
+
+
+def predict_8b(args) -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from _harness import fake_process_group
+    from _schedule_helpers import capture_graphs
+    import unittest.mock
+
+    from torch._inductor.fx_passes import overlap_scheduling
+    from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
+
+    from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group
+    from fsdp_graph.passes.cost_model import CostModel, op_facts
+    from fsdp_graph.passes.reorder import reorder_for_overlap
+    from fsdp_graph.passes.simulator import simulate
+
+    cost_model = CostModel(args.profile)
+    cfg = LlamaConfig(vocab_size=128256, dim=4096, num_layers=32, num_heads=32, hidden_dim=14336, max_seq_len=args.predict_seq_len)
+    with fake_process_group(8):
+        with torch.device("meta"):
+            model = Llama(cfg)
+        num_params = sum(p.numel() for p in model.parameters())
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        shard_llama(model, lambda m: fully_shard(m, mp_policy=policy))
+        start = time.perf_counter()
+        graphs = capture_graphs(model, torch.randint(0, cfg.vocab_size, (args.predict_batch, args.predict_seq_len), device="meta"))
+        print(f"Llama-3-8B shape ({num_params / 1e9:.2f}B params), {args.predict_batch}x{args.predict_seq_len} tokens/rank, bf16 params, fp32 "
+              f"reduce, world 8, traced in {time.perf_counter() - start:.0f} s; profile {args.profile}")
+
+        def ours(gm):
+            gm = bucket_by_group(gm)
+            gm = auto_bucket(gm, cost_model, 1 << 30)
+            return reorder_for_overlap(gm, cost_model)
+
+        def estimate_ms(node, override_size):
+            facts = op_facts(node)
+            if facts.collective is not None and override_size is not None:
+                return 1e3 * cost_model.collective_seconds(facts.collective, override_size, facts.world)
+            return 1e3 * cost_model.seconds(facts)
+
+        def inductor(gm):
+            # Its own compute estimator needs triton (absent on CPU); it gets our cost model's
+            # numbers for every node instead, the same numbers our passes schedule with.
+            with unittest.mock.patch.object(overlap_scheduling, "estimate_roofline_runtime_ms", lambda node: 0.0):
+                # Its bucketing makes ops our simulator does not model; compare the reordering alone.
+                return schedule_overlap_bucketing(gm, custom_runtime_estimation=estimate_ms, collective_bucketing=False,
+                                                  pre_bucketing_fsdp_collectives=False, compute_estimator="analytical")
+
+        schedules = {"unscheduled": lambda gm: gm, "fsdp_graph": ours, "Inductor in-tree": inductor}
+        totals = {}
+        for name, schedule in schedules.items():
+            total = exposed = 0.0
+            peaks = []
+            for kind, gm in graphs.items():
+                try:
+                    sim = simulate(schedule(copy.deepcopy(gm)), cost_model)
+                except Exception as error:
+                    print(f"  {name} {kind}: failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+                    break
+                total += sim.total_s
+                exposed += sim.exposed_comm_s
+                peaks.append(sim.memory.peak_bytes)
+                print(f"  {name:18} {kind:9} step {sim.total_s * 1e3:8.1f} ms  comm {sim.comm_s * 1e3:7.1f} ms  "
+                      f"exposed {sim.exposed_comm_s * 1e3:7.2f} ms ({100 * sim.exposed_fraction:5.2f}%)  "
+                      f"collectives {len(sim.collectives):3d}  peak {sim.memory.peak_bytes / 2**30:6.2f} GiB")
+            else:
+                totals[name] = (total, exposed)
+        for name, (total, exposed) in totals.items():
+            print(f"{name:18} step {total * 1e3:8.1f} ms, exposed comm {exposed * 1e3:7.2f} ms = {100 * exposed / total:.2f}% of the step")
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.predict_8b:
+        predict_8b(arguments)
+    else:
+        timings(arguments)
