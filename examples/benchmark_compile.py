@@ -92,6 +92,9 @@ class Row:
         from torch.distributed._tools.mem_tracker import MemTracker
 
         try:
+            if self.run is not self.model:
+                # MemTracker's dispatch mode makes Dynamo fall back to eager: it would measure the wrong thing.
+                raise NotImplementedError("compiled")
             tracker = MemTracker()
             tracker.track_external(self.model, self.optimizer)
             with tracker:
