@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import types
 from typing import Callable, Optional, Union
 
 import torch
@@ -35,6 +36,7 @@ class FSDPModule:
         # own and the root group's all-gather would be split from the forward graph. Defined here,
         # in a file Dynamo traces, the whole call (hooks and forward) becomes one frame, without
         # changing torch's `wrap_top_frame` config. In eager this is one plain Python call more.
+        # Each FSDP class gets its own copy of this code object: see `_own_call`.
         return super().__call__(*args, **kwargs)
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle":
@@ -217,7 +219,26 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _fsdp_class(cls: type) -> type:
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__call__": _own_call(cls)})
+
+
+def _own_call(cls: type):
+    """`FSDPModule.__call__` under a code object of this class's own.
+
+    Dynamo keeps what it learned about a frame (input shapes seen, hence which dims to make
+    dynamic; cache entries; the recompile limit) per code object, keyed by file, line and name.
+    Were every FSDP class to share one `__call__`, compiling a second model in the same process
+    would count as a recompile with new shapes and trace it with dynamic shapes.
+    """
+    call = FSDPModule.__call__
+    # Module and qualified name: two classes called `Block` in different files stay apart.
+    name = f"FSDP{cls.__qualname__}.__call__ ({cls.__module__})"
+    code = call.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):  # Python 3.11+
+        code = code.replace(co_qualname=name)
+    own = types.FunctionType(code, call.__globals__, name, call.__defaults__, call.__closure__)
+    own.__qualname__ = f"FSDP{cls.__qualname__}.__call__"
+    return own
 
 
 def _check_bool(name: str, value: object) -> None:

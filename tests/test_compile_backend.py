@@ -122,3 +122,17 @@ def test_config_or_options_not_both():
     with pytest.raises(TypeError, match="not both"):
         fsdp_graph.backend(BackendConfig(), compiler="aot_eager")
     assert fsdp_graph.backend(BackendConfig(compiler="aot_eager")).config.compiler is Compiler.AOT_EAGER
+
+
+def test_second_model_in_the_process_compiles_with_static_shapes(tmp_path):
+    # Every FSDP class has its own `__call__` code object, so Dynamo does not treat compiling a
+    # different model as a recompile of one frame with new shapes (which turns on dynamic shapes).
+    from _models import shard_llama, tiny_llama
+
+    _step(torch.compile(_sharded_mlp(), backend=fsdp_graph.backend(compiler="aot_eager")))
+    llama = shard_llama(tiny_llama(), fully_shard)
+    backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=str(tmp_path))
+    torch.compile(llama, backend=backend)(torch.randint(0, 64, (2, 8))).sum().backward()
+    (dynamo_graph,) = tmp_path.glob("*.dynamo.txt")
+    inputs = [line for line in dynamo_graph.read_text().splitlines() if " = " not in line and ": " in line]
+    assert inputs and all(": int" not in line for line in inputs), inputs
