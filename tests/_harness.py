@@ -1,4 +1,4 @@
-"""Run a test body on several gloo ranks (forked processes, file store, a deadline per test)."""
+"""Run a test body on several gloo ranks (processes from a fork server, file store, a deadline per test)."""
 
 from __future__ import annotations
 
@@ -41,13 +41,25 @@ def _rank_main(fn, rank, world_size, store_path, results, timeout_s, args) -> No
     os._exit(0)
 
 
+def rank_context():
+    """The multiprocessing context ranks start from.
+
+    A fork server: each rank is forked from one clean process that imported torch and fsdp_graph
+    once, so ranks start fast but inherit nothing from earlier tests in the pytest process (fake
+    process groups, meshes, Dynamo caches, garbage that would skew live-tensor counts).
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "fsdp_graph", "_harness", "_models"])
+    return ctx
+
+
 def run_ranks(fn: Callable, world_size: int = 2, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return rank 0's result.
 
     A failure on any rank fails the test with that rank's traceback; ranks still running after
     `timeout_s` are killed and the test fails, so a hang never blocks the suite.
     """
-    ctx = multiprocessing.get_context("fork")
+    ctx = rank_context()
     results = ctx.Queue()
     fd, store_path = tempfile.mkstemp(prefix="fsdp_graph_store_")
     os.close(fd)

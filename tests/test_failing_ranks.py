@@ -1,6 +1,6 @@
 """A rank that raises, exits or stops mid-step makes the other ranks fail quickly, never hang.
 
-Gloo ranks in forked processes whose process group has a short timeout (`init_process_group(...,
+Gloo ranks (from _harness's fork server) whose process group has a short timeout (`init_process_group(...,
 timeout=timedelta(seconds=PG_TIMEOUT_S))`, the knob fsdp_graph's collectives obey). Rank 1 fails
 between forward and backward of step 2; the others are then inside a collective. A rank that dies
 closes its connections, so the others fail at once; a rank that is alive but stopped (stuck, or
@@ -9,7 +9,6 @@ busy in an exception handler) makes them fail when the timeout expires.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import tempfile
 import time
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_graph
+from _harness import rank_context
 from _models import MLPStack
 from fsdp_graph import fully_shard
 
@@ -49,7 +49,7 @@ def run_ranks_with_a_failure(fn, world_size: int, failing_rank: int, *args) -> d
     Returns {rank: (traceback or None, result)} of the ranks that reported (a rank that exits
     reports nothing); `failing_rank` is killed if still alive. Fails if that takes DEADLINE_S.
     """
-    ctx = multiprocessing.get_context("fork")
+    ctx = rank_context()
     results = ctx.Queue()
     fd, store_path = tempfile.mkstemp(prefix="fsdp_graph_store_")
     os.close(fd)
