@@ -9,12 +9,15 @@ does without a hook. Groups with a hook keep their reduce-scatter in the eager r
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .api import FSDPModule
+
+logger = logging.getLogger(__name__)
 
 
 def bf16_compress_hook(state: Any, grad: torch.Tensor, output: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -33,6 +36,11 @@ def register_comm_hook(module: FSDPModule, state: Any, hook: Callable, *, recurs
         )
     if not callable(hook):
         raise TypeError(f"hook must be callable as hook(state, grad, output, group), got {hook!r}")
+    logger.warning(
+        "fsdp_graph::register_comm_hook (%s): the hook replaces the reduce-scatter of eager groups; "
+        "groups traced by torch.compile(backend='fsdp_graph') keep their in-graph reduce-scatter",
+        type(module).__name__,
+    )
     bound = functools.partial(hook, state)
     for fsdp_state in module._states(recurse):
         if fsdp_state.group is not None:
