@@ -67,7 +67,8 @@ class BackendConfig:
             larger buckets.
         max_bytes_in_flight: the most collective bytes issued and not yet waited on; None: no limit.
         memory_budget_bytes: the predicted peak memory one graph may allocate (inputs excluded)
-            when reordering; prefetch gets shallower to stay within it. None: no budget.
+            when reordering; prefetch gets shallower to stay within it. None: the unscheduled
+            peak plus two of the largest buckets.
     """
 
     compiler: Compiler = Compiler.INDUCTOR

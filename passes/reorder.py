@@ -15,7 +15,8 @@ re-gather, AG of the block before in forward order):
 Each move is one candidate, tried in graph order; it is kept only if afterwards
     - the bytes of collectives issued and not yet waited on never exceed `max_bytes_in_flight`,
     - the simulated peak memory stays within `memory_budget_bytes` (or does not grow, when the
-      graph exceeded it to begin with), and
+      graph exceeded it to begin with); without a budget, within the unscheduled peak plus two of
+      the largest buckets (see [Note: Default memory headroom]), and
     - the simulated exposed communication does not grow (among prefetch depths, the smallest with
       the least exposure wins).
 So a tighter budget gives shallower prefetch (down to none), never an error. Decisions depend only
@@ -33,7 +34,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .cost_model import CostModel
-from .nodes import PASS_META, collective_of, is_all_gather, is_collective, is_reduce_scatter, is_wait_tensor, wait_of
+from .nodes import (
+    PASS_META, collective_of, is_all_gather, is_collective, is_reduce_scatter, is_wait_tensor, tensor_bytes, wait_of,
+)
 from .simulator import Op, OpKind, in_flight_bytes, memory_profile, op_of, simulate
 
 logger = logging.getLogger(__name__)
@@ -117,6 +120,16 @@ def _output_tail(wait: Node) -> Optional[list[Node]]:
     return list(closure)
 
 
+def _largest_bucket_bytes(nodes: list[Node]) -> int:
+    """Bytes of the largest collective's full-size side (an all-gather's output, a reduce-scatter's
+    input)."""
+    sizes = [0]
+    for n in nodes:
+        if is_collective(n):
+            sizes.append(max([tensor_bytes(n)] + [tensor_bytes(i) for i in n.all_input_nodes]))
+    return max(sizes)
+
+
 class _Scheduler:
     def __init__(self, gm: GraphModule, cost_model: CostModel, max_bytes_in_flight: Optional[int], memory_budget_bytes: Optional[int]) -> None:
         self.order = _Order(gm)
@@ -127,6 +140,11 @@ class _Scheduler:
         self.report = ScheduleReport()
         self._measure_current()
         self.report.peak_bytes_before, self.report.exposed_s_before = self.peak, self.exposed
+        if memory_budget_bytes is None:
+            # [Note: Default memory headroom] Without a budget, overlap may cost at most two of
+            # the largest buckets over the unscheduled peak: enough for prefetch depth 2, and it
+            # keeps sunk reduce-scatter waits from holding every full gradient to the graph's end.
+            self.memory_budget_bytes = self.peak + 2 * _largest_bucket_bytes(self.body)
 
     def _measure(self, body: list[Node]) -> tuple[int, float, int]:
         program = self.order.program(body)

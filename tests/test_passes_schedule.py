@@ -10,7 +10,10 @@ from _harness import fake_process_group
 from _schedule_helpers import FIXED, LATENCY_BOUND, capture_graphs, schedule_lines, sharded_stack
 from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group, buckets
 from fsdp_graph.passes.cost_model import CollectiveKind, CostModel, Profile
+from fsdp_graph.passes.nodes import is_collective, tensor_bytes
 from fsdp_graph.passes.reorder import SCHEDULE_META, reorder_for_overlap
+
+UNLIMITED = 1 << 50  # a memory budget nothing reaches: the schedule overlap alone decides
 from fsdp_graph.passes.simulator import in_flight_bytes, program_of, simulate
 
 _BLOCK_BYTES = 16 * 32 * 2 * 4  # up and down weights of one block, fp32, all ranks
@@ -99,7 +102,7 @@ mm""")
         self.assertLess(report.exposed_s_after, report.exposed_s_before)
 
     def test_reorder_backward_regathers_ahead_and_waits_reduce_scatters_last(self):
-        backward = reorder_for_overlap(bucket_by_group(self.graphs()["backward"]), FIXED)
+        backward = reorder_for_overlap(bucket_by_group(self.graphs()["backward"]), FIXED, memory_budget_bytes=UNLIMITED)
         self.assertExpectedInline(schedule_lines(backward), """\
 AG blocks.2
 mm
@@ -129,8 +132,23 @@ wait RS blocks.1
 wait RS blocks.0
 wait RS <root>""")
 
+    def test_default_headroom_bounds_sunk_reduce_scatter_waits(self):
+        gm = bucket_by_group(self.graphs()["backward"])
+        largest = max(
+            max([tensor_bytes(n)] + [tensor_bytes(i) for i in n.all_input_nodes]) for n in gm.graph.nodes if is_collective(n)
+        )
+        default = reorder_for_overlap(gm, FIXED).meta[SCHEDULE_META]
+        unlimited = reorder_for_overlap(
+            bucket_by_group(self.graphs()["backward"]), FIXED, memory_budget_bytes=UNLIMITED
+        ).meta[SCHEDULE_META]
+        self.assertLessEqual(default.peak_bytes_after, default.peak_bytes_before + 2 * largest)
+        self.assertGreater(unlimited.peak_bytes_after, default.peak_bytes_before + 2 * largest)
+        self.assertLess(default.exposed_s_after, default.exposed_s_before)  # still overlaps
+
     def test_memory_budget_gives_shallower_prefetch_never_an_error(self):
-        unlimited = reorder_for_overlap(bucket_by_group(self.graphs()["forward"]), FIXED).meta[SCHEDULE_META]
+        unlimited = reorder_for_overlap(
+            bucket_by_group(self.graphs()["forward"]), FIXED, memory_budget_bytes=UNLIMITED
+        ).meta[SCHEDULE_META]
         depths = {}
         for budget in (unlimited.peak_bytes_after, unlimited.peak_bytes_after - 1, unlimited.peak_bytes_before, 1):
             gm = reorder_for_overlap(bucket_by_group(self.graphs()["forward"]), FIXED, memory_budget_bytes=budget)
