@@ -9,7 +9,8 @@ re-gather, AG of the block before in forward order):
     AG(i+d) is issued before wait(AG(i)), so it runs under compute(i) (d = 1, or 2 when compute(i)
             alone cannot hide it); the first AG of a graph may go to the start of the graph;
     RS(i)   is issued right after the node that finishes its gradient;
-    wait(RS(i)) and the nodes that only feed the graph's outputs from it move to the graph's end;
+    wait(RS(i)) and the nodes that only feed the graph's outputs from it move to just before the
+            issue of RS(i+1) or RS(i+2), or to the graph's end: the place that hides the most;
     wait(AG(i)) stays just before its first user.
 
 Each move is one candidate, tried in graph order; it is kept only if afterwards
@@ -180,22 +181,35 @@ class _Scheduler:
             rs.meta[PASS_META] = "reorder_for_overlap"
 
     def sink_waits(self) -> None:
-        for rs in [n for n in self.body if is_reduce_scatter(n) or (is_collective(n) and not is_all_gather(n))]:
+        """Wait for RS(i) just before RS(i+1) or RS(i+2) is issued, or at the end: of the places
+        that pass the limits, the one with the least exposed communication, the earliest on ties
+        (its full-size gradient input dies soonest)."""
+        reduces = [n for n in self.body if is_reduce_scatter(n) or (is_collective(n) and not is_all_gather(n))]
+        for k, rs in enumerate(reduces):
             wait = wait_of(rs)
             tail = _output_tail(wait) if wait is not None else None
             if tail is None:
                 continue
             index = {n: i for i, n in enumerate(self.body)}
             tail.sort(key=index.__getitem__)
-            candidate = _moved(self.body, tail, None)
-            why, exposed = self._check(candidate)
-            if why is None and exposed <= self.exposed + 1e-12:
-                self._accept(candidate)
+            best: Optional[tuple[float, list[Node]]] = None
+            reasons = []
+            for anchor in reduces[k + 1 : k + 3] + [None]:
+                if anchor is not None and index[anchor] <= index[tail[0]]:
+                    continue
+                candidate = _moved(self.body, tail, anchor)
+                why, exposed = self._check(candidate)
+                if why is not None:
+                    reasons.append(why)
+                elif exposed <= self.exposed + 1e-12 and (best is None or exposed < best[0] - 1e-12):
+                    best = (exposed, candidate)
+            if best is not None:
+                self._accept(best[1])
                 self.report.sunk_waits.append(rs.name)
                 for n in tail:
                     n.meta[PASS_META] = "reorder_for_overlap"
             else:
-                reason = why or "sinking its wait exposes more communication"
+                reason = "; ".join(reasons) or "sinking its wait exposes more communication"
                 self.report.rejected.append((rs.name, f"wait not sunk: {reason}"))
                 logger.debug("fsdp_graph::reorder (%s) wait not sunk: %s", rs.name, reason)
 

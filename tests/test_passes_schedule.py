@@ -101,7 +101,7 @@ mm""")
         report = forward.meta[SCHEDULE_META]
         self.assertLess(report.exposed_s_after, report.exposed_s_before)
 
-    def test_reorder_backward_regathers_ahead_and_waits_reduce_scatters_last(self):
+    def test_reorder_backward_regathers_ahead_and_waits_reduce_scatters_late(self):
         backward = reorder_for_overlap(bucket_by_group(self.graphs()["backward"]), FIXED, memory_budget_bytes=UNLIMITED)
         self.assertExpectedInline(schedule_lines(backward), """\
 AG blocks.2
@@ -120,16 +120,16 @@ wait AG blocks.1
 mm
 mm
 mm
+wait RS blocks.2
 RS blocks.1
 mm
 wait AG blocks.0
 mm
 mm
-RS blocks.0
-RS <root>
-wait RS blocks.2
 wait RS blocks.1
+RS blocks.0
 wait RS blocks.0
+RS <root>
 wait RS <root>""")
 
     def test_default_headroom_bounds_sunk_reduce_scatter_waits(self):
