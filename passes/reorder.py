@@ -195,8 +195,8 @@ class _Scheduler:
             best: Optional[tuple[float, list[Node]]] = None
             reasons = []
             for anchor in reduces[k + 1 : k + 3] + [None]:
-                if anchor is not None and index[anchor] <= index[tail[0]]:
-                    continue
+                if anchor is not None and (anchor in tail or index[anchor] <= index[tail[0]]):
+                    continue  # (HSDP: the all-reduce that follows a reduce-scatter is in its tail)
                 candidate = _moved(self.body, tail, anchor)
                 why, exposed = self._check(candidate)
                 if why is not None:
