@@ -10,7 +10,6 @@ partitioner, and hands forward and backward to Inductor or to plain eager execut
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass, field, fields

@@ -31,7 +31,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 from torch.fx import GraphModule, Node
 
 from .cost_model import CostModel

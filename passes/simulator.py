@@ -127,7 +127,6 @@ class MemoryProfile:
 
 def memory_profile(program: Program) -> MemoryProfile:
     """Live bytes by liveness over program order. See [Note: Simulator model]."""
-    position = {op.name: i for i, op in enumerate(program)}
     storage: dict[str, Optional[str]] = {}  # node -> the node that allocated its storage (None: an input)
     wait_of: dict[str, int] = {}  # collective -> position of its wait
     for i, op in enumerate(program):

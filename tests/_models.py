@@ -9,15 +9,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from llama import Block, Llama, LlamaConfig, shard_llama  # noqa: E402
 
 __all__ = [
     "Block", "Llama", "LlamaConfig", "MLPStack", "shard_llama", "tiny_llama",
-    "batch_for_step", "check_grads_match", "comm_counts", "check_params_match", "global_mean",
+    "Boom", "backward_on_both", "batch_for_step", "check_grads_match", "comm_counts", "paired_llama", "check_params_match", "global_mean",
 ]
 
 
@@ -70,6 +69,43 @@ def loss_fn(model: nn.Module, out: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     if isinstance(model, Llama) or out.dim() == 3:
         return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
     return nn.functional.mse_loss(out, y)
+
+
+def paired_llama(**shard_kwargs):
+    """(model, unsharded reference copy, sharded copy) of a seeded tiny Llama."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    return model, copy.deepcopy(model), shard_llama(copy.deepcopy(model), _fully_shard(), **shard_kwargs)
+
+
+def backward_on_both(reference: nn.Module, sharded: nn.Module, step: int, rank: int, world_size: int):
+    """One backward of step `step`'s global batch on `reference` and this rank's slice on `sharded`;
+    returns the slice (inputs, targets)."""
+    x, y, lx, ly = batch_for_step(reference, step, 8, rank, world_size)
+    loss_fn(reference, reference(x), y).backward()
+    loss_fn(sharded, sharded(lx), ly).backward()
+    return lx, ly
+
+
+class Boom(nn.Module):
+    """A linear layer whose forward raises once `fail` is set (user code that throws)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.lin(x)
+        if self.fail:
+            raise RuntimeError("user error in forward")
+        return x
+
+
+def _fully_shard():
+    from fsdp_graph import fully_shard
+
+    return fully_shard
 
 
 def comm_counts(mode) -> dict[str, int]:

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from _harness import run_ranks
 from _models import (
+    backward_on_both, paired_llama,
     Llama, MLPStack, batch_for_step, check_grads_match, comm_counts, loss_fn, shard_llama, tiny_llama,
     train_and_compare,
 )
@@ -61,13 +62,8 @@ def test_activation_checkpointing(how):
 
 
 def _clip(rank, world_size):
-    torch.manual_seed(0)
-    model = tiny_llama()
-    reference = copy.deepcopy(model)
-    sharded = shard_llama(copy.deepcopy(model), fully_shard)
-    x, y, lx, ly = batch_for_step(model, 0, 8, rank, world_size)
-    loss_fn(reference, reference(x), y).backward()
-    loss_fn(sharded, sharded(lx), ly).backward()
+    model, reference, sharded = paired_llama()
+    lx, ly = backward_on_both(reference, sharded, 0, rank, world_size)
     ref_norm = nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.1)
     norm = nn.utils.clip_grad_norm_(sharded.parameters(), max_norm=0.1)
     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -5,7 +5,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -15,6 +14,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from _harness import run_ranks
 from _models import (
+    backward_on_both, paired_llama,
     Block, MLPStack, batch_for_step, check_grads_match, comm_counts, loss_fn, shard_llama, tiny_llama,
     train_and_compare,
 )
@@ -153,10 +153,7 @@ def test_rank0_loading_scatters_shards():
 
 
 def _full_state(rank, world_size):
-    torch.manual_seed(0)
-    model = tiny_llama()
-    reference = copy.deepcopy(model)
-    sharded = shard_llama(copy.deepcopy(model), fully_shard)
+    model, reference, sharded = paired_llama()
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for step in range(2):
@@ -192,13 +189,8 @@ def test_full_state_dicts_round_trip():
 
 
 def _summon(rank, world_size):
-    torch.manual_seed(0)
-    model = tiny_llama()
-    reference = copy.deepcopy(model)
-    sharded = shard_llama(copy.deepcopy(model), fully_shard)
-    x, y, lx, ly = batch_for_step(model, 0, 8, rank, world_size)
-    loss_fn(reference, reference(x), y).backward()
-    loss_fn(sharded, sharded(lx), ly).backward()
+    model, reference, sharded = paired_llama()
+    lx, ly = backward_on_both(reference, sharded, 0, rank, world_size)
     with summon_full_params(sharded, writeback=True, with_grads=True):
         for name, p in sharded.named_parameters():
             assert not isinstance(p, DTensor), name
@@ -230,10 +222,7 @@ def test_summon_full_params():
 
 
 def _no_sync(rank, world_size):
-    torch.manual_seed(0)
-    model = tiny_llama()
-    reference = copy.deepcopy(model)
-    sharded = shard_llama(copy.deepcopy(model), fully_shard)
+    model, reference, sharded = paired_llama()
     for micro in range(3):
         x, y, lx, ly = batch_for_step(model, micro, 8, rank, world_size)
         (loss_fn(reference, reference(x), y) / 3).backward()
@@ -253,14 +242,9 @@ def test_no_sync_accumulates_then_restores():
 
 
 def _bf16_hook(rank, world_size):
-    torch.manual_seed(0)
-    model = tiny_llama()
-    reference = copy.deepcopy(model)
-    sharded = shard_llama(copy.deepcopy(model), fully_shard)
+    model, reference, sharded = paired_llama()
     register_comm_hook(sharded, None, bf16_compress_hook, recurse=True)
-    x, y, lx, ly = batch_for_step(model, 0, 8, rank, world_size)
-    loss_fn(reference, reference(x), y).backward()
-    loss_fn(sharded, sharded(lx), ly).backward()
+    lx, ly = backward_on_both(reference, sharded, 0, rank, world_size)
     for p in sharded.parameters():
         assert p.grad.dtype == torch.float32
     check_grads_match(sharded, reference, rtol=2e-2, atol=2e-3)  # bf16 has 8 bits of mantissa

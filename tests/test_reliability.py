@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_graph
 from _harness import run_ranks
-from _models import MLPStack, batch_for_step, check_grads_match, check_params_match, loss_fn, shard_llama, tiny_llama
+from _models import Boom, MLPStack, batch_for_step, check_grads_match, check_params_match, loss_fn, shard_llama, tiny_llama
 from fsdp_graph import fully_shard
 
 NUM_STEPS = 6
@@ -195,19 +195,6 @@ def test_compiled_does_not_recompile_after_warm_up():
 
 
 # -- a forward that raises under compile -----------------------------------------------------------
-
-
-class Boom(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.fail = False
-
-    def forward(self, x):
-        x = self.lin(x)
-        if self.fail:
-            raise RuntimeError("user error in forward")
-        return x
 
 
 def _compiled_error_recovery(rank, world_size):

@@ -11,8 +11,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from _harness import run_ranks
 from _models import (
-    MLPStack, batch_for_step, check_grads_match, comm_counts, global_mean, loss_fn, shard_llama, tiny_llama,
-    train_and_compare,
+    Boom, MLPStack, backward_on_both, batch_for_step, check_grads_match, comm_counts, loss_fn, paired_llama,
+    shard_llama, tiny_llama, train_and_compare,
 )
 from fsdp_graph import FSDPModule, fully_shard, register_fsdp_forward_method
 
@@ -55,10 +55,7 @@ def test_prefetch_and_explicit_unshard_keep_numbers(kind):
 
 
 def _accumulation(rank, world_size, reshard_after_backward):
-    torch.manual_seed(0)
-    model = tiny_llama()
-    reference = copy.deepcopy(model)
-    sharded = shard_llama(copy.deepcopy(model), fully_shard)
+    model, reference, sharded = paired_llama()
     sharded.set_reshard_after_backward(reshard_after_backward)
     num_micro = 3
     counts = collections.Counter()
@@ -100,19 +97,6 @@ def test_reshard_after_forward_to_smaller_group():
     assert counts == {"_allgather_base_": 6, "_reduce_scatter_base_": 3}
 
 
-class Boom(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.fail = False
-
-    def forward(self, x):
-        x = self.lin(x)
-        if self.fail:
-            raise RuntimeError("user error in forward")
-        return x
-
-
 def _error_recovery(rank, world_size):
     torch.manual_seed(0)
     model = nn.Sequential(Boom(), Boom(), nn.Linear(4, 1))
@@ -136,10 +120,7 @@ def test_forward_error_leaves_model_usable():
 
 
 def _backward_error_recovery(rank, world_size):
-    torch.manual_seed(0)
-    model = tiny_llama()
-    reference = copy.deepcopy(model)
-    sharded = shard_llama(copy.deepcopy(model), fully_shard)
+    model, reference, sharded = paired_llama()
     x, y, lx, ly = batch_for_step(model, 0, 8, rank, world_size)
     out = sharded(lx)
 
@@ -199,14 +180,9 @@ def test_gradient_divide_factor():
 
 
 def _not_last_backward(rank, world_size):
-    torch.manual_seed(0)
-    model = tiny_llama()
-    reference = copy.deepcopy(model)
-    sharded = shard_llama(copy.deepcopy(model), fully_shard)
+    model, reference, sharded = paired_llama()
     sharded.set_is_last_backward(False)  # backward does not wait for its last reduce-scatter
-    x, y, lx, ly = batch_for_step(model, 0, 8, rank, world_size)
-    loss_fn(reference, reference(x), y).backward()
-    loss_fn(sharded, sharded(lx), ly).backward()
+    lx, ly = backward_on_both(reference, sharded, 0, rank, world_size)
     sharded.set_is_last_backward(True)
     with torch.no_grad():
         sharded(lx)  # the next root forward finishes what is pending

@@ -1,7 +1,6 @@
 """Ways of wrapping: root only, nested, several modules in one group, tied and frozen parameters."""
 
 import torch
-import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from _harness import run_ranks
