@@ -12,7 +12,7 @@ from _compile_helpers import train_compiled_and_compare
 from _harness import run_ranks
 from _models import MLPStack, batch_for_step, loss_fn, shard_llama, tiny_llama
 from fsdp_graph import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from test_features import _deterministic_init
+from test_features import _deterministic_init, meta_sharded_mlp
 
 
 def _model(name):
@@ -49,20 +49,8 @@ def _shard(name):
     return shard
 
 
-def _meta_shard(m):
-    # Built on meta, sharded, materialized and initialized: must train like `m`.
-    with torch.device("meta"):
-        fresh = MLPStack()
-    for block in fresh.blocks:
-        fully_shard(block)
-    fully_shard(fresh)
-    fresh.to_empty(device="cpu")
-    _deterministic_init(fresh)
-    return fresh
-
-
 def _feature(rank, world_size, name):
-    shard = _meta_shard if name == "meta_init" else _shard(name)
+    shard = meta_sharded_mlp if name == "meta_init" else _shard(name)
     result = train_compiled_and_compare(
         _model(name), shard, fsdp_graph.backend(compiler="aot_eager"), rank, world_size
     )

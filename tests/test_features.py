@@ -98,9 +98,8 @@ def _deterministic_init(model):
         nn.init.constant_(p, 0.05 * (i % 5) - 0.1)
 
 
-def _meta_init(rank, world_size):
-    reference = MLPStack()
-    _deterministic_init(reference)
+def meta_sharded_mlp(_unused=None) -> MLPStack:
+    """An MLPStack built on meta, sharded (blocks, root), materialized on CPU and initialized."""
     with torch.device("meta"):
         model = MLPStack()
     for block in model.blocks:
@@ -108,6 +107,13 @@ def _meta_init(rank, world_size):
     fully_shard(model)
     model.to_empty(device="cpu")
     _deterministic_init(model)
+    return model
+
+
+def _meta_init(rank, world_size):
+    reference = MLPStack()
+    _deterministic_init(reference)
+    model = meta_sharded_mlp()
     for name, p in model.named_parameters():
         assert torch.equal(p.full_tensor(), reference.get_parameter(name).detach()), name
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from _harness import fake_process_group
+from test_errors import _raises
 from _models import MLPStack
 from fsdp_graph import fully_shard, register_fsdp_forward_method
 
@@ -19,13 +20,6 @@ from fsdp_graph import fully_shard, register_fsdp_forward_method
 def process_group():
     with fake_process_group(4):
         yield
-
-
-def _raises(exc, match, fn, *args, **kwargs):
-    with pytest.raises(exc, match=match) as info:
-        fn(*args, **kwargs)
-    assert type(info.value) is exc  # never an AssertionError or a subclass surprise
-    return info.value
 
 
 def _sharded_mlp():
