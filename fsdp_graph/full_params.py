@@ -88,8 +88,7 @@ def summon_full_params(
         with torch.no_grad():
             for p, full in summoned:
                 if writeback:
-                    start = p.mesh_info.shard_rank * p.padded_dim0
-                    p.local_shard.copy_(full.detach()[start : start + p.num_valid_rows])
+                    p.local_shard.copy_(p.own_rows(full.detach()))
                 p.install(sharded=True)
 
 

@@ -99,10 +99,10 @@ class ShardedParam:
         self.row_numel = math.prod(self.orig_size[1:])
         self.padded_dim0 = math.ceil(dim0 / world)
         self.shard_numel = self.padded_dim0 * self.row_numel
-        start = min(rank * self.padded_dim0, dim0)
-        self.num_valid_rows = min(self.padded_dim0, dim0 - start)
+        self.row_start = min(rank * self.padded_dim0, dim0)  # this rank's first row of the full tensor
+        self.num_valid_rows = min(self.padded_dim0, dim0 - self.row_start)
 
-        local = param.detach()[start : start + self.num_valid_rows]
+        local = self.own_rows(param.detach())
         local = local.clone() if local.is_meta else local.to(shard_device, copy=True)
         self.sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
 
@@ -182,6 +182,10 @@ class ShardedParam:
                 f"parameters (e.g. reset_parameters())"
             )
 
+    def own_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's valid rows of a full (unsharded) tensor of this parameter's shape."""
+        return full[self.row_start : self.row_start + self.num_valid_rows]
+
     def install(self, sharded: bool) -> None:
         """Register the sharded or the unsharded parameter on every owner module."""
         param = self.sharded_param if sharded else self.unsharded_param
@@ -190,9 +194,8 @@ class ShardedParam:
 
     def scatter_from(self, full: torch.Tensor | None, src: int) -> None:
         """Overwrite the shard with this rank's rows of `full`, which only global rank `src` has."""
-        world, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
+        world = self.mesh_info.shard_size
         local = self.local_shard
-        rows = torch.empty((self.padded_dim0, *self.orig_size[1:]), dtype=self.orig_dtype, device=self.device)
         group = self.mesh_info.shard_group
         if self.mesh_info.is_hsdp or src not in dist.get_process_group_ranks(group):
             # The source is not in this shard group: every rank receives the whole parameter.
@@ -200,9 +203,9 @@ class ShardedParam:
                 self.orig_size, dtype=self.orig_dtype, device=self.device
             )
             dist.broadcast(whole, src=src)
-            start = rank * self.padded_dim0
-            local.copy_(whole[start : start + self.num_valid_rows])
+            local.copy_(self.own_rows(whole))
             return
+        rows = torch.empty((self.padded_dim0, *self.orig_size[1:]), dtype=self.orig_dtype, device=self.device)
         chunks = None
         if dist.get_rank() == src:
             padded = full.new_zeros((world * self.padded_dim0, *self.orig_size[1:]), dtype=self.orig_dtype, device=self.device)
