@@ -5,7 +5,7 @@
 
 Dynamo traces each group's unshard into the graph (runtime/traced.py). This backend runs the joint
 forward-backward graph through the pass pipeline (passes/), partitions it with the min-cut
-partitioner, and hands forward and backward to Inductor or to plain eager execution (`aot_eager`).
+partitioner (fsdp_graph/partition.py), and hands forward and backward to Inductor or to plain eager execution (`aot_eager`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule
 
 from .dump import GraphDump, count_ops
+from .partition import InductorPartitioner, partition
 from .passes.nodes import GROUP_KEY, fsdp_meta
 from .passes.cost_model import CostModel, Profile
 from .passes.pipeline import GraphPass, PassPipeline
@@ -209,11 +210,9 @@ class FSDPGraphBackend:
 
     def _aot_eager(self, gm, example_inputs, graph_id, joint: PassPipeline, dump: Optional[GraphDump]):
         from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        def partition(joint_gm, joint_inputs, **kwargs):
-            joint_gm = joint(joint_gm, graph_id)
-            return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+        def partition_joint(joint_gm, joint_inputs, **kwargs):
+            return partition(joint(joint_gm, graph_id), joint_inputs, **kwargs)
 
         schedule = PassPipeline("schedule", self.config.scheduling_passes(False), self.config.disabled_passes, dump)
 
@@ -228,14 +227,17 @@ class FSDPGraphBackend:
         return aot_autograd(
             fw_compiler=inner("forward"),
             bw_compiler=inner("backward"),
-            partition_fn=partition,
+            partition_fn=partition_joint,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
 
     def _inductor(self, gm, example_inputs, graph_id, joint: PassPipeline, dump: Optional[GraphDump]):
         from torch._inductor.compile_fx import compile_fx
 
-        patches: dict[str, Any] = {"joint_custom_pre_pass": _InductorJointPass(joint, graph_id, dump is not None)}
+        patches: dict[str, Any] = {
+            "joint_custom_pre_pass": _InductorJointPass(joint, graph_id, dump is not None),
+            "custom_partitioner_fn": InductorPartitioner(),
+        }
         schedule = PassPipeline("schedule", self.config.scheduling_passes(True), self.config.disabled_passes, dump)
         patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump, schedule, self.config)
         return compile_fx(gm, example_inputs, config_patches=patches)

@@ -83,6 +83,7 @@ class FSDPState:
         self._num_forwards_done = 0  # modules of this call whose forward finished this step
         self._modules_in_forward: set[nn.Module] = set()  # modules of this call that entered forward
         self._traced_num_forwards = 0  # the same while Dynamo traces; owned by runtime/traced.py
+        traced.trace_hooks_inside_checkpoint()
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook)

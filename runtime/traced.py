@@ -164,6 +164,23 @@ def post_forward(state: "FSDPState", module: torch.nn.Module, output: Any) -> An
     return output
 
 
+# [Note: Sharded modules inside activation checkpointing]
+# `checkpoint(block, h)` around a sharded module runs the module's hooks inside Dynamo's checkpoint
+# region, and the traced hooks write state that lives outside it (the parameter shadows, the
+# forward counter). By default Dynamo refuses such writes in a checkpoint region, since eager
+# checkpointing would run them again in the recompute, and breaks the graph there: the whole root
+# would fall back. Our writes undo themselves within the module's call and only steer tracing;
+# the recompute needs the graph's ops, not them. So the first `fully_shard` turns on Dynamo's
+# `skip_fwd_side_effects_in_bwd_under_checkpoint`: side effects in a checkpointed function run once,
+# in forward. (A user's own side effect in a checkpointed function is then also not run again in
+# backward; see README, Compiled training.) The recomputed region gathers its group once, like the
+# reshard_after_forward re-gather: tests/test_compile_features.py counts them.
+
+
+def trace_hooks_inside_checkpoint() -> None:
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
 # -- fallback --------------------------------------------------------------------------------------
 
 # [Note: Fallback to the eager hooks]

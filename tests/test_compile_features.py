@@ -3,6 +3,9 @@ like the eager runtime, on 2 gloo ranks. The eager halves of these features are 
 test_runtime_wrapping.py and test_runtime_fsdp2_parity.py."""
 
 import copy
+import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from _compile_helpers import train_compiled_and_compare
 from _harness import run_ranks
 from _models import MLPStack, batch_for_step, loss_fn, shard_llama, tiny_llama
 from fsdp_graph import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from test_features import _deterministic_init, meta_sharded_mlp
+from test_features import CheckpointedLlama, _deterministic_init, _wrapped_blocks, meta_sharded_mlp
 
 
 def _model(name):
@@ -92,3 +95,42 @@ def _mixed_precision(rank, world_size):
 
 def test_bf16_mixed_precision_compiled_equals_eager():
     assert run_ranks(_mixed_precision, 2) == {}
+
+
+def _activation_checkpointing(rank, world_size, how):
+    torch.manual_seed(0)
+    model = tiny_llama()
+    if how == "checkpoint":
+        model.__class__ = CheckpointedLlama  # checkpoint(layer, ...) around each sharded block
+    else:
+        model = _wrapped_blocks(model)  # checkpoint_wrapper, then fully_shard on the wrapper
+    with tempfile.TemporaryDirectory() as tmp:
+        backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=tmp)
+        result = train_compiled_and_compare(model, lambda m: shard_llama(m, fully_shard), backend, rank, world_size)
+        summary = json.loads((Path(tmp) / "summary.json").read_text())
+    (graphs,) = summary["graphs"].values()
+
+    def ops(kind, op):
+        return [c["group"] for c in graphs[kind]["collectives"] if c["op"] == op]
+
+    return {
+        "fallbacks": result["fallbacks"],
+        "forward_gathers": ops("forward", "all_gather_into_tensor"),
+        "backward_gathers": ops("backward", "all_gather_into_tensor"),
+        "backward_reductions": ops("backward", "reduce_scatter_tensor"),
+        "saved_unsharded": sorted({s["group"] for s in graphs["forward"]["saved_unsharded"]}),
+    }
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_wrapper"])
+def test_activation_checkpointing_compiled(how):
+    """Parity with the unsharded model and bitwise with the eager runtime; one graph; and the
+    recomputed blocks gather once each in backward, exactly as without checkpointing."""
+    got = run_ranks(_activation_checkpointing, 2, how)
+    assert got == {
+        "fallbacks": {},
+        "forward_gathers": ["<root>", "layers.0", "layers.1"],
+        "backward_gathers": ["layers.1", "layers.0"],
+        "backward_reductions": ["layers.1", "layers.0", "<root>"],
+        "saved_unsharded": ["<root>"],  # the root keeps its parameters (reshard_after_forward=False)
+    }, got

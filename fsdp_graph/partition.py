@@ -1,0 +1,97 @@
+"""The partitioner the backend uses: torch's min-cut partitioner, then one repair of its output.
+
+[Note: RNG states saved next to device meshes]
+A sharded parameter is a DTensor graph input, so AOTAutograd passes its `DeviceMesh` into the joint
+graph as an opaque input, and the backward graph needs it (the gradient is a DTensor on that mesh):
+the forward saves the mesh for backward. Activation checkpointing recomputes its region in
+backward; when the region holds a random op (CPU attention counts as one: it can drop out), the
+partitioner stashes the RNG state in forward and appends it to the saved values, just before the
+saved SymInts. torch 2.13 expects saved values in the order
+
+    tensors (version-checked), tensors (not version-checked), opaque objects, SymInts
+
+so an RNG state appended after the meshes lands in the opaque slice and the first compiled step
+fails with "expected all tensors_saved_with_vc_check to be Tensors". `put_rng_states_with_tensors`
+moves those RNG states (forward outputs and the matching backward inputs) back among the
+version-checked tensors. Nothing else changes: no op, no value, only the order of the hand-off.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional, Sequence
+
+import torch
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch.fx import GraphModule, Node
+
+_RUN_AND_SAVE_RNG_STATE = torch._prims.rng_prims.run_and_save_rng_state
+
+
+def partition(joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> tuple[GraphModule, GraphModule]:
+    """`min_cut_rematerialization_partition`, with `put_rng_states_with_tensors` applied."""
+    num_fwd_outputs = kwargs["num_fwd_outputs"]
+    forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    put_rng_states_with_tensors(forward, backward, num_fwd_outputs)
+    return forward, backward
+
+
+class InductorPartitioner(CustomPartitionerFn):
+    """`partition` as Inductor's `custom_partitioner_fn` (Inductor runs its joint passes first)."""
+
+    def __call__(self, gm: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+        return partition(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> Optional[str]:
+        return "fsdp_graph.partition.v1"
+
+
+def _is_rng_state(node: Any) -> bool:
+    return (
+        isinstance(node, Node)
+        and node.target is operator.getitem
+        and node.args[1] == 0
+        and isinstance(node.args[0], Node)
+        and node.args[0].target is _RUN_AND_SAVE_RNG_STATE
+    )
+
+
+def _is_plain_saved_tensor(node: Any) -> bool:
+    """A saved value in the first (version-checked tensors) slice of the hand-off."""
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return isinstance(val, torch.Tensor) and not node.meta.get("saved_tensor_with_no_vc_check", False)
+
+
+def put_rng_states_with_tensors(forward: GraphModule, backward: GraphModule, num_fwd_outputs: int) -> None:
+    """See [Note: RNG states saved next to device meshes]. A no-op when the order is already right."""
+    output = next(iter(forward.graph.find_nodes(op="output")))
+    outputs = list(output.args[0])
+    saved = outputs[num_fwd_outputs:]
+    rng = [n for n in saved if _is_rng_state(n)]
+    if not rng:
+        return
+    rest = [n for n in saved if not _is_rng_state(n)]
+    num_plain = 0
+    while num_plain < len(rest) and _is_plain_saved_tensor(rest[num_plain]):
+        num_plain += 1
+    reordered = rest[:num_plain] + rng + rest[num_plain:]
+    if reordered == saved:
+        return
+    output.args = (tuple(outputs[:num_fwd_outputs] + reordered),)
+
+    # Backward inputs: saved SymInts first, then the saved values in the forward's order, the RNG
+    # states last before the tangents (they are named after them).
+    placeholders = list(backward.graph.find_nodes(op="placeholder"))
+    num_symints = sum(1 for n in saved if isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)))
+    rng_inputs = [p for p in placeholders if p.name.startswith("rng_state_output")]
+    if len(rng_inputs) != len(rng):
+        raise RuntimeError(
+            f"fsdp_graph: the backward graph has {len(rng_inputs)} RNG-state inputs for {len(rng)} saved "
+            f"RNG states; please report this with the graph dump (FSDP_GRAPH_DUMP=dir)"
+        )
+    anchor = placeholders[num_symints + num_plain]
+    for p in rng_inputs:
+        anchor.prepend(p)
+    forward.recompile()
+    backward.recompile()
