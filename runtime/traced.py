@@ -53,30 +53,37 @@ _C10D = torch.ops._c10d_functional
 class _AllGatherShards(torch.autograd.Function):
     """Forward: all-gather a flat bucket. Backward: reduce-scatter (SUM) its gradient and divide.
 
+    The bucket is `trainable` then `frozen` (None when the group has no frozen parameters): frozen
+    parameters are gathered with the rest but get no gradient, and their columns are left out of
+    the reduce-scatter, as the eager runtime leaves them out of its bucket.
     Both directions are functional collectives followed by `wait_tensor`, so they are graph nodes
     that passes can move. See [Note: Traced unshard].
     """
 
     @staticmethod
-    def forward(ctx, flat, all_gather_dtype, reduce_dtype, world, group_name, replicate, divide_factor):
+    def forward(ctx, trainable, frozen, all_gather_dtype, reduce_dtype, world, group_name, replicate, divide_factor):
         ctx.reduce_dtype = reduce_dtype
-        ctx.flat_dtype = flat.dtype
+        ctx.flat_dtype = trainable.dtype
         ctx.world = world
         ctx.group_name = group_name
         ctx.replicate = replicate  # HSDP: the replicate axis' group name; else None
         ctx.divide_factor = divide_factor
+        ctx.trainable_numel = trainable.numel()
+        flat = trainable if frozen is None else torch.cat([trainable, frozen])
         gathered = _C10D.all_gather_into_tensor(flat.to(all_gather_dtype), world, group_name)
         return _C10D.wait_tensor(gathered)
 
     @staticmethod
     def backward(ctx, grad):
         dtype = ctx.reduce_dtype or grad.dtype
+        if grad.numel() != ctx.world * ctx.trainable_numel:  # leave the frozen columns out
+            grad = grad.view(ctx.world, -1)[:, : ctx.trainable_numel].contiguous().view(-1)
         reduced = _C10D.reduce_scatter_tensor(grad.to(dtype).contiguous(), "sum", ctx.world, ctx.group_name)
         reduced = _C10D.wait_tensor(reduced)
         if ctx.replicate is not None:
             reduced = _C10D.wait_tensor(_C10D.all_reduce(reduced, "sum", ctx.replicate))
         reduced = reduced / ctx.divide_factor
-        return reduced.to(ctx.flat_dtype), None, None, None, None, None, None
+        return reduced.to(ctx.flat_dtype), None, None, None, None, None, None, None
 
 
 def _reshards_after_forward(group: "ParamGroup") -> bool:
@@ -87,25 +94,23 @@ def _reshards_after_forward(group: "ParamGroup") -> bool:
 
 def unshard(group: "ParamGroup") -> list[torch.Tensor]:
     """Trace the all-gather of `group`; returns one unsharded tensor per `group.params` entry."""
-    params = group.params
     world = group.world
-    orig_dtypes = {p.orig_dtype for p in params}
+    orig_dtypes = {p.orig_dtype for p in group.params}
     flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else group.all_gather_dtype
     mesh_info = group.mesh_info
     replicate = mesh_info.replicate_group.group_name if mesh_info.is_hsdp else None
     divide_factor = group.gradient_divide_factor or float(world * mesh_info.replicate_size)
+    # Trainable parameters first, in group order: the columns the backward reduces are the eager
+    # runtime's reduce-scatter bucket, so gradients match it bit for bit.
+    trainable = [i for i, p in enumerate(group.params) if p.requires_grad]
+    frozen = [i for i, p in enumerate(group.params) if not p.requires_grad]
+    if not trainable:
+        trainable, frozen = frozen, []
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
     with annotate(annotation):
-        pieces = []
-        for p in params:
-            local = p.sharded_param.to_local().reshape(-1)
-            num_padding = p.shard_numel - p.num_valid_rows * p.row_numel
-            if num_padding:
-                local = F.pad(local, (0, num_padding))
-            pieces.append(local.to(flat_dtype))
-        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         gathered = _AllGatherShards.apply(
-            flat,
+            _flat_shards([group.params[i] for i in trainable], flat_dtype),
+            _flat_shards([group.params[i] for i in frozen], flat_dtype) if frozen else None,
             group.all_gather_dtype,
             group.mp_policy.reduce_dtype,
             world,
@@ -114,14 +119,27 @@ def unshard(group: "ParamGroup") -> list[torch.Tensor]:
             divide_factor,
         )
         rows = gathered.view(world, -1)
-        unsharded = []
+        unsharded: list = [None] * len(group.params)
         offset = 0
-        for p in params:
+        for i in trainable + frozen:
+            p = group.params[i]
             chunk = rows[:, offset : offset + p.shard_numel]
             offset += p.shard_numel
             full = chunk.reshape(world * p.padded_dim0, *p.orig_size[1:])
-            unsharded.append(full[: p.orig_size[0]])
+            unsharded[i] = full[: p.orig_size[0]]
     return unsharded
+
+
+def _flat_shards(params: list, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's shards of `params`, each padded to its full shard size, as one flat tensor."""
+    pieces = []
+    for p in params:
+        local = p.sharded_param.to_local().reshape(-1)
+        num_padding = p.shard_numel - p.num_valid_rows * p.row_numel
+        if num_padding:
+            local = F.pad(local, (0, num_padding))
+        pieces.append(local.to(dtype))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
 def _install(group: "ParamGroup", unsharded: Optional[list[torch.Tensor]]) -> None:

@@ -134,3 +134,10 @@ def test_activation_checkpointing_compiled(how):
         "backward_reductions": ["layers.1", "layers.0", "<root>"],
         "saved_unsharded": ["<root>"],  # the root keeps its parameters (reshard_after_forward=False)
     }, got
+
+
+def test_grad_scaler_compiled():
+    from test_features import grad_scaler_run
+
+    scales = run_ranks(grad_scaler_run, 2, True)
+    assert [s for s, _ in scales] == [s for _, s in scales] == [2.0**16, 2.0**15, 2.0**15, 2.0**16], scales

@@ -40,21 +40,25 @@ class CompiledGraphTest(expecttest.TestCase):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
 
-    def compile_step(self, backend_options=None, **shard_kwargs) -> dict:
-        """Shard, compile with aot_eager, run one step; returns the dumped graphs and summary."""
+    def compile_step(self, backend_options=None, shard=None, **shard_kwargs) -> dict:
+        """Shard (fc1, fc2, root; or `shard(model)`), compile with aot_eager, run one step; returns
+        the dumped graphs and summary."""
         with tempfile.TemporaryDirectory() as tmp:
-            return self._compile_step(Path(tmp), backend_options or {}, shard_kwargs)
+            return self._compile_step(Path(tmp), backend_options or {}, shard, shard_kwargs)
 
-    def _compile_step(self, tmp: Path, backend_options: dict, shard_kwargs: dict) -> dict:
+    def _compile_step(self, tmp: Path, backend_options: dict, shard, shard_kwargs: dict) -> dict:
         torch.manual_seed(0)
         model = TwoLayerMLP()
-        fully_shard(model.fc1, **shard_kwargs)
-        fully_shard(model.fc2, **shard_kwargs)
-        fully_shard(model)
+        if shard is not None:
+            shard(model)
+        else:
+            fully_shard(model.fc1, **shard_kwargs)
+            fully_shard(model.fc2, **shard_kwargs)
+            fully_shard(model)
         backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=str(tmp), **backend_options)
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         compiled(torch.randn(2, 16)).sum().backward()
-        assert model.fc1.weight.grad.placements == model.fc1.weight.placements
+        assert model.fc2.weight.grad.placements == model.fc2.weight.placements
         summary = json.loads((tmp / "summary.json").read_text())
         (graph_id,) = summary["graphs"]
         return {
@@ -106,7 +110,7 @@ view_7 = aten.view(alias_1, [8, 16]) : float32[8, 16]  # recompute
 slice_2 = aten.slice.Tensor(view_7, 0, 0, 4) : float32[4, 16]  # recompute
 t_1 = aten.t(slice_2) : float32[16, 4]
 mm_1 = aten.mm(relu, t_1) : float32[2, 4]
-return [mm_1, primals_1, primals_2, primals_4, relu, primals_3, primals_5]
+return [mm_1, primals_1, primals_2, primals_4, relu, primals_3]
 """)
         self.assertExpectedInline(graphs["backward"], """\
 primals_1: float32[2, 16]
@@ -114,7 +118,6 @@ primals_2: float32[2, 16]
 primals_4: float32[1, 16]
 relu: float32[2, 16]
 primals_3: 
-primals_5: 
 tangents_1: float32[2, 4]
 t_2 = aten.t(tangents_1) : float32[4, 2]
 mm_2 = aten.mm(t_2, relu) : float32[4, 16]
@@ -154,7 +157,7 @@ wait_tensor_3 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1) : float32[
 div_1 = aten.div.Tensor(wait_tensor_3, 8.0) : float32[32]
 view_14 = aten.view(div_1, [2, 16]) : float32[2, 16]
 view_15 = aten.view(view_14, [2, 16]) : float32[2, 16]
-return [None, view_15, primals_3, view_11, primals_5]
+return [None, view_15, primals_3, view_11, primals_3]
 """)
 
     def test_no_reshard_after_forward_saves_unsharded_and_never_regathers(self):
@@ -190,3 +193,15 @@ backward reduce_scatter_tensor fc1""")
             self.collectives(self.compile_step(reshard_after_forward=2)),
             self.collectives(self.compile_step(reshard_after_forward=True)),
         )
+
+    def test_frozen_parameters_are_gathered_but_not_reduced(self):
+        def shard(model):
+            model.fc1.weight.requires_grad_(False)  # LoRA-style: frozen and trainable in one group
+            fully_shard(model)
+
+        graphs = self.compile_step(shard=shard)
+        sizes = {(kind, c["op"]): c["bytes"] for kind in ("forward", "backward") for c in graphs["summary"][kind]["collectives"]}
+        # Per rank: fc1 2 rows x 16, fc2 1 row x 16 (4 rows padded to 8), fp32. The all-gather
+        # brings both to all 8 ranks; the reduce-scatter carries fc2's row only.
+        self.assertEqual(sizes, {("forward", "all_gather_into_tensor"): 8 * (32 + 16) * 4,
+                                 ("backward", "reduce_scatter_tensor"): 16 * 4})

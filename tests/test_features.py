@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from _harness import run_ranks
 from _models import (
     backward_on_both, paired_llama,
-    Llama, MLPStack, batch_for_step, check_grads_match, comm_counts, loss_fn, shard_llama, tiny_llama,
+    Llama, MLPStack, batch_for_step, check_grads_match, check_params_match, comm_counts, loss_fn, shard_llama, tiny_llama,
     train_and_compare,
 )
 from fsdp_graph import CPUOffloadPolicy, fully_shard
@@ -122,3 +122,44 @@ def _meta_init(rank, world_size):
 
 def test_meta_device_init_then_to_empty():
     run_ranks(_meta_init, 2)
+
+
+def grad_scaler_run(rank, world_size, compiled):
+    """`torch.amp.GradScaler` on a sharded model against the unsharded model with its own scaler.
+
+    Step 1 puts an inf into one gradient row that only rank 1 holds (and into the same row of the
+    reference): the scaler must skip the step on every rank, as it does on the reference, and back
+    off its scale; the other steps must step and match.
+    """
+    import fsdp_graph
+
+    model, reference, sharded = paired_llama()
+    run = torch.compile(sharded, backend=fsdp_graph.backend(compiler="aot_eager")) if compiled else sharded
+    poisoned = "layers.1.feed_forward.w1.weight"
+    row = sharded.get_parameter(poisoned).shape[0] - 1  # the last row: rank 1's shard
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, sharded)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2) for _ in range(2)]
+    scales = []
+    for step in range(4):
+        x, y, lx, ly = batch_for_step(model, step, 8, rank, world_size)
+        for m, forward, batch, opt, scaler in zip(
+            (reference, sharded), (reference, run), ((x, y), (lx, ly)), optimizers, scalers
+        ):
+            scaler.scale(loss_fn(m, forward(batch[0]), batch[1])).backward()
+            if step == 1:
+                grad = m.get_parameter(poisoned).grad
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                if not isinstance(grad, DTensor) or rank == world_size - 1:
+                    local[-1 if isinstance(grad, DTensor) else row, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        scales.append((scalers[0].get_scale(), scalers[1].get_scale()))
+        check_params_match(sharded, reference, atol=1e-5)
+    return scales
+
+
+def test_grad_scaler_skips_and_steps_like_unsharded():
+    scales = run_ranks(grad_scaler_run, 2, False)
+    assert [s for s, _ in scales] == [s for _, s in scales], scales
+    assert [s for s, _ in scales] == [2.0**16, 2.0**15, 2.0**15, 2.0**16], scales  # skip at step 1, regrow
