@@ -37,6 +37,8 @@ class FSDPModule:
         # in a file Dynamo traces, the whole call (hooks and forward) becomes one frame, without
         # changing torch's `wrap_top_frame` config. In eager this is one plain Python call more.
         # Each FSDP class gets its own copy of this code object: see `_own_call`.
+        if torch.compiler.is_compiling() and self._fsdp_state.eager_only_reason() is not None:
+            return _call_on_eager_hooks(self, args, kwargs)  # [Note: Groups that stay on the eager hooks]
         return super().__call__(*args, **kwargs)
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle":
@@ -220,6 +222,11 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 @functools.lru_cache(maxsize=None)
 def _fsdp_class(cls: type) -> type:
     return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__call__": _own_call(cls)})
+
+
+@torch._dynamo.disable
+def _call_on_eager_hooks(module: nn.Module, args: tuple, kwargs: dict):
+    return nn.Module.__call__(module, *args, **kwargs)
 
 
 def _own_call(cls: type):

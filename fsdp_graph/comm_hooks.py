@@ -3,13 +3,14 @@
 A hook is `hook(state, grad, output, group)`: `grad` is the group's packed gradient (every rank's
 slots, flat, in the reduce dtype), `output` this rank's slot to fill with the SUM over `group`.
 fsdp_graph then all-reduces across replicas (HSDP) and divides by the data-parallel size, as it
-does without a hook. Groups with a hook keep their reduce-scatter in the eager runtime.
+does without a hook. Under `torch.compile(backend="fsdp_graph")` a group with a hook runs on the
+eager runtime's hooks, logged as a fallback (runtime/traced.py, [Note: Groups that stay on the
+eager hooks]).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any, Callable
 
 import torch
@@ -17,7 +18,6 @@ import torch.distributed as dist
 
 from .api import FSDPModule
 
-logger = logging.getLogger(__name__)
 
 
 def bf16_compress_hook(state: Any, grad: torch.Tensor, output: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -36,11 +36,6 @@ def register_comm_hook(module: FSDPModule, state: Any, hook: Callable, *, recurs
         )
     if not callable(hook):
         raise TypeError(f"hook must be callable as hook(state, grad, output, group), got {hook!r}")
-    logger.warning(
-        "fsdp_graph::register_comm_hook (%s): the hook replaces the reduce-scatter of eager groups; "
-        "groups traced by torch.compile(backend='fsdp_graph') keep their in-graph reduce-scatter",
-        type(module).__name__,
-    )
     bound = functools.partial(hook, state)
     for fsdp_state in module._states(recurse):
         if fsdp_state.group is not None:

@@ -90,6 +90,9 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.gradient_divide_factor: Optional[float] = None
         self.comm_hook: Optional[CommHook] = None  # replaces the reduce-scatter (FSDP1 comm hooks)
+        # Unsharded gradients kept unreduced by a backward without sync (accumulation), until a
+        # backward with sync reduces them together with its own.
+        self.holds_unreduced_grads = False
 
         # Per-backward bookkeeping, reset by `reset_backward_state`.
         self._num_grads_ready = 0
@@ -210,8 +213,22 @@ class ParamGroup:
                     with_grad, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm, self.comm_hook
                 )
                 self.comm.add_reduce_scatter(work)
+                self.holds_unreduced_grads = False
+            elif with_grad:
+                self.holds_unreduced_grads = True
             if self.reshard_after_backward:
                 self.reshard()
+
+    def eager_only_reason(self) -> Optional[str]:
+        """Why this group cannot be traced into a graph right now, or None. See runtime/traced.py,
+        [Note: Groups that stay on the eager hooks]."""
+        if self.comm_hook is not None:
+            return "a comm hook is registered (fsdp_graph.comm_hooks); hooks run on the eager runtime"
+        if not self.requires_gradient_sync:
+            return "gradient sync is off (no_sync / set_requires_gradient_sync(False)): accumulating unreduced gradients"
+        if self.holds_unreduced_grads:
+            return "it holds gradients accumulated without sync, which this backward reduces"
+        return None
 
     def reset_backward_state(self) -> None:
         self._num_grads_ready = 0

@@ -121,6 +121,15 @@ class FSDPState:
                 state.group.set_reshard_after_forward(state_raf)
         logger.debug("fsdp_graph::claim_root (%s) states=%d", self.name, len(states))
 
+    def eager_only_reason(self) -> Optional[str]:
+        """Why calls under this state's root must run on the eager hooks when compiled, or None.
+        See [Note: Groups that stay on the eager hooks] in runtime/traced.py."""
+        for state in self.ctx.states if self.ctx is not None else [self]:
+            reason = state.group.eager_only_reason() if state.group is not None else None
+            if reason is not None:
+                return reason
+        return None
+
     # -- forward -------------------------------------------------------------------------------
 
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):

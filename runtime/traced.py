@@ -16,9 +16,8 @@ keeps parameters in `_parameters` and `__getattr__` is only a fallback, so the i
 and the module's forward reads the gathered tensor, while `named_parameters()`, the optimizer and
 `state_dict()` still see the DTensor. Post-forward deletes the shadows again.
 
-Differences from eager, by design: `requires_gradient_sync=False` still reduces each backward (the
-sum of reduced gradients equals the reduced sum); a parameter the forward does not use gets a zero
-gradient instead of None; an int `reshard_after_forward` re-gathers from the full shard group.
+Differences from eager, by design: a parameter the forward does not use gets a zero gradient
+instead of None; an int `reshard_after_forward` re-gathers from the full shard group.
 
 The all-gather and its gradient are one autograd.Function (`_AllGatherShards`) whose backward does
 what `collectives.reduce_scatter` does, in the same order: cast to the reduce dtype, reduce-scatter
@@ -218,6 +217,19 @@ def trace_hooks_inside_checkpoint() -> None:
 # The root falls back whenever any break propagates up to it, since its call encloses all others.
 
 
+# [Note: Groups that stay on the eager hooks]
+# Some controls change what a group's backward does in ways a graph does not express: a comm hook
+# (arbitrary Python replacing the reduce-scatter), gradient sync turned off (unsharded gradients
+# accumulate across backwards), and the first synced backward after that (it reduces what
+# accumulated). While `ParamGroup.eager_only_reason()` says so for any group under a root,
+# `FSDPModule.__call__` hands the root's whole call to a `torch._dynamo.disable`d function: a
+# graph break in the compiled frame itself, which Dynamo resumes after, so the call runs on the
+# eager hooks (logged with the reason) and nothing is marked to be skipped for good. A break
+# inside the hooks would not do: Dynamo cannot resume inside inlined code and would give up on
+# the frame. Dynamo guards on the flags it read, so once they clear the next step runs the full
+# graph again.
+
+
 def skip_when_not_inlined(*hooks) -> None:
     """Make Dynamo run `hooks` (and what they call) eagerly when it meets them as frames."""
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
@@ -242,5 +254,7 @@ def record_fallback(state: "FSDPState") -> None:
     """Note (once per state and root) that `state`'s hooks ran eagerly inside a compiled call."""
     fallbacks = state.ctx.fallbacks
     if state.name not in fallbacks:
-        fallbacks[state.name] = _FALLBACK_REASON
-        logger.warning("fsdp_graph::fallback (%s): %s", state.name, _FALLBACK_REASON)
+        reason = state.eager_only_reason()
+        reason = _FALLBACK_REASON if reason is None else f"its group stays on the eager runtime's hooks: {reason}"
+        fallbacks[state.name] = reason
+        logger.warning("fsdp_graph::fallback (%s): %s", state.name, reason)

@@ -241,6 +241,79 @@ def test_no_sync_accumulates_then_restores():
     run_ranks(_no_sync, 2)
 
 
+def _no_sync_compiled(rank, world_size):
+    import unittest.mock
+
+    import torch.distributed as dist
+
+    import fsdp_graph
+
+    model, reference, sharded = paired_llama()
+    compiled = torch.compile(sharded, backend=fsdp_graph.backend(compiler="aot_eager"))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, sharded)]
+    calls = []
+    reduce_scatter = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return reduce_scatter(*args, **kwargs)
+
+    for step in range(3):  # 2 steps of 3 micro-batches (2 without sync), then a plain step
+        num_micro = 3 if step < 2 else 1
+        calls.clear()
+        for micro in range(num_micro):
+            x, y, lx, ly = batch_for_step(model, 3 * step + micro, 8, rank, world_size)
+            (loss_fn(reference, reference(x), y) / num_micro).backward()
+            with unittest.mock.patch.object(dist, "reduce_scatter_single", counted):
+                if micro < num_micro - 1:
+                    with no_sync(sharded):
+                        (loss_fn(sharded, compiled(lx), ly) / num_micro).backward()
+                    assert all(p.grad is None for p in sharded.parameters()), "reduced without sync"
+                    assert calls == []
+                else:
+                    (loss_fn(sharded, compiled(lx), ly) / num_micro).backward()
+        check_grads_match(sharded, reference)
+        # Accumulating steps reduce once, on the eager runtime; the plain step runs the graph,
+        # whose reduce-scatters are functional collectives, not eager calls.
+        assert len(calls) == (3 if step < 2 else 0), (step, len(calls))
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    return dict(sharded._fsdp_state.ctx.fallbacks)
+
+
+def test_no_sync_compiled_accumulates_on_the_eager_hooks():
+    fallbacks = run_ranks(_no_sync_compiled, 2)
+    assert sorted(fallbacks) == ["<root>", "layers.0", "layers.1"], fallbacks
+    assert all("gradient sync is off" in reason for reason in fallbacks.values()), fallbacks
+
+
+def _bf16_hook_compiled(rank, world_size):
+    import fsdp_graph
+
+    model, _, eager = paired_llama()
+    traced = shard_llama(copy.deepcopy(model), fully_shard)
+    for m in (eager, traced):
+        register_comm_hook(m, None, bf16_compress_hook, recurse=True)
+    compiled = torch.compile(traced, backend=fsdp_graph.backend(compiler="aot_eager"))
+    for step in range(2):
+        _, _, lx, ly = batch_for_step(model, step, 8, rank, world_size)
+        loss_fn(eager, eager(lx), ly).backward()
+        loss_fn(traced, compiled(lx), ly).backward()
+        eager_grads = {n: p.grad.to_local() for n, p in eager.named_parameters()}
+        for name, p in traced.named_parameters():  # the same hook ran: bit for bit
+            assert torch.equal(p.grad.to_local(), eager_grads[name]), name
+            p.grad = None
+        eager.zero_grad()
+    return dict(traced._fsdp_state.ctx.fallbacks)
+
+
+def test_comm_hook_compiled_runs_on_the_eager_hooks():
+    fallbacks = run_ranks(_bf16_hook_compiled, 2)
+    assert sorted(fallbacks) == ["<root>", "layers.0", "layers.1"], fallbacks
+    assert all("comm hook" in reason for reason in fallbacks.values()), fallbacks
+
+
 def _bf16_hook(rank, world_size):
     model, reference, sharded = paired_llama()
     register_comm_hook(sharded, None, bf16_compress_hook, recurse=True)
