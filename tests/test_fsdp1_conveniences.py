@@ -327,3 +327,47 @@ def _bf16_hook(rank, world_size):
 
 def test_bf16_compress_hook_within_bf16_tolerance():
     run_ranks(_bf16_hook, 2)
+
+
+def _conveniences_compiled(rank, world_size, strategy):
+    """Under backend="fsdp_graph": a wrap-policy model with an FSDP1 strategy trains like the
+    unsharded model and bitwise like eager; then summon_full_params edits and full_state_dict
+    read the compiled model, and compiled training goes on from the edit."""
+    import fsdp_graph
+    from _compile_helpers import train_compiled_and_compare
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+
+    def shard(m):
+        return wrap(m, ModuleWrapPolicy({Block}), **strategy_kwargs(strategy))[0]
+
+    backend = fsdp_graph.backend(compiler="aot_eager")
+    result = train_compiled_and_compare(model, shard, backend, rank, world_size, steps=2)
+    assert result["fallbacks"] == {}, result["fallbacks"]
+
+    reference, sharded = copy.deepcopy(model), shard(copy.deepcopy(model))
+    compiled = torch.compile(sharded, backend=backend)
+    backward_on_both(reference, sharded, 0, rank, world_size)  # an eager step first
+    _, _, lx, ly = batch_for_step(model, 1, 8, rank, world_size)
+    loss_fn(sharded, compiled(lx), ly)  # compile (forward only)
+    with summon_full_params(sharded, writeback=True):
+        with torch.no_grad():
+            sharded.output.weight.mul_(0.5)
+    with torch.no_grad():
+        reference.output.weight.mul_(0.5)
+    for m in (reference, sharded):
+        m.zero_grad()
+    x, y, lx, ly = batch_for_step(model, 2, 8, rank, world_size)
+    loss_fn(reference, reference(x), y).backward()
+    loss_fn(sharded, compiled(lx), ly).backward()  # the compiled step sees the edit
+    check_grads_match(sharded, reference)
+    full = full_state_dict(sharded, rank0_only=False)
+    for k, v in reference.state_dict().items():
+        assert torch.equal(full[k], v), k
+    return dict(sharded._fsdp_state.ctx.fallbacks)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_conveniences_compiled(strategy):
+    assert run_ranks(_conveniences_compiled, 2, strategy) == {}
