@@ -9,6 +9,9 @@ re-gather, AG of the block before in forward order):
     AG(i+d) is issued before wait(AG(i)), so it runs under compute(i) (d = 1, or 2 when compute(i)
             alone cannot hide it); the first AG of a graph may go to the start of the graph;
     RS(i)   is issued right after the node that finishes its gradient;
+    RS(i+1) with the nodes computing its input moves before the nodes computing only RS(i)'s input,
+            when that hides more (the root's bucket at the end of a backward runs under the first
+            block's weight-gradient bucketing), and keeps moving up while it does;
     wait(RS(i)) and the nodes that only feed the graph's outputs from it move to just before the
             issue of RS(i+1) or RS(i+2), or to the graph's end: the place that hides the most;
     wait(AG(i)) stays just before its first user.
@@ -51,11 +54,13 @@ _MAX_PREFETCH_DEPTH = 2
 @dataclass
 class ScheduleReport:
     """What `reorder_for_overlap` decided. Attributes: prefetch_depth (all-gather name -> depth
-    kept), sunk_waits (collectives whose wait moved to the end), rejected ([collective, reason]),
+    kept), sunk_waits (collectives whose wait moved to the end), hoisted (reduce-scatters issued
+    before an earlier one, once per step up), rejected ([collective, reason]),
     peak_bytes and exposed_s before/after (simulated), max_in_flight_bytes after."""
 
     prefetch_depth: dict[str, int] = field(default_factory=dict)
     sunk_waits: list[str] = field(default_factory=list)
+    hoisted: list[str] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)
     peak_bytes_before: int = 0
     peak_bytes_after: int = 0
@@ -100,6 +105,39 @@ def _inputs_after(node: Node, anchor_index: int, index: dict[Node, int]) -> Opti
         found.add(n)
         stack.extend(n.all_input_nodes)
     return sorted(found, key=index.__getitem__)
+
+
+def _last_barrier(node: Node, limit: int, index: dict[Node, int]) -> int:
+    """The position of the last wait or collective that `node` depends on, looking back no further
+    than `limit` (-1 if none)."""
+    seen: set[Node] = set()
+    stack = list(node.all_input_nodes)
+    last = -1
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op == "placeholder" or index[n] < limit:
+            continue
+        seen.add(n)
+        if is_wait_tensor(n) or is_collective(n):
+            last = max(last, index[n])
+            continue
+        stack.extend(n.all_input_nodes)
+    return last
+
+
+def _own_inputs(node: Node, index: dict[Node, int]) -> list[Node]:
+    """The compute nodes whose every use is `node` or another of them, in order: what is computed
+    only for `node` (not placeholders, collectives or waits)."""
+    own: set[Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in own or n.op != "call_function" or is_wait_tensor(n) or is_collective(n):
+            continue
+        if all(u is node or u in own for u in n.users):
+            own.add(n)
+            stack.extend(n.all_input_nodes)
+    return sorted(own, key=index.__getitem__)
 
 
 def _output_tail(wait: Node) -> Optional[list[Node]]:
@@ -178,6 +216,47 @@ class _Scheduler:
             following = self.body[index[producer] + 1]
             self.body = _moved(self.body, [rs], following)
             rs.meta[PASS_META] = "reorder_for_overlap"
+
+    def _hoist_candidate(self, earlier: Node, later: Node) -> Optional[tuple[list[Node], list[Node]]]:
+        """(the body with `later` and what computes its input moved before what computes only
+        `earlier`'s input, the nodes moved), or None when that input is not ready there."""
+        index = {n: i for i, n in enumerate(self.body)}
+        own = _own_inputs(earlier, index)
+        if not own:
+            return None
+        barrier = _last_barrier(later, index[own[0]], index)
+        own = [n for n in own if index[n] > barrier]
+        if not own:
+            return None
+        moving = _inputs_after(later, index[own[0]], index)
+        if moving is None or not set(moving).isdisjoint(own):
+            return None
+        return _moved(self.body, moving, own[0]), moving
+
+    def hoist_reduce_scatters(self) -> None:
+        """RS(i+1), with what computes its input, moves before what computes only RS(i)'s input,
+        when that hides more; it keeps moving up while it does. At the end of a backward the root's
+        bucket (embedding and output weights, the largest) needs only the first block's input
+        gradient, so it is issued before the first block's weight gradients are reduced into their
+        bucket, and runs under that."""
+        k = 1
+        while k < len(reduces := [n for n in self.body if is_reduce_scatter(n)]):
+            earlier, later = reduces[k - 1], reduces[k]
+            found = self._hoist_candidate(earlier, later)
+            if found is not None:
+                candidate, moving = found
+                why, exposed = self._check(candidate)
+                if why is None and exposed < self.exposed - 1e-12:
+                    self._accept(candidate)
+                    self.report.hoisted.append(later.name)
+                    for n in moving:
+                        n.meta[PASS_META] = "reorder_for_overlap"
+                    k = max(k - 1, 1)
+                    continue
+                if why is not None:
+                    self.report.rejected.append((later.name, f"not issued before {earlier.name}: {why}"))
+                    logger.debug("fsdp_graph::reorder (%s) not issued before %s: %s", later.name, earlier.name, why)
+            k += 1
 
     def sink_waits(self) -> None:
         """Wait for RS(i) just before RS(i+1) or RS(i+2) is issued, or at the end: of the places
@@ -266,22 +345,25 @@ def reorder_for_overlap(
 
     Assumes: a partitioned forward or backward graph whose collectives are each waited on once.
     Guarantees: the same nodes with the same arguments, in a topological order; only all-gathers
-    with the data preparation feeding them, reduce-scatters, and reduce-scatter waits with what
-    only feeds the outputs from them move. `gm.meta[SCHEDULE_META]` holds a `ScheduleReport`.
+    with the data preparation feeding them, reduce-scatters with the nodes computing their input,
+    and reduce-scatter waits with what only feeds the outputs from them move.
+    `gm.meta[SCHEDULE_META]` holds a `ScheduleReport`.
     """
     if not any(is_collective(n) for n in gm.graph.nodes):
         return gm
     scheduler = _Scheduler(gm, cost_model, max_bytes_in_flight, memory_budget_bytes)
     scheduler.issue_reduce_scatters_early()
     scheduler._measure_current()
+    scheduler.hoist_reduce_scatters()
     scheduler.sink_waits()
     scheduler.prefetch_all_gathers()
     scheduler.apply(gm)
     gm.meta[SCHEDULE_META] = scheduler.report
     r = scheduler.report
     logger.debug(
-        "fsdp_graph::reorder prefetch %s, %d waits sunk, exposed %.3g -> %.3g s, peak %d -> %d bytes",
-        r.prefetch_depth, len(r.sunk_waits), r.exposed_s_before, r.exposed_s_after, r.peak_bytes_before, r.peak_bytes_after,
+        "fsdp_graph::reorder prefetch %s, %d reduce-scatters hoisted, %d waits sunk, exposed %.3g -> %.3g s, peak %d -> %d bytes",
+        r.prefetch_depth, len(r.hoisted), len(r.sunk_waits), r.exposed_s_before, r.exposed_s_after, r.peak_bytes_before,
+        r.peak_bytes_after,
     )
     gm.graph.lint()
     gm.recompile()
@@ -293,8 +375,9 @@ def pin_order(gm: GraphModule) -> GraphModule:
 
     Assumes: the graph is in the order to keep (run after `reorder_for_overlap`), about to be lowered
     by Inductor. Guarantees: each collective gets an edge to the compute node after it (it is issued
-    before that compute), and each wait an edge from the compute node before it (it is not hoisted
-    above that compute), so the overlap windows survive Inductor's reordering. Values unchanged.
+    before that compute), and each wait an edge from the compute node and the collective before it
+    (it is not hoisted above either), so the overlap windows survive Inductor's reordering. Values
+    unchanged.
     """
     from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
     from torch.utils._ordered_set import OrderedSet
@@ -305,6 +388,7 @@ def pin_order(gm: GraphModule) -> GraphModule:
     if not any(is_collective(n) for n in nodes):
         return gm
     compute = [i for i, n in enumerate(nodes) if _kind(n) is OpKind.COMPUTE]
+    issued = [i for i, n in enumerate(nodes) if is_collective(n)]
     deps: dict[Node, OrderedSet[Node]] = {}
     import bisect
 
@@ -320,6 +404,11 @@ def pin_order(gm: GraphModule) -> GraphModule:
             if k >= 0:
                 before = nodes[compute[k]]
                 deps.setdefault(node, OrderedSet()).add(before)
+            # Also after the collective issued last before it: Inductor may fuse that compute node
+            # into a kernel it runs later and drop the edge, but it never fuses a collective.
+            k = bisect.bisect_left(issued, i) - 1
+            if k >= 0 and nodes[issued[k]] is not collective_of(node):
+                deps.setdefault(node, OrderedSet()).add(nodes[issued[k]])
     preserve_node_ordering(gm.graph, deps)
     gm.graph.lint()
     gm.recompile()

@@ -51,6 +51,32 @@ def sharded_stack(**kwargs) -> Stack:
     return model
 
 
+class EmbedStack(nn.Module):
+    """Two blocks between an embedding and an output layer, both in the root's group: the root's
+    bucket is the largest, and its embedding gradient is the backward's last."""
+
+    def __init__(self, vocab: int = 256, dim: int = 16, num_blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(num_blocks))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def sharded_embed_stack() -> EmbedStack:
+    torch.manual_seed(0)
+    model = EmbedStack()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
 def capture_graphs(model: nn.Module, x: torch.Tensor) -> dict[str, torch.fx.GraphModule]:
     """The forward and backward graphs as the backend's passes get them (joint pass applied)."""
     graphs = {}

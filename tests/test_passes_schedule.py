@@ -3,11 +3,13 @@
 Update the inline expectations with `EXPECTTEST_ACCEPT=1`.
 """
 
+import copy
+
 import expecttest
 import torch
 
 from _harness import fake_process_group
-from _schedule_helpers import FIXED, LATENCY_BOUND, capture_graphs, schedule_lines, sharded_stack
+from _schedule_helpers import FIXED, LATENCY_BOUND, capture_graphs, schedule_lines, sharded_embed_stack, sharded_stack
 from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group, buckets
 from fsdp_graph.passes.cost_model import CollectiveKind, CostModel, Profile
 from fsdp_graph.passes.nodes import is_collective, tensor_bytes
@@ -103,6 +105,8 @@ mm""")
 
     def test_reorder_backward_regathers_ahead_and_waits_reduce_scatters_late(self):
         backward = reorder_for_overlap(bucket_by_group(self.graphs()["backward"]), FIXED, memory_budget_bytes=UNLIMITED)
+        # The head's gradient (RS <root>) is ready from the first mm on: it is issued before the
+        # last four mms (blocks.1's input gradient, blocks.0's gradients), not after RS blocks.0.
         self.assertExpectedInline(schedule_lines(backward), """\
 AG blocks.2
 mm
@@ -119,18 +123,58 @@ mm
 wait AG blocks.1
 mm
 mm
-mm
+RS blocks.1
 wait RS blocks.2
+RS <root>
+mm
+wait RS blocks.1
+mm
+wait AG blocks.0
+mm
+mm
+RS blocks.0
+wait RS <root>
+wait RS blocks.0""")
+
+    def test_reorder_issues_the_root_reduce_scatter_before_the_first_blocks_weight_gradients(self):
+        backward = capture_graphs(sharded_embed_stack(), torch.randint(0, 256, (4, 8)))["backward"]
+        gm = reorder_for_overlap(bucket_by_group(copy.deepcopy(backward)), FIXED, memory_budget_bytes=UNLIMITED)
+        # RS <root> needs only blocks.0's input gradient (the embedding's): it is issued before the
+        # last mm, blocks.0's weight gradient, and RS blocks.0, which then run under it.
+        self.assertExpectedInline(schedule_lines(gm), """\
+AG blocks.1
+mm
+mm
+mm
+AG blocks.0
+wait AG blocks.1
+mm
+mm
+mm
 RS blocks.1
 mm
 wait AG blocks.0
 mm
 mm
 wait RS blocks.1
-RS blocks.0
-wait RS blocks.0
 RS <root>
-wait RS <root>""")
+mm
+RS blocks.0
+wait RS <root>
+wait RS blocks.0""")
+        report = gm.meta[SCHEDULE_META]
+        self.assertEqual(len(report.hoisted), 1)
+        # A budget at the unscheduled peak leaves no room for the root's input to be computed
+        # earlier: the root's reduce-scatter stays last, the reason is recorded, nothing fails.
+        tight = reorder_for_overlap(
+            bucket_by_group(copy.deepcopy(backward)), FIXED, memory_budget_bytes=report.peak_bytes_before
+        )
+        tight_report = tight.meta[SCHEDULE_META]
+        self.assertEqual(tight_report.hoisted, [])
+        self.assertIn("not issued before", " ".join(reason for _, reason in tight_report.rejected))
+        self.assertTrue(schedule_lines(tight).endswith("RS <root>\nwait RS <root>"))
+        self.assertLessEqual(simulate(tight, FIXED).memory.peak_bytes, report.peak_bytes_before)
+        self.assertLess(report.exposed_s_after, tight_report.exposed_s_after)
 
     def test_default_headroom_bounds_sunk_reduce_scatter_waits(self):
         gm = bucket_by_group(self.graphs()["backward"])
