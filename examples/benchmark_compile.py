@@ -201,6 +201,15 @@ def timings(args) -> None:
 # -- predicted exposed communication, Llama-3-8B shape at world size 8 ----------------------------------
 
 
+def exposed_at(sim) -> str:
+    """Where a simulated graph stalls: its three most exposed collectives, with how many compute
+    nodes ran between issue and wait."""
+    worst = sorted((c for c in sim.collectives if c.exposed_s > 0), key=lambda c: -c.exposed_s)[:3]
+    spans = [f"{c.kind} {c.group} {c.num_bytes / 2**20:.0f} MiB {c.exposed_s * 1e3:.2f} ms "
+             f"({c.prefetch_distance} compute ahead)" for c in worst]
+    return "exposed at: " + (", ".join(spans) or "nothing")
+
+
 def predict_8b(args) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from _harness import fake_process_group
@@ -264,10 +273,13 @@ def predict_8b(args) -> None:
                 print(f"  {name:18} {kind:9} step {sim.total_s * 1e3:8.1f} ms  comm {sim.comm_s * 1e3:7.1f} ms  "
                       f"exposed {sim.exposed_comm_s * 1e3:7.2f} ms ({100 * sim.exposed_fraction:5.2f}%)  "
                       f"collectives {len(sim.collectives):3d}  peak {sim.memory.peak_bytes / 2**30:6.2f} GiB")
+                if name != "unscheduled":
+                    print(f"{'':31}{exposed_at(sim)}")
             else:
-                totals[name] = (total, exposed)
-        for name, (total, exposed) in totals.items():
-            print(f"{name:18} step {total * 1e3:8.1f} ms, exposed comm {exposed * 1e3:7.2f} ms = {100 * exposed / total:.2f}% of the step")
+                totals[name] = (total, exposed, peaks)
+        for name, (total, exposed, peaks) in totals.items():
+            print(f"{name:18} step {total * 1e3:8.1f} ms, exposed comm {exposed * 1e3:7.2f} ms = {100 * exposed / total:.2f}% of the step, "
+                  f"peak {' / '.join(f'{p / 2**30:.2f}' for p in peaks)} GiB")
 
 
 if __name__ == "__main__":
