@@ -163,3 +163,38 @@ def test_grad_scaler_skips_and_steps_like_unsharded():
     scales = run_ranks(grad_scaler_run, 2, False)
     assert [s for s, _ in scales] == [s for _, s in scales], scales
     assert [s for s, _ in scales] == [2.0**16, 2.0**15, 2.0**15, 2.0**16], scales  # skip at step 1, regrow
+
+
+def _meta_random_init(rank, world_size):
+    """Random init of a meta-built sharded model, on CPU, equal to initialising before sharding:
+    init the full parameters inside `summon_full_params(writeback=True)` with the same seed on
+    every rank (DTensor's own rank-consistent RNG is CUDA-only; see README, Known limits)."""
+    from fsdp_graph.full_params import summon_full_params
+
+    def reset(model):
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+
+    torch.manual_seed(0)
+    reference = MLPStack()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = MLPStack()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    with summon_full_params(model, writeback=True):
+        torch.manual_seed(0)
+        reset(model)
+    torch.manual_seed(0)
+    reset(reference)  # the same calls in the same order on the unsharded model
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor), name
+        assert torch.equal(p.full_tensor(), reference.get_parameter(name).detach()), name
+    train_and_compare(reference, lambda m: model, rank, world_size, steps=2)
+
+
+def test_meta_device_random_init_through_summon_full_params():
+    run_ranks(_meta_random_init, 2)
