@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -104,3 +106,15 @@ def count_collectives(gm: torch.fx.GraphModule) -> dict[str, int]:
             name = node.target.__name__.split(".")[0]
             counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def dumped_graphs(dump_dir) -> dict:
+    """The one compiled graph's entry of the backend's summary.json in `dump_dir`."""
+    summary = json.loads((Path(dump_dir) / "summary.json").read_text())
+    (graphs,) = summary["graphs"].values()
+    return graphs
+
+
+def collective_groups(graphs: dict, kind: str, op: str) -> list[str]:
+    """The groups of `kind`'s ("forward" / "backward") collectives `op`, in graph order."""
+    return [c["group"] for c in graphs[kind]["collectives"] if c["op"] == op]

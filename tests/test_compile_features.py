@@ -3,15 +3,13 @@ like the eager runtime, on 2 gloo ranks. The eager halves of these features are 
 test_runtime_wrapping.py and test_runtime_fsdp2_parity.py."""
 
 import copy
-import json
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 import fsdp_graph
-from _compile_helpers import train_compiled_and_compare
+from _compile_helpers import collective_groups, dumped_graphs, train_compiled_and_compare
 from _harness import run_ranks
 from _models import MLPStack, batch_for_step, loss_fn, shard_llama, tiny_llama
 from fsdp_graph import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -107,11 +105,10 @@ def _activation_checkpointing(rank, world_size, how):
     with tempfile.TemporaryDirectory() as tmp:
         backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=tmp)
         result = train_compiled_and_compare(model, lambda m: shard_llama(m, fully_shard), backend, rank, world_size)
-        summary = json.loads((Path(tmp) / "summary.json").read_text())
-    (graphs,) = summary["graphs"].values()
+        graphs = dumped_graphs(tmp)
 
     def ops(kind, op):
-        return [c["group"] for c in graphs[kind]["collectives"] if c["op"] == op]
+        return collective_groups(graphs, kind, op)
 
     return {
         "fallbacks": result["fallbacks"],

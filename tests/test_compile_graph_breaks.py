@@ -4,14 +4,13 @@ One process, fake process group of 8 ranks. `explain()` can report 0 breaks whil
 frames, so this counts `torch._dynamo.utils.counters` and looks at the graphs themselves.
 """
 
-import json
 import tempfile
-from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
 
 import fsdp_graph
+from _compile_helpers import collective_groups, dumped_graphs
 from _harness import fake_process_group
 from _models import shard_llama, tiny_llama
 from fsdp_graph import fully_shard
@@ -34,12 +33,11 @@ def test_transformer_step_is_one_graph_with_every_collective():
         assert counters["stats"]["calls_captured"] > 0
         assert model._fsdp_state.ctx.fallbacks == {}
 
-        summary = json.loads((Path(tmp) / "summary.json").read_text())
-        (graphs,) = summary["graphs"].values()
+        graphs = dumped_graphs(tmp)
         groups = [f"layers.{i}" for i in range(num_layers)] + ["<root>"]
 
         def ops(kind, op):
-            return [c["group"] for c in graphs[kind]["collectives"] if c["op"] == op]
+            return collective_groups(graphs, kind, op)
 
         # Forward: the root (embedding, norm, head) first, then each block in order.
         assert ops("forward", "all_gather_into_tensor") == ["<root>"] + groups[:-1]

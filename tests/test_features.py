@@ -98,15 +98,15 @@ def _deterministic_init(model):
         nn.init.constant_(p, 0.05 * (i % 5) - 0.1)
 
 
-def meta_sharded_mlp(_unused=None) -> MLPStack:
-    """An MLPStack built on meta, sharded (blocks, root), materialized on CPU and initialized."""
+def meta_sharded_mlp(_unused=None, init=_deterministic_init) -> MLPStack:
+    """An MLPStack built on meta, sharded (blocks, root), materialized on CPU, then `init(model)`."""
     with torch.device("meta"):
         model = MLPStack()
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
     model.to_empty(device="cpu")
-    _deterministic_init(model)
+    init(model)
     return model
 
 
@@ -176,18 +176,14 @@ def _meta_random_init(rank, world_size):
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
 
+    def init_full(model):
+        with summon_full_params(model, writeback=True):
+            torch.manual_seed(0)
+            reset(model)
+
     torch.manual_seed(0)
     reference = MLPStack()
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = MLPStack()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    model.to_empty(device="cpu")
-    with summon_full_params(model, writeback=True):
-        torch.manual_seed(0)
-        reset(model)
+    model = meta_sharded_mlp(init=init_full)
     torch.manual_seed(0)
     reset(reference)  # the same calls in the same order on the unsharded model
     for name, p in model.named_parameters():
