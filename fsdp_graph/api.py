@@ -430,7 +430,7 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _install_optimizer_check() -> None:
-    """Register `_check_optimizer_params` before every optimizer step, once per process.
+    """Register `_before_optimizer_step` before every optimizer step, once per process.
 
     [Note: Optimizer built before fully_shard]
     `fully_shard` replaces each parameter on its module with a new DTensor shard. An optimizer built
@@ -438,13 +438,23 @@ def _install_optimizer_check() -> None:
     nothing. An optimizer instance cannot be reached from the module, so a global step pre-hook
     checks every optimizer's parameters instead (a dict lookup per parameter and step). It also
     catches a step taken while gradients are still unreduced or in flight.
+
+    [Note: An optimizer step makes gathered parameters stale]
+    A group still gathered at a step (`set_reshard_after_backward(False)`, or `unshard()` before
+    the step) holds copies of the shards the step is about to change, and its next pre-forward would
+    reuse them: one forward and backward on the old values, silently. torch's FSDP2 does exactly
+    that. So the step reshards every group it updates, and the next forward gathers the new values;
+    the gathered copies it frees could not have been reused correctly. This also keeps a compiled
+    step after it consistent: traced groups read the shards, and `named_parameters()` shows the
+    shards again instead of a stale gathered copy with no gradient.
     """
-    register_optimizer_step_pre_hook(_check_optimizer_params)
+    register_optimizer_step_pre_hook(_before_optimizer_step)
 
 
-def _check_optimizer_params(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
-    """See [Note: Optimizer built before fully_shard]."""
-    stale, unreduced, contexts = [], [], []
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    """See [Note: Optimizer built before fully_shard] and [Note: An optimizer step makes gathered
+    parameters stale]."""
+    stale, unreduced, contexts, groups = [], [], [], []
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
             owner = p.__dict__.get(_OWNER_ATTR)
@@ -454,9 +464,11 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, _args, _kwargs) ->
                 stale.append(owner.fqn)
             elif owner.unsharded_param is not None and owner.unsharded_param.grad is not None:
                 unreduced.append(owner.fqn)
-            ctx = owner.group_modules[0]._fsdp_state.ctx
-            if all(ctx is not c for c in contexts):
-                contexts.append(ctx)
+            state = owner.group_modules[0]._fsdp_state
+            if all(state.ctx is not c for c in contexts):
+                contexts.append(state.ctx)
+            if all(state.group is not g for g in groups):
+                groups.append(state.group)
     if stale:
         raise ValueError(
             f"{type(optimizer).__name__} holds parameters that fully_shard (or a later "
@@ -476,6 +488,8 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, _args, _kwargs) ->
             f"in flight (set_is_last_backward(False)); call model.set_is_last_backward(True) before "
             f"the step's last backward"
         )
+    for group in groups:  # [Note: An optimizer step makes gathered parameters stale]
+        group.reshard()
 
 
 def _prefetch_states(method: str, modules) -> list[FSDPState]:

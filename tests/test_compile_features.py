@@ -1,17 +1,24 @@
 """FSDP2 features under `backend="fsdp_graph"` (aot_eager): each trains like an unsharded model and
-like the eager runtime, on 2 gloo ranks. The eager halves of these features are in test_features.py,
-test_runtime_wrapping.py and test_runtime_fsdp2_parity.py."""
+like the eager runtime (or, where noted, like the unsharded model alone), on 2 gloo ranks. The eager
+halves of these features are in test_features.py, test_runtime_wrapping.py, test_runtime_controls.py
+and test_runtime_fsdp2_parity.py."""
 
 import copy
 import tempfile
+import unittest.mock
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import fsdp_graph
 from _compile_helpers import collective_groups, dumped_graphs, train_compiled_and_compare
 from _harness import run_ranks
-from _models import MLPStack, batch_for_step, loss_fn, shard_llama, tiny_llama
+from _models import (
+    MLPStack, batch_for_step, check_grads_match, check_params_match, loss_fn, paired_llama, shard_llama, tiny_llama,
+)
 from fsdp_graph import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from test_features import CheckpointedLlama, _deterministic_init, _wrapped_blocks, meta_sharded_mlp
 
@@ -138,3 +145,128 @@ def test_grad_scaler_compiled():
 
     scales = run_ranks(grad_scaler_run, 2, True)
     assert [s for s, _ in scales] == [s for _, s in scales] == [2.0**16, 2.0**15, 2.0**15, 2.0**16], scales
+
+
+def _compile(model):
+    return torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager"))
+
+
+def _ignored_params(rank, world_size):
+    torch.manual_seed(0)
+    model = MLPStack()
+    reference, local_reference, sharded = (copy.deepcopy(model) for _ in range(3))
+    for block in sharded.blocks:
+        fully_shard(block)
+    fully_shard(sharded, ignored_params={sharded.head.weight})
+    compiled = _compile(sharded)
+    x, y, lx, ly = batch_for_step(model, 0, 8, rank, world_size)
+    loss_fn(reference, reference(x), y).backward()
+    loss_fn(local_reference, local_reference(lx), ly).backward()  # what this rank alone computes
+    loss_fn(sharded, compiled(lx), ly).backward()
+    ignored = sharded.head.weight
+    assert isinstance(sharded.head.bias, DTensor)
+    assert not isinstance(ignored, DTensor) and not isinstance(ignored.grad, DTensor)
+    torch.testing.assert_close(ignored.detach(), model.head.weight.detach(), rtol=0, atol=0)  # whole
+    # Not reduced: this rank's own gradient, not the global one (the ranks' slices differ).
+    torch.testing.assert_close(ignored.grad, local_reference.head.weight.grad, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(ignored.grad, reference.head.weight.grad, rtol=1e-3, atol=0)
+    ignored.grad = reference.head.weight.grad = None  # compared above; the others are reduced
+    assert check_grads_match(sharded, reference) == len(list(model.parameters())) - 1
+    return dict(sharded._fsdp_state.ctx.fallbacks)
+
+
+def test_ignored_params_compiled_stay_local():
+    assert run_ranks(_ignored_params, 2) == {}  # traced, not run on the eager hooks
+
+
+def _clip_grad_norm(rank, world_size):
+    model, reference, sharded = paired_llama()
+    compiled = _compile(sharded)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, sharded)]
+    for step in range(2):
+        x, y, lx, ly = batch_for_step(model, step, 8, rank, world_size)
+        loss_fn(reference, reference(x), y).backward()
+        loss_fn(sharded, compiled(lx), ly).backward()
+        ref_norm = nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.1)
+        norm = nn.utils.clip_grad_norm_(sharded.parameters(), max_norm=0.1)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        assert ref_norm > 0.1  # clipping did something
+        check_grads_match(sharded, reference)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    check_params_match(sharded, reference, atol=1e-5)
+    return dict(sharded._fsdp_state.ctx.fallbacks)
+
+
+def test_clip_grad_norm_after_compiled_backward():
+    assert run_ranks(_clip_grad_norm, 2) == {}
+
+
+class _Shards:
+    """The model's parameters as the optimizer holds them (the DTensor shards), for
+    `check_grads_match`: a group left gathered by `set_reshard_after_backward(False)` registers its
+    unsharded parameters on the modules until the optimizer step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._params = list(model.named_parameters())
+
+    def named_parameters(self):
+        return iter(self._params)
+
+
+def _set_controls(sharded, control, micro, num_micro):
+    last = micro == num_micro - 1
+    if control == "is_last_backward":
+        sharded.set_is_last_backward(last)  # False: the backward does not wait for its reduce-scatters
+    else:
+        sharded.set_reshard_after_backward(False)
+        sharded.set_requires_gradient_sync(last)  # off: groups run on the eager hooks
+
+
+def _controls(rank, world_size, control):
+    """Steps of 3, 1, 2 and 1 micro-batches; the accumulating ones under `control`, the others plain
+    compiled steps. Gradients and parameters against the unsharded model trained the same way
+    (same AdamW), and how many reduce-scatters the eager hooks issued per step."""
+    model, reference, sharded = paired_llama()
+    shards = _Shards(sharded)
+    compiled = _compile(sharded)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, sharded)]
+    eager_reduce_scatters = []
+    reduce_scatter = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        eager_reduce_scatters[-1] += 1
+        return reduce_scatter(*args, **kwargs)
+
+    for step, num_micro in enumerate([3, 1, 2, 1]):
+        eager_reduce_scatters.append(0)
+        for micro in range(num_micro):
+            x, y, lx, ly = batch_for_step(model, 10 * step + micro, 8, rank, world_size)
+            (loss_fn(reference, reference(x), y) / num_micro).backward()
+            if num_micro > 1:
+                _set_controls(sharded, control, micro, num_micro)
+            with unittest.mock.patch.object(dist, "reduce_scatter_single", counted):
+                (loss_fn(sharded, compiled(lx), ly) / num_micro).backward()
+        check_grads_match(shards, reference)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        check_params_match(sharded, reference, atol=1e-5)  # the step resharded: these are the shards
+    return eager_reduce_scatters, dict(sharded._fsdp_state.ctx.fallbacks)
+
+
+def test_is_last_backward_compiled():
+    eager_reduce_scatters, fallbacks = run_ranks(_controls, 2, "is_last_backward")
+    assert eager_reduce_scatters == [0, 0, 0, 0] and fallbacks == {}, (eager_reduce_scatters, fallbacks)
+
+
+def test_accumulation_without_sync_or_reshard_compiled():
+    """Accumulating steps run on the eager hooks (one reduce-scatter per group, in the synced
+    micro-batch), and leave the groups gathered; the optimizer step reshards them, and the plain
+    steps after them run the graph on the new shards."""
+    eager_reduce_scatters, fallbacks = run_ranks(_controls, 2, "reshard_after_backward")
+    assert eager_reduce_scatters == [3, 0, 3, 0], eager_reduce_scatters
+    assert sorted(fallbacks) == ["<root>", "layers.0", "layers.1"], fallbacks
+    assert all("gradient sync is off" in reason for reason in fallbacks.values()), fallbacks

@@ -79,6 +79,25 @@ def test_gradient_accumulation_without_sync(reshard_after_backward):
     run_ranks(_accumulation, 2, reshard_after_backward)
 
 
+def _kept_after_backward(model):
+    shard_llama(model, fully_shard)
+    model.set_reshard_after_backward(False)  # every group stays gathered after each backward
+    return model
+
+
+def _step_with_groups_kept(rank, world_size):
+    torch.manual_seed(0)
+    train_and_compare(tiny_llama(), _kept_after_backward, rank, world_size, steps=3, compare_grads=False)
+
+
+def test_optimizer_step_regathers_groups_kept_after_backward():
+    """The step changes the shards, so the copies a group kept gathered are stale: the next forward
+    must gather again (torch's fully_shard reuses them for one step). Losses every step and the
+    final parameters against the unsharded model; gradients of gathered groups are checked in
+    test_gradient_accumulation_without_sync."""
+    run_ranks(_step_with_groups_kept, 2)
+
+
 def _int_reshard(rank, world_size):
     torch.manual_seed(0)
     model = tiny_llama()
