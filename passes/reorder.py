@@ -370,12 +370,24 @@ def reorder_for_overlap(
     return gm
 
 
+def _ancestors(node: Node) -> set[Node]:
+    seen: set[Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
 def pin_order(gm: GraphModule) -> GraphModule:
     """Make the collectives' order binding for Inductor's scheduler, with `control_deps` edges.
 
     Assumes: the graph is in the order to keep (run after `reorder_for_overlap`), about to be lowered
     by Inductor. Guarantees: each collective gets an edge to the compute node after it (it is issued
-    before that compute), and each wait an edge from the compute node and the collective before it
+    before that compute) and from the compute node before it (no deeper prefetch than planned: the
+    memory budget holds), and each wait an edge from the compute node and the collective before it
     (it is not hoisted above either), so the overlap windows survive Inductor's reordering. Values
     unchanged.
     """
@@ -399,6 +411,15 @@ def pin_order(gm: GraphModule) -> GraphModule:
                 after = nodes[compute[k]]
                 if node not in after.all_input_nodes:
                     deps.setdefault(after, OrderedSet()).add(node)
+            # The compute before it that is not its own input (copy-in): Inductor may fuse the
+            # copy-ins of several buckets into one kernel, which frees the later collectives to
+            # move up to it.
+            ancestors = _ancestors(node)
+            j = k - 1
+            while j >= 0 and nodes[compute[j]] in ancestors:
+                j -= 1
+            if j >= 0:
+                deps.setdefault(node, OrderedSet()).add(nodes[compute[j]])
         elif is_wait_tensor(node) and collective_of(node) is not None:
             k = bisect.bisect_left(compute, i) - 1
             if k >= 0:

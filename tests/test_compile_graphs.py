@@ -5,6 +5,7 @@ inner compiler receives. Update the inline graphs with `EXPECTTEST_ACCEPT=1`.
 """
 
 import json
+import math
 import re
 import tempfile
 from pathlib import Path
@@ -93,21 +94,17 @@ view = aten.view(primals_2, [2, 16]) : float32[2, 16]  # recompute
 view_1 = aten.view(view, [-1]) : float32[32]  # recompute
 all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(view_1, 8, '0') : float32[256]  # fc1 recompute
 wait_tensor = _c10d_functional.wait_tensor(all_gather_into_tensor) : float32[256]  # recompute
-view_2 = aten.view(wait_tensor, [8, -1]) : float32[8, 32]  # recompute
-alias = aten.alias(view_2) : float32[8, 32]  # recompute
-view_3 = aten.view(alias, [16, 16]) : float32[16, 16]  # recompute
-slice_1 = aten.slice.Tensor(view_3, 0, 0, 16) : float32[16, 16]  # recompute
+view_2 = aten.view(wait_tensor, [16, 16]) : float32[16, 16]  # recompute
+slice_1 = aten.slice.Tensor(view_2, 0, 0, 16) : float32[16, 16]  # recompute
 t = aten.t(slice_1) : float32[16, 16]
 mm = aten.mm(primals_1, t) : float32[2, 16]
 relu = aten.relu(mm) : float32[2, 16]
-view_4 = aten.view(primals_4, [1, 16]) : float32[1, 16]  # recompute
-view_5 = aten.view(view_4, [-1]) : float32[16]  # recompute
-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(view_5, 8, '0') : float32[128]  # fc2 recompute
+view_3 = aten.view(primals_4, [1, 16]) : float32[1, 16]  # recompute
+view_4 = aten.view(view_3, [-1]) : float32[16]  # recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(view_4, 8, '0') : float32[128]  # fc2 recompute
 wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[128]  # recompute
-view_6 = aten.view(wait_tensor_1, [8, -1]) : float32[8, 16]  # recompute
-alias_1 = aten.alias(view_6) : float32[8, 16]  # recompute
-view_7 = aten.view(alias_1, [8, 16]) : float32[8, 16]  # recompute
-slice_2 = aten.slice.Tensor(view_7, 0, 0, 4) : float32[4, 16]  # recompute
+view_5 = aten.view(wait_tensor_1, [8, 16]) : float32[8, 16]  # recompute
+slice_2 = aten.slice.Tensor(view_5, 0, 0, 4) : float32[4, 16]  # recompute
 t_1 = aten.t(slice_2) : float32[16, 4]
 mm_1 = aten.mm(relu, t_1) : float32[2, 4]
 return [mm_1, primals_1, primals_2, primals_4, relu, primals_3]
@@ -122,26 +119,23 @@ tangents_1: float32[2, 4]
 t_2 = aten.t(tangents_1) : float32[4, 2]
 mm_2 = aten.mm(t_2, relu) : float32[4, 16]
 t_3 = aten.t(mm_2) : float32[16, 4]
-view_4 = aten.view(primals_4, [1, 16]) : float32[1, 16]  # recompute
-view_5 = aten.view(view_4, [-1]) : float32[16]  # recompute
-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(view_5, 8, '0') : float32[128]  # fc2 recompute
+view_3 = aten.view(primals_4, [1, 16]) : float32[1, 16]  # recompute
+view_4 = aten.view(view_3, [-1]) : float32[16]  # recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(view_4, 8, '0') : float32[128]  # fc2 recompute
 wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[128]  # recompute
-view_6 = aten.view(wait_tensor_1, [8, -1]) : float32[8, 16]  # recompute
-alias_1 = aten.alias(view_6) : float32[8, 16]  # recompute
-view_7 = aten.view(alias_1, [8, 16]) : float32[8, 16]  # recompute
-slice_2 = aten.slice.Tensor(view_7, 0, 0, 4) : float32[4, 16]  # recompute
+view_5 = aten.view(wait_tensor_1, [8, 16]) : float32[8, 16]  # recompute
+slice_2 = aten.slice.Tensor(view_5, 0, 0, 4) : float32[4, 16]  # recompute
 t_1 = aten.t(slice_2) : float32[16, 4]
 t_4 = aten.t(t_1) : float32[4, 16]
 mm_3 = aten.mm(tangents_1, t_4) : float32[2, 16]
 t_5 = aten.t(t_3) : float32[4, 16]
 slice_backward = aten.slice_backward(t_5, [8, 16], 0, 0, 4, 1) : float32[8, 16]
-view_8 = aten.view(slice_backward, [8, 16]) : float32[8, 16]
-view_9 = aten.view(view_8, [128]) : float32[128]
-reduce_scatter_tensor = _c10d_functional.reduce_scatter_tensor(view_9, 'sum', 8, '0') : float32[16]  # fc2
+view_6 = aten.view(slice_backward, [128]) : float32[128]
+reduce_scatter_tensor = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 8, '0') : float32[16]  # fc2
 wait_tensor_2 = _c10d_functional.wait_tensor(reduce_scatter_tensor) : float32[16]
 div = aten.div.Tensor(wait_tensor_2, 8.0) : float32[16]
-view_10 = aten.view(div, [1, 16]) : float32[1, 16]
-view_11 = aten.view(view_10, [1, 16]) : float32[1, 16]
+view_7 = aten.view(div, [1, 16]) : float32[1, 16]
+view_8 = aten.view(view_7, [1, 16]) : float32[1, 16]
 detach = aten.detach(relu) : float32[2, 16]
 detach_1 = aten.detach(detach) : float32[2, 16]
 threshold_backward = aten.threshold_backward(mm_3, detach_1, 0) : float32[2, 16]
@@ -150,14 +144,13 @@ mm_4 = aten.mm(t_6, primals_1) : float32[16, 16]
 t_7 = aten.t(mm_4) : float32[16, 16]
 t_8 = aten.t(t_7) : float32[16, 16]
 slice_backward_1 = aten.slice_backward(t_8, [16, 16], 0, 0, 16, 1) : float32[16, 16]
-view_12 = aten.view(slice_backward_1, [8, 32]) : float32[8, 32]
-view_13 = aten.view(view_12, [256]) : float32[256]
-reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_13, 'sum', 8, '0') : float32[32]  # fc1
+view_9 = aten.view(slice_backward_1, [256]) : float32[256]
+reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_9, 'sum', 8, '0') : float32[32]  # fc1
 wait_tensor_3 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1) : float32[32]
 div_1 = aten.div.Tensor(wait_tensor_3, 8.0) : float32[32]
-view_14 = aten.view(div_1, [2, 16]) : float32[2, 16]
-view_15 = aten.view(view_14, [2, 16]) : float32[2, 16]
-return [None, view_15, primals_3, view_11, primals_3]
+view_10 = aten.view(div_1, [2, 16]) : float32[2, 16]
+view_11 = aten.view(view_10, [2, 16]) : float32[2, 16]
+return [None, view_11, primals_3, view_8, primals_3]
 """)
 
     def test_no_reshard_after_forward_saves_unsharded_and_never_regathers(self):
@@ -205,3 +198,47 @@ backward reduce_scatter_tensor fc1""")
         # brings both to all 8 ranks; the reduce-scatter carries fc2's row only.
         self.assertEqual(sizes, {("forward", "all_gather_into_tensor"): 8 * (32 + 16) * 4,
                                  ("backward", "reduce_scatter_tensor"): 16 * 4})
+
+    def test_group_of_several_parameters_copies_out_in_one_op(self):
+        """One group (fc1, fc2): one `copy_out` per gather and one `pack_grads` per reduce-scatter,
+        no per-parameter slicing for Inductor to turn into kernels."""
+        graphs = self.compile_step(shard=lambda model: fully_shard(model))
+        ops = {kind: re.findall(r"= (fsdp_graph\.\w+|aten\.slice\w*)", graphs[kind]) for kind in ("forward", "backward")}
+        # The root keeps its parameters for backward (no re-gather); the two slices there are views
+        # of the reduced shard, one per parameter's gradient shard.
+        self.assertEqual(ops, {"forward": ["fsdp_graph.copy_out"],
+                               "backward": ["fsdp_graph.pack_grads", "aten.slice", "aten.slice"]})
+
+
+def _bucket(tensors, world: int) -> torch.Tensor:
+    """The gathered layout built independently: rank r's row holds rows [r * pad, (r + 1) * pad) of
+    each tensor, zero-padded, flattened, one tensor after the other."""
+    rows = []
+    for r in range(world):
+        pieces = []
+        for t in tensors:
+            pad = -(-t.shape[0] // world)
+            padded = torch.cat([t, t.new_zeros(world * pad - t.shape[0], *t.shape[1:])])
+            pieces.append(padded[r * pad : (r + 1) * pad].reshape(-1))
+        rows.append(torch.cat(pieces))
+    return torch.cat(rows)
+
+
+def test_copy_out_and_pack_grads_match_the_bucket_layout():
+    world = 4
+    params = [torch.randn(5, 3), torch.randn(4), torch.randn(1, 7), torch.randn(0, 2)]
+    shard_numels = [-(-p.shape[0] // world) * math.prod(p.shape[1:]) for p in params]
+    numels = [p.numel() for p in params]
+    gathered = _bucket(params, world).requires_grad_(True)
+    out = torch.ops.fsdp_graph.copy_out(gathered, world, shard_numels, numels)
+    for got, p in zip(out, params):
+        assert torch.equal(got.view(p.shape), p)
+    grads = [torch.randn_like(p) for p in params]
+    grads[1] = None  # an output without gradient counts as zeros
+    packed = torch.ops.fsdp_graph.pack_grads(grads, world, shard_numels, numels, torch.float32, torch.device("cpu"))
+    expected = _bucket([g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)], world)
+    assert torch.equal(packed, expected)
+    # copy_out's autograd formula is pack_grads.
+    loss = sum((o.view(p.shape) * g).sum() for o, p, g in zip(out, params, grads) if g is not None)
+    (grad,) = torch.autograd.grad(loss, gathered)
+    assert torch.equal(grad, expected)
