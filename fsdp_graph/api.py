@@ -454,7 +454,8 @@ def _install_optimizer_check() -> None:
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
     """See [Note: Optimizer built before fully_shard] and [Note: An optimizer step makes gathered
     parameters stale]."""
-    stale, unreduced, contexts, groups = [], [], [], []
+    stale, unreduced = [], []
+    contexts, groups = {}, {}  # by id, so the check stays linear in the number of parameters
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
             owner = p.__dict__.get(_OWNER_ATTR)
@@ -465,10 +466,8 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> 
             elif owner.unsharded_param is not None and owner.unsharded_param.grad is not None:
                 unreduced.append(owner.fqn)
             state = owner.group_modules[0]._fsdp_state
-            if all(state.ctx is not c for c in contexts):
-                contexts.append(state.ctx)
-            if all(state.group is not g for g in groups):
-                groups.append(state.group)
+            contexts.setdefault(id(state.ctx), state.ctx)
+            groups.setdefault(id(state.group), state.group)
     if stale:
         raise ValueError(
             f"{type(optimizer).__name__} holds parameters that fully_shard (or a later "
@@ -482,13 +481,13 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> 
             f"not reduced yet (set_requires_gradient_sync(False) in the last backward); call "
             f"model.set_requires_gradient_sync(True) before the last micro-batch's backward"
         )
-    if any(ctx.comm.pending_reduce_scatters for ctx in contexts):
+    if any(ctx.comm.pending_reduce_scatters for ctx in contexts.values()):
         raise ValueError(
             f"{type(optimizer).__name__}.step() was called while gradient reduce-scatters are still "
             f"in flight (set_is_last_backward(False)); call model.set_is_last_backward(True) before "
             f"the step's last backward"
         )
-    for group in groups:  # [Note: An optimizer step makes gathered parameters stale]
+    for group in groups.values():  # [Note: An optimizer step makes gathered parameters stale]
         group.reshard()
 
 
