@@ -40,7 +40,7 @@ from .cost_model import CostModel
 from .nodes import (
     PASS_META, collective_of, is_all_gather, is_collective, is_reduce_scatter, is_wait_tensor, tensor_bytes, wait_of,
 )
-from .simulator import Op, OpKind, in_flight_bytes, memory_profile, op_of, simulate
+from .simulator import Op, OpKind, in_flight_bytes, op_of, simulate
 
 logger = logging.getLogger(__name__)
 
@@ -186,9 +186,8 @@ class _Scheduler:
 
     def _measure(self, body: list[Node]) -> tuple[int, float, int]:
         program = self.order.program(body)
-        peak = memory_profile(program).peak_bytes
-        exposed = simulate(program, self.cost_model).exposed_comm_s
-        return peak, exposed, in_flight_bytes(program)
+        simulation = simulate(program, self.cost_model)  # its memory profile included
+        return simulation.memory.peak_bytes, simulation.exposed_comm_s, in_flight_bytes(program)
 
     def _accept(self, body: list[Node]) -> None:
         self.body = body

@@ -7,18 +7,18 @@ sharded DTensor parameters are the graph's inputs, and autograd writes their `.g
 [Note: Traced unshard]
 Pre-forward builds the same bucket as the eager runtime (`collectives._copy_in` / `copy_out`):
 
-    flat   = cat(pad(p.to_local(), padded_dim0 rows).flatten() for p in group.params)
+    flat   = fsdp_graph::copy_in(p.to_local().flatten() for p in group.params)  # zero-padded
     full   = wait(all_gather_into_tensor(flat))            # (world * sum shard_numel,)
     params = fsdp_graph::copy_out(full, ...)               # one op for the whole group, where each
     param  = full.view(world, -1)[:, offset:offset + shard_numel].reshape(world * padded_dim0, ...)[:dim0]
 
-`copy_out` and its gradient, `pack_grads` (each parameter's gradient into its columns of the
-reduce-scatter input, zeros in the padding), are custom ops, so Inductor runs each as one ATen call.
-Written as slices, every parameter's copy became a kernel of its own (or was fused into its first
-consumer) with the parameter's offset baked in, so each parameter of a block needed a different
-kernel: on CPU each is a C++ compile. With the ops, the example Llama's cold compile went from about
-48 s to 39 s (35 generated kernels to 23), at the same step time. A group of one parameter needs
-no copy at all: its rows are the padded parameter, so it stays a view.
+The copy-in (`cat` above), `copy_out` and its gradient, `pack_grads` (each parameter's gradient
+into its columns of the reduce-scatter input, zeros in the padding), are custom ops, so Inductor runs
+each as one ATen call. Written as slices and cats, every parameter's copy became a kernel of its own
+(or was fused into a neighbour) with the parameter's offset baked in, so each parameter of a block
+needed a different kernel: on CPU each is a C++ compile. With the ops, the example Llama's cold
+compile went from about 48 s to 37 s (35 generated kernels to 19), at the same step time. A group
+of one parameter needs no copy-out: its rows are the padded parameter, so it stays a view.
 Pre-forward installs each unsharded tensor by shadowing: `owner.__dict__[name] = param`. `nn.Module`
 keeps parameters in `_parameters` and `__getattr__` is only a fallback, so the instance dict wins
 and the module's forward reads the gathered tensor, while `named_parameters()`, the optimizer and
@@ -58,7 +58,38 @@ _C10D = torch.ops._c10d_functional
 
 
 
-# -- copy-out and its gradient, as custom ops (see [Note: Traced unshard]) -------------------------
+# -- copy-in, copy-out and copy-out's gradient, as custom ops (see [Note: Traced unshard]) --------
+
+
+@torch.library.custom_op("fsdp_graph::copy_in", mutates_args=())
+def copy_in(shards: list[torch.Tensor], shard_numels: list[int]) -> torch.Tensor:
+    """This rank's row of the bucket: each flat shard, zero-padded to `shard_numels[i]`, in order."""
+    flat = shards[0].new_empty(sum(shard_numels))
+    offset = 0
+    for shard, shard_numel in zip(shards, shard_numels):
+        flat[offset : offset + shard.numel()].copy_(shard)
+        flat[offset + shard.numel() : offset + shard_numel].zero_()
+        offset += shard_numel
+    return flat
+
+
+@copy_in.register_fake
+def _(shards, shard_numels):
+    return shards[0].new_empty(sum(shard_numels))
+
+
+def _copy_in_setup(ctx, inputs, output):
+    shards, shard_numels = inputs
+    ctx.layout = ([s.numel() for s in shards], shard_numels)
+
+
+def _copy_in_backward(ctx, grad):
+    numels, shard_numels = ctx.layout
+    offsets = [sum(shard_numels[:i]) for i in range(len(shard_numels))]
+    return [grad[offset : offset + numel] for offset, numel in zip(offsets, numels)], None
+
+
+copy_in.register_autograd(_copy_in_backward, setup_context=_copy_in_setup)
 
 
 @torch.library.custom_op("fsdp_graph::copy_out", mutates_args=())
@@ -213,14 +244,12 @@ def unshard(group: "ParamGroup") -> list[torch.Tensor]:
 
 def _flat_shards(params: list, dtype: torch.dtype) -> torch.Tensor:
     """This rank's shards of `params`, each padded to its full shard size, as one flat tensor."""
-    pieces = []
-    for p in params:
-        local = p.sharded_param.to_local().reshape(-1)
-        num_padding = p.shard_numel - p.num_valid_rows * p.row_numel
-        if num_padding:
-            local = F.pad(local, (0, num_padding))
-        pieces.append(local.to(dtype))
-    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    pieces = [p.sharded_param.to_local().reshape(-1).to(dtype) for p in params]
+    shard_numels = [p.shard_numel for p in params]
+    if len(pieces) > 1:
+        return torch.ops.fsdp_graph.copy_in(pieces, shard_numels)
+    (piece,), (shard_numel,) = pieces, shard_numels
+    return F.pad(piece, (0, shard_numel - piece.numel())) if piece.numel() < shard_numel else piece
 
 
 def _install(group: "ParamGroup", unsharded: Optional[list[torch.Tensor]]) -> None:

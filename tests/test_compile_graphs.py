@@ -199,14 +199,14 @@ backward reduce_scatter_tensor fc1""")
         self.assertEqual(sizes, {("forward", "all_gather_into_tensor"): 8 * (32 + 16) * 4,
                                  ("backward", "reduce_scatter_tensor"): 16 * 4})
 
-    def test_group_of_several_parameters_copies_out_in_one_op(self):
-        """One group (fc1, fc2): one `copy_out` per gather and one `pack_grads` per reduce-scatter,
-        no per-parameter slicing for Inductor to turn into kernels."""
+    def test_group_of_several_parameters_copies_in_and_out_in_one_op(self):
+        """One group (fc1, fc2): one `copy_in` and one `copy_out` per gather and one `pack_grads` per
+        reduce-scatter, no per-parameter slicing for Inductor to turn into kernels."""
         graphs = self.compile_step(shard=lambda model: fully_shard(model))
         ops = {kind: re.findall(r"= (fsdp_graph\.\w+|aten\.slice\w*)", graphs[kind]) for kind in ("forward", "backward")}
         # The root keeps its parameters for backward (no re-gather); the two slices there are views
         # of the reduced shard, one per parameter's gradient shard.
-        self.assertEqual(ops, {"forward": ["fsdp_graph.copy_out"],
+        self.assertEqual(ops, {"forward": ["fsdp_graph.copy_in", "fsdp_graph.copy_out"],
                                "backward": ["fsdp_graph.pack_grads", "aten.slice", "aten.slice"]})
 
 
@@ -224,12 +224,17 @@ def _bucket(tensors, world: int) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def test_copy_out_and_pack_grads_match_the_bucket_layout():
+def test_copy_in_copy_out_and_pack_grads_match_the_bucket_layout():
     world = 4
     params = [torch.randn(5, 3), torch.randn(4), torch.randn(1, 7), torch.randn(0, 2)]
     shard_numels = [-(-p.shape[0] // world) * math.prod(p.shape[1:]) for p in params]
     numels = [p.numel() for p in params]
     gathered = _bucket(params, world).requires_grad_(True)
+    # copy_in builds rank r's row from rank r's shards (rows [r * pad, (r + 1) * pad) of each).
+    r = 2
+    shards = [p[r * (-(-p.shape[0] // world)) : (r + 1) * (-(-p.shape[0] // world))].reshape(-1) for p in params]
+    row = torch.ops.fsdp_graph.copy_in(shards, shard_numels)
+    assert torch.equal(row, gathered.detach().view(world, -1)[r])
     out = torch.ops.fsdp_graph.copy_out(gathered, world, shard_numels, numels)
     for got, p in zip(out, params):
         assert torch.equal(got.view(p.shape), p)
