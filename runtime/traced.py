@@ -12,7 +12,7 @@ Pre-forward builds the same bucket as the eager runtime (`collectives._copy_in` 
     params = fsdp_graph::copy_out(full, ...)               # one op for the whole group, where each
     param  = full.view(world, -1)[:, offset:offset + shard_numel].reshape(world * padded_dim0, ...)[:dim0]
 
-The copy-in (`cat` above), `copy_out` and its gradient, `pack_grads` (each parameter's gradient
+`copy_in`, `copy_out` and its gradient, `pack_grads` (each parameter's gradient
 into its columns of the reduce-scatter input, zeros in the padding), are custom ops, so Inductor runs
 each as one ATen call. Written as slices and cats, every parameter's copy became a kernel of its own
 (or was fused into a neighbour) with the parameter's offset baked in, so each parameter of a block
@@ -126,20 +126,24 @@ def pack_grads(
 ) -> torch.Tensor:
     """The inverse layout of `copy_out`: a gathered-shaped bucket with each gradient in its
     parameter's columns; zeros for padding and for a missing gradient."""
-    packed = torch.zeros(world, sum(shard_numels), dtype=dtype, device=device)
+    packed = torch.empty(world, sum(shard_numels), dtype=dtype, device=device)
     offset = 0
     for grad, shard_numel, numel in zip(grads, shard_numels, numels):
-        if grad is not None and numel:
-            # The gradient fills the block (world, shard_numel) row by row; the last row it
-            # reaches may be partial (padding).
-            block = packed[:, offset : offset + shard_numel]
-            flat = grad.reshape(-1)
-            full_rows, rest = divmod(numel, shard_numel)
-            if full_rows:
-                block[:full_rows].copy_(flat[: full_rows * shard_numel].view(full_rows, shard_numel))
-            if rest:
-                block[full_rows, :rest].copy_(flat[full_rows * shard_numel :])
+        # The gradient fills the block (world, shard_numel) row by row; the rest is padding.
+        block = packed[:, offset : offset + shard_numel]
         offset += shard_numel
+        if grad is None or numel == 0:
+            block.zero_()
+            continue
+        flat = grad.reshape(-1)
+        full_rows, rest = divmod(numel, shard_numel)
+        if full_rows:
+            block[:full_rows].copy_(flat[: full_rows * shard_numel].view(full_rows, shard_numel))
+        if rest:
+            block[full_rows, :rest].copy_(flat[full_rows * shard_numel :])
+            block[full_rows, rest:].zero_()
+            full_rows += 1
+        block[full_rows:].zero_()
     return packed.view(-1)
 
 
