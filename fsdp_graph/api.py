@@ -162,6 +162,7 @@ def fully_shard(
     owners = _collect_params(modules, ignored)
     _check_devices(owners)
     _check_shardable(owners)
+    _check_no_compile_regions(modules, owners)
     params = []
     for param, param_owners, fqn in owners:
         if shard_placement_fn is not None:
@@ -419,6 +420,22 @@ def _check_shardable(owners) -> None:
             )
     if problems:
         raise ValueError("fully_shard cannot shard these parameters:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _check_no_compile_regions(modules: list[nn.Module], owners) -> None:
+    """Raise if a module whose forward reads this group's parameters is a
+    `torch.compiler.nested_compile_region`: see README, Known limits."""
+    owner_ids = {id(m) for _, param_owners, _ in owners for m, _ in param_owners}
+    for root in modules:
+        for name, sub in root.named_modules():
+            marked = getattr(getattr(sub, "forward", None), "__marked_compile_region_fn__", None)
+            if marked is not None and any(id(m) in owner_ids for m in sub.modules()):
+                where = f"{type(sub).__name__}.forward" + (f" (submodule '{name}')" if name else "")
+                raise ValueError(
+                    f"{where} is a torch.compiler.nested_compile_region and reads parameters that "
+                    f"fully_shard gathers; Dynamo cannot reuse such a region. Remove the decorator: "
+                    f"torch.compile(model, backend='fsdp_graph') compiles the whole step as one graph"
+                )
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
