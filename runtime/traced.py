@@ -57,7 +57,6 @@ logger = logging.getLogger(__name__)
 _C10D = torch.ops._c10d_functional
 
 
-
 # -- copy-in, copy-out and copy-out's gradient, as custom ops (see [Note: Traced unshard]) --------
 
 
@@ -164,6 +163,7 @@ def _copy_out_backward(ctx, grads):
 
 
 copy_out.register_autograd(_copy_out_backward, setup_context=_copy_out_setup)
+
 
 class _AllGatherShards(torch.autograd.Function):
     """Forward: all-gather a flat bucket. Backward: reduce-scatter (SUM) its gradient and divide.
