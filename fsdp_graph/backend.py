@@ -238,8 +238,13 @@ class FSDPGraphBackend:
             "joint_custom_pre_pass": _InductorJointPass(joint, graph_id, dump is not None),
             "custom_partitioner_fn": InductorPartitioner(),
         }
-        schedule = PassPipeline("schedule", self.config.scheduling_passes(True), self.config.disabled_passes, dump)
-        patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump, schedule, self.config)
+        # pin_order runs after the program is written for the inspector: its control_deps wrappers
+        # would hide the collectives and waits from it, and it changes no order.
+        passes = self.config.scheduling_passes(True)
+        disabled = self.config.disabled_passes
+        schedule = PassPipeline("schedule", [p for p in passes if p.name != "pin_order"], disabled, dump)
+        pin = PassPipeline("schedule", [p for p in passes if p.name == "pin_order"], disabled, dump)
+        patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump, schedule, pin, self.config)
         return compile_fx(gm, example_inputs, config_patches=patches)
 
 
@@ -271,10 +276,13 @@ class _InductorJointPass(CustomGraphPass):
 class _InductorLogPass(CustomGraphPass):
     """Dumps the forward and backward graphs as Inductor is about to lower them, then schedules them."""
 
-    def __init__(self, graph_id: str, dump: Optional[GraphDump], schedule: PassPipeline, config: BackendConfig) -> None:
+    def __init__(
+        self, graph_id: str, dump: Optional[GraphDump], schedule: PassPipeline, pin: PassPipeline, config: BackendConfig
+    ) -> None:
         self.graph_id = graph_id
         self.dump = dump
         self.schedule = schedule
+        self.pin = pin
         self.config = config
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -282,14 +290,16 @@ class _InductorLogPass(CustomGraphPass):
         kind = "backward" if is_backward else "forward"
         if self.dump is not None:
             _log_graph(self.graph_id, kind, graph.owning_module, self.dump)
-        _schedule(self.schedule, self.graph_id, kind, graph.owning_module, self.dump)
+        gm = _schedule(self.schedule, self.graph_id, kind, graph.owning_module, self.dump)
+        self.pin(gm, f"{self.graph_id}.{kind}")
 
     def uuid(self) -> Optional[str]:
         if self.dump is not None:
             return None
         c = self.config
+        names = self.schedule.names + self.pin.names
         return (
-            f"fsdp_graph.schedule.v1:{','.join(self.schedule.names)}:off={','.join(sorted(self.schedule.disabled))}:"
+            f"fsdp_graph.schedule.v1:{','.join(names)}:off={','.join(sorted(self.schedule.disabled))}:"
             f"{c.cost_model().profile}:{c.bucket_cap_bytes}:{c.max_bytes_in_flight}:{c.memory_budget_bytes}"
         )
 

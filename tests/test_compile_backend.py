@@ -60,6 +60,19 @@ def test_string_backend_with_options_dumps_and_inspect_prints_summary(tmp_path, 
     assert "fell back to the eager hooks: none" in out
 
 
+def test_inspect_shows_the_schedule_of_an_inductor_dump(tmp_path, capsys):
+    """The inspector reads the program as scheduled, before pin_order wraps collectives and waits
+    in control_deps (which would hide them): every bucket appears with its wait."""
+    _step(torch.compile(_sharded_mlp(), backend=fsdp_graph.backend(compiler="inductor", dump_dir=str(tmp_path))))
+    assert inspect_main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.lstrip().startswith(("all_gather_into_tensor_", "reduce_scatter_tensor_"))]
+    # Auto-bucketing merges these tiny groups: one gather in forward; one gather, one reduce in backward.
+    assert sorted(r[0].split("_tensor")[0] for r in rows) == ["all_gather_into", "all_gather_into", "reduce_scatter"], out
+    issue_and_wait = [(int(r[3]), int(r[4])) for r in rows]
+    assert all(0 <= issue < wait for issue, wait in issue_and_wait), out
+
+
 def test_dump_directory_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("FSDP_GRAPH_DUMP", str(tmp_path / "dump"))
     _step(torch.compile(_sharded_mlp(), backend=fsdp_graph.backend(compiler=Compiler.AOT_EAGER)))
