@@ -40,7 +40,7 @@ from .cost_model import CostModel
 from .nodes import (
     PASS_META, collective_of, is_all_gather, is_collective, is_reduce_scatter, is_wait_tensor, tensor_bytes, wait_of,
 )
-from .simulator import Op, OpKind, in_flight_bytes, op_of, simulate
+from .simulator import Op, OpKind, _kind, in_flight_bytes, op_of, simulate
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +260,8 @@ class _Scheduler:
     def sink_waits(self) -> None:
         """Wait for RS(i) just before RS(i+1) or RS(i+2) is issued, or at the end: of the places
         that pass the limits, the one with the least exposed communication, the earliest on ties
-        (its full-size gradient input dies soonest)."""
+        (its full-size gradient input dies soonest). When none passes the memory limits, as late
+        before RS(i+1) as they allow (`_sink_partway`): some overlap rather than none."""
         reduces = [n for n in self.body if is_reduce_scatter(n) or (is_collective(n) and not is_all_gather(n))]
         for k, rs in enumerate(reduces):
             wait = wait_of(rs)
@@ -280,6 +281,8 @@ class _Scheduler:
                     reasons.append(why)
                 elif exposed <= self.exposed + 1e-12 and (best is None or exposed < best[0] - 1e-12):
                     best = (exposed, candidate)
+            if best is None and reasons:
+                best = self._sink_partway(tail, reduces[k + 1] if k + 1 < len(reduces) else None, index)
             if best is not None:
                 self._accept(best[1])
                 self.report.sunk_waits.append(rs.name)
@@ -289,6 +292,26 @@ class _Scheduler:
                 reason = "; ".join(reasons) or "sinking its wait exposes more communication"
                 self.report.rejected.append((rs.name, f"wait not sunk: {reason}"))
                 logger.debug("fsdp_graph::reorder (%s) wait not sunk: %s", rs.name, reason)
+
+    def _sink_partway(self, tail: list[Node], until: Optional[Node], index: dict[Node, int]) -> Optional[tuple[float, list[Node]]]:
+        """The latest compute node before `until` (the next reduce-scatter, or the end) to move
+        `tail` (a wait and what only feeds outputs from it) before, such that the limits hold and
+        less communication is exposed; found by bisection, as memory grows the later the wait."""
+        end = index[until] if until is not None else len(self.body)
+        positions = [i for i in range(index[tail[-1]] + 1, end) if _kind(self.body[i]) is OpKind.COMPUTE]
+        best: Optional[tuple[float, list[Node]]] = None
+        lo, hi = 0, len(positions) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            candidate = _moved(self.body, tail, self.body[positions[mid]])
+            why, exposed = self._check(candidate)
+            if why is None:
+                if exposed < self.exposed - 1e-12:
+                    best = (exposed, candidate)
+                lo = mid + 1
+            else:
+                hi = mid - 1
+        return best
 
     def prefetch_all_gathers(self) -> None:
         gathers = [n for n in self.body if is_all_gather(n) and wait_of(n) is not None]
@@ -392,8 +415,6 @@ def pin_order(gm: GraphModule) -> GraphModule:
     """
     from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
     from torch.utils._ordered_set import OrderedSet
-
-    from .simulator import _kind
 
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     if not any(is_collective(n) for n in nodes):

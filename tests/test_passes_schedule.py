@@ -207,6 +207,17 @@ wait RS blocks.0""")
         over = reorder_for_overlap(bucket_by_group(self.graphs()["forward"]), FIXED, memory_budget_bytes=1)
         self.assertEqual(over.meta[SCHEDULE_META].peak_bytes_after, over.meta[SCHEDULE_META].peak_bytes_before)
 
+    def test_waits_sink_partway_when_the_budget_allows_no_full_sink(self):
+        """At the unscheduled peak no reduce-scatter wait can move to the next reduce-scatter; each
+        block's still moves as late as the budget allows (a few compute nodes: some overlap)."""
+        gm = bucket_by_group(self.graphs()["backward"])
+        before = simulate(gm, FIXED).memory.peak_bytes
+        gm = reorder_for_overlap(gm, FIXED, memory_budget_bytes=before)
+        simulation = simulate(gm, FIXED)
+        self.assertLessEqual(simulation.memory.peak_bytes, before)
+        distances = {c.group: c.prefetch_distance for c in simulation.collectives if c.kind == "reduce_scatter"}
+        self.assertEqual(distances, {"blocks.2": 2, "blocks.1": 1, "blocks.0": 1, "<root>": 0})
+
     def test_bytes_in_flight_limit(self):
         limit = _BLOCK_BYTES + 512
         for kind in ("forward", "backward"):
