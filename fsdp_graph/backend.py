@@ -28,7 +28,7 @@ from .passes.nodes import GROUP_KEY, fsdp_meta
 from .passes.cost_model import CostModel, Profile
 from .passes.pipeline import GraphPass, PassPipeline
 from .passes.reshard import tag_reshard_after_forward
-from .passes.scheduling import SCHEDULING_PASS_NAMES, scheduling_passes
+from .passes.scheduling import PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
 from .runtime.param_group import ParamGroup
 
 logger = logging.getLogger(__name__)
@@ -126,10 +126,8 @@ class BackendConfig:
             profile = Profile.H100_NVLINK if torch.cuda.is_available() else Profile.CPU_GLOO
         return CostModel(profile)
 
-    def scheduling_passes(self, for_inductor: bool) -> list[GraphPass]:
-        return scheduling_passes(
-            self.cost_model(), self.bucket_cap_bytes, self.max_bytes_in_flight, self.memory_budget_bytes, for_inductor
-        )
+    def scheduling_passes(self) -> list[GraphPass]:
+        return scheduling_passes(self.cost_model(), self.bucket_cap_bytes, self.max_bytes_in_flight, self.memory_budget_bytes)
 
     @classmethod
     def from_options(cls, options: Optional[dict[str, Any]]) -> "BackendConfig":
@@ -214,7 +212,7 @@ class FSDPGraphBackend:
         def partition_joint(joint_gm, joint_inputs, **kwargs):
             return partition(joint(joint_gm, graph_id), joint_inputs, **kwargs)
 
-        schedule = PassPipeline("schedule", self.config.scheduling_passes(False), self.config.disabled_passes, dump)
+        schedule = PassPipeline("schedule", self.config.scheduling_passes(), self.config.disabled_passes, dump)
 
         def inner(kind: str):
             def compile_graph(graph: GraphModule, _inputs):
@@ -240,10 +238,9 @@ class FSDPGraphBackend:
         }
         # pin_order runs after the program is written for the inspector: its control_deps wrappers
         # would hide the collectives and waits from it, and it changes no order.
-        passes = self.config.scheduling_passes(True)
         disabled = self.config.disabled_passes
-        schedule = PassPipeline("schedule", [p for p in passes if p.name != "pin_order"], disabled, dump)
-        pin = PassPipeline("schedule", [p for p in passes if p.name == "pin_order"], disabled, dump)
+        schedule = PassPipeline("schedule", self.config.scheduling_passes(), disabled, dump)
+        pin = PassPipeline("schedule", [PIN_ORDER], disabled, dump)
         patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump, schedule, pin, self.config)
         return compile_fx(gm, example_inputs, config_patches=patches)
 

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from .api import FSDPModule
 
 
-
 def bf16_compress_hook(state: Any, grad: torch.Tensor, output: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Reduce-scatter in bf16 (half the bytes on the wire); the result lands in fp32 `output`."""
     reduced = torch.empty(output.shape, dtype=torch.bfloat16, device=output.device)

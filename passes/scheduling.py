@@ -3,7 +3,8 @@
     bucket_by_group      one bucket per fully_shard group (the eager runtime's plan)
     auto_bucket          merge latency-bound buckets, split ones over the cap
     reorder_for_overlap  prefetch all-gathers, issue reduce-scatters early and wait late
-    pin_order            (Inductor only) control dependencies so Inductor keeps that order
+    pin_order            (Inductor only, `PIN_ORDER`, run after the others and after the program
+                         for the inspector is written) control dependencies so Inductor keeps that order
 
 Each can be switched off by name (`BackendConfig.disabled_passes`).
 """
@@ -19,6 +20,7 @@ from .pipeline import GraphPass
 from .reorder import pin_order, reorder_for_overlap
 
 SCHEDULING_PASS_NAMES = ("bucket_by_group", "auto_bucket", "reorder_for_overlap", "pin_order")
+PIN_ORDER = GraphPass("pin_order", pin_order)
 
 
 def scheduling_passes(
@@ -26,9 +28,9 @@ def scheduling_passes(
     bucket_cap_bytes: int,
     max_bytes_in_flight: Optional[int],
     memory_budget_bytes: Optional[int],
-    for_inductor: bool,
 ) -> list[GraphPass]:
-    passes = [
+    """The passes that decide the order; `PIN_ORDER` makes it binding for Inductor."""
+    return [
         GraphPass("bucket_by_group", bucket_by_group),
         GraphPass("auto_bucket", functools.partial(auto_bucket, cost_model=cost_model, bucket_cap_bytes=bucket_cap_bytes)),
         GraphPass(
@@ -41,6 +43,3 @@ def scheduling_passes(
             ),
         ),
     ]
-    if for_inductor:
-        passes.append(GraphPass("pin_order", pin_order))
-    return passes
