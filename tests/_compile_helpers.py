@@ -118,3 +118,9 @@ def dumped_graphs(dump_dir) -> dict:
 def collective_groups(graphs: dict, kind: str, op: str) -> list[str]:
     """The groups of `kind`'s ("forward" / "backward") collectives `op`, in graph order."""
     return [c["group"] for c in graphs[kind]["collectives"] if c["op"] == op]
+
+
+def assert_every_llama_group_fell_back(fallbacks: dict, reason: str) -> None:
+    """The tiny Llama's three groups ran on the eager hooks, each logged with `reason` in its text."""
+    assert sorted(fallbacks) == ["<root>", "layers.0", "layers.1"], fallbacks
+    assert all(reason in why for why in fallbacks.values()), fallbacks

@@ -61,15 +61,20 @@ def test_activation_checkpointing(how):
     run_ranks(_activation_checkpointing, 2, how)
 
 
-def _clip(rank, world_size):
-    model, reference, sharded = paired_llama()
-    lx, ly = backward_on_both(reference, sharded, 0, rank, world_size)
+def clip_like_unsharded(reference: nn.Module, sharded: nn.Module) -> None:
+    """`clip_grad_norm_` on both: the same total norm, clipping happened, the same clipped gradients."""
     ref_norm = nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.1)
     norm = nn.utils.clip_grad_norm_(sharded.parameters(), max_norm=0.1)
     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
     torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
     assert ref_norm > 0.1  # clipping did something
     check_grads_match(sharded, reference)
+
+
+def _clip(rank, world_size):
+    model, reference, sharded = paired_llama()
+    backward_on_both(reference, sharded, 0, rank, world_size)
+    clip_like_unsharded(reference, sharded)
 
 
 def test_clip_grad_norm_matches_unsharded():
