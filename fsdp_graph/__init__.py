@@ -9,7 +9,7 @@
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .backend import BackendConfig, Compiler, backend
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "BackendConfig",

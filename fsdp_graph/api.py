@@ -14,7 +14,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .runtime.param import MeshInfo, ShardedParam
 from .runtime.param_group import ParamGroup
 from .runtime.state import FSDPState

@@ -24,11 +24,12 @@ from torch.fx import GraphModule
 
 from .dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
-from .passes.nodes import GROUP_KEY, fsdp_meta
+from .passes.nodes import fsdp_meta
 from .passes.cost_model import CostModel, Profile
 from .passes.pipeline import GraphPass, PassPipeline
 from .passes.reshard import tag_reshard_after_forward
 from .passes.scheduling import PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
+from .runtime.meta import GROUP_KEY
 from .runtime.param_group import ParamGroup
 
 logger = logging.getLogger(__name__)

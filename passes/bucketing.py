@@ -25,10 +25,10 @@ import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
+from ..runtime.meta import GROUP_KEY
 from .cost_model import CostModel, op_facts
 from .nodes import (
     BUCKET_META,
-    GROUP_KEY,
     PASS_META,
     group_of,
     is_all_gather,

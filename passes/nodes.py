@@ -1,8 +1,8 @@
-"""Node predicates and the `node.meta` keys that the traced runtime and the passes share.
+"""Node predicates and the `node.meta` keys the passes read and write.
 
-The traced unshard runs under `torch.fx.traceback.annotate`, so every node it makes, and every
-backward node AOTAutograd derives from them, carries `node.meta["custom"]` with the keys below.
-Passes read group facts from there and never from node names.
+The keys inside `node.meta["custom"]` are written by the traced runtime and defined with it, in
+runtime/meta.py. Passes read group facts from there and
+never from node names.
 """
 
 from __future__ import annotations
@@ -13,14 +13,9 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
+from ..runtime.meta import GROUP_KEY
+
 _C10D = torch.ops._c10d_functional
-
-# Keys inside `node.meta["custom"]`.
-GROUP_KEY = "fsdp_graph_group"  # the group's module FQN(s), e.g. "layers.0"
-RESHARD_KEY = "fsdp_graph_reshard_after_forward"  # bool: backward must gather again
-ROLE_KEY = "fsdp_graph_role"  # one of the ROLE_* values
-
-ROLE_UNSHARD = "unshard"  # copy-in, all-gather, wait, copy-out (and their backward: the reduce-scatter)
 
 # Top-level `node.meta` keys the scheduling passes set (passes/bucketing.py, passes/reorder.py).
 BUCKET_META = "fsdp_graph_bucket"  # on a collective: tuple of the groups whose data it carries

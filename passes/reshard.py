@@ -18,7 +18,8 @@ import logging
 from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .nodes import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD, fsdp_meta
+from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
+from .nodes import fsdp_meta
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..policies import MixedPrecisionPolicy
 from .collectives import AllGatherWork, CommContext, CommHook, all_gather, copy_out, reduce_scatter
 from .param import MeshInfo, ShardedParam
+from .policies import MixedPrecisionPolicy
 
 logger = logging.getLogger(__name__)
 

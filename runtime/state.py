@@ -22,12 +22,13 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from ..policies import MixedPrecisionPolicy
 from . import traced
 from .collectives import CommContext
 from .param_group import ParamGroup, ShardedState
+from .policies import MixedPrecisionPolicy
+from .trees import cast_floats
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class FSDPState:
                 if target.group is not None:
                     target.group.unshard(async_op=True)
             if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
-                args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+                args, kwargs = cast_floats((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
 
     def _root_pre_forward(self) -> None:
@@ -194,7 +195,7 @@ class FSDPState:
             logger.debug("fsdp_graph::post_forward (%s)", self.name)
             self._num_forwards_done += 1
             if self.mp_policy.output_dtype is not None:
-                output = _cast_floats(output, self.mp_policy.output_dtype)
+                output = cast_floats(output, self.mp_policy.output_dtype)
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             if tensors:
                 register_multi_grad_hook(tensors, self._pre_backward, mode="any")
@@ -320,15 +321,6 @@ class FSDPState:
             f"in the fully_shard group of '{self.name}'; call '{self.name}' instead, gather first with "
             f"unshard(), or give it a group of its own: fully_shard(submodule) before fully_shard(parent)"
         )
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x):
-        if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return tree_map(cast, tree)
 
 
 # Dynamo inlines these hooks when it traces a module call, and runs them eagerly (the fallback) when

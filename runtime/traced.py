@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx.traceback import annotate
 
-from ..passes.nodes import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
+from .meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
+from .trees import cast_floats
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -272,23 +273,19 @@ def pre_forward(state: "FSDPState", module: torch.nn.Module, args: tuple, kwargs
     `state._traced_num_forwards` counts the modules of the call whose forward began. It is 0 whenever
     a graph is entered (the last post-forward resets it), so Dynamo's guard on it always holds.
     """
-    from .state import _cast_floats
-
     num_forwards = state._traced_num_forwards
     if state.group is not None and num_forwards == 0:
         _install(state.group, unshard(state.group))
     state._traced_num_forwards = num_forwards + 1
     if state.mp_policy.param_dtype is not None and state.mp_policy.cast_forward_inputs:
-        args, kwargs = _cast_floats((args, kwargs), state.mp_policy.param_dtype)
+        args, kwargs = cast_floats((args, kwargs), state.mp_policy.param_dtype)
     return args, kwargs
 
 
 def post_forward(state: "FSDPState", module: torch.nn.Module, output: Any) -> Any:
     """Traced post-forward: cast the outputs; after the group's last module, drop the shadows."""
-    from .state import _cast_floats
-
     if state.mp_policy.output_dtype is not None:
-        output = _cast_floats(output, state.mp_policy.output_dtype)
+        output = cast_floats(output, state.mp_policy.output_dtype)
     if state._traced_num_forwards >= len(state.modules):
         state._traced_num_forwards = 0
         if state.group is not None:

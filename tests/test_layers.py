@@ -1,0 +1,72 @@
+"""The layers the folders promise, checked by import-linter's contracts in pyproject.toml.
+
+`runtime/` and `passes/` are installed as `fsdp_graph.runtime` and `fsdp_graph.passes` through
+setuptools' package-dir mapping, which import-linter cannot see in an editable install. So the test
+lays the three folders out as a wheel would (`fsdp_graph/`, `fsdp_graph/runtime/`, `fsdp_graph/passes/`)
+and runs `lint-imports` over that copy.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: import-linter depends on tomli there
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def _installed_layout(root: Path) -> Path:
+    """Copy the package's sources to `root` the way the package-dir mapping installs them."""
+    for package, folder in PYPROJECT["tool"]["setuptools"]["package-dir"].items():
+        target = root.joinpath(*package.split("."))
+        target.mkdir(parents=True, exist_ok=True)
+        for source in (REPO / folder).glob("*.py"):
+            shutil.copy(source, target / source.name)
+    return root
+
+
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    script = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+    return subprocess.run(
+        [sys.executable, "-c", script, "--config", str(REPO / "pyproject.toml"), "--no-cache"],
+        cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+    )
+
+
+def test_contracts_kept(tmp_path):
+    result = _lint_imports(_installed_layout(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 kept, 0 broken" in result.stdout, result.stdout
+
+
+def test_contracts_name_an_import_across_the_layers(tmp_path):
+    """The imports the layering forbids, added back one per layer, break the contracts by name."""
+    root = _installed_layout(tmp_path)
+    added = {
+        "runtime/traced.py": "from ..passes.nodes import is_collective",
+        "runtime/param_group.py": "from .. import api",
+        "passes/reshard.py": "from ..backend import BackendConfig",
+    }
+    for path, line in added.items():
+        with open(root / "fsdp_graph" / path, "a") as f:
+            f.write(f"\n{line}\n")
+    result = _lint_imports(root)
+    assert result.returncode != 0, result.stdout
+    for importer, imported in [
+        ("fsdp_graph.runtime.traced", "fsdp_graph.passes.nodes"),
+        ("fsdp_graph.runtime.param_group", "fsdp_graph.api"),
+        ("fsdp_graph.passes.reshard", "fsdp_graph.backend"),
+    ]:
+        assert f"{importer} -> {imported}" in result.stdout, result.stdout
+
+
+def test_every_face_module_is_forbidden_below_it():
+    face = {f"fsdp_graph.{p.stem}" for p in (REPO / "fsdp_graph").glob("*.py") if p.stem != "__init__"}
+    for contract in PYPROJECT["tool"]["importlinter"]["contracts"]:
+        missing = face - set(contract["forbidden_modules"])
+        assert not missing, f"add {sorted(missing)} to the forbidden_modules of contract {contract['id']!r}"
