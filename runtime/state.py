@@ -237,6 +237,12 @@ class FSDPState:
             return [order[order.index(self) - 1]]
         return []
 
+    def finish_backward(self) -> None:
+        """What the end of a backward does, on demand, for the whole root: reduce the gradients not
+        yet reduced, wait for the reduce-scatters, reshard as `reshard_after_backward` says. For
+        drivers that run several backwards and reduce once themselves (fsdp_graph/pipelining.py)."""
+        self.ctx.root._post_backward_final()
+
     def _post_backward_final(self) -> None:
         """Root only: runs once when the whole backward finished."""
         ctx = self.ctx
