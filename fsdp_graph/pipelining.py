@@ -46,16 +46,17 @@ class PipelineStage(pipelining.PipelineStage):
             root._fsdp_state.finish_backward()
         super().perform_reduce_grad(grad_scale_factor)  # scales the reduced gradients
 
+    def _prepare_backward_infra(self, *args, **kwargs):
+        # Metadata inference computes input gradients only: nothing to reduce.
+        for root in _fsdp_roots(self.submod):
+            _set_accumulating(root, True)
+        return super()._prepare_backward_infra(*args, **kwargs)
+
     def _post_metadata_inference_cleanup(self) -> None:
         super()._post_metadata_inference_cleanup()
         for root in _fsdp_roots(self.submod):
             _set_accumulating(root, False)
-            root._fsdp_state.finish_backward()
-            for module in root.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
-            for param in root.parameters():
-                param.grad = None
+            root._fsdp_state.discard_gradients()
 
 
 def _fsdp_roots(module: nn.Module) -> list[FSDPModule]:

@@ -163,12 +163,16 @@ def copy_out(params: list[ShardedParam], work: AllGatherWork, world: int) -> Non
 
 @dataclass
 class ReduceScatterWork:
-    """An issued gradient reduce-scatter for one group; `finish` writes the sharded gradients."""
+    """An issued gradient reduce-scatter for one group; `finish` writes the sharded gradients.
+
+    See [Note: Every rank packs every parameter] for the flags at the end of `output`.
+    """
 
     params: list[ShardedParam]
-    output: torch.Tensor  # this rank's reduced, divided shard of every param, flat
+    output: torch.Tensor  # this rank's reduced, divided shard of every param, flat, then one flag per param
     mesh_info: MeshInfo
     divide_factor: float
+    had_grad: list[bool]  # per param: did this rank pack a gradient
     handle: Optional[dist.Work] = None  # CPU: the async work handle
     event: object = None  # CUDA: recorded on the reduce-scatter stream after the division
     # CUDA: the packed input and the unsharded gradients, read on the reduce-scatter stream but
@@ -187,20 +191,42 @@ class ReduceScatterWork:
             self.reduce_across_replicas_and_divide()
         if self.event is not None:
             ctx.current_stream().wait_event(self.event)
+        got_grad = self.had_grad
+        if not all(got_grad):  # read the summed flags only then: on CUDA reading waits for the stream
+            got_grad = [flag > 0 for flag in self.output[-len(self.params) :].tolist()]
         offset = 0
-        for p in self.params:
-            p.accumulate_sharded_grad(self.output[offset : offset + p.shard_numel])
+        for p, flag in zip(self.params, got_grad):
+            if flag:
+                p.accumulate_sharded_grad(self.output[offset : offset + p.shard_numel])
             offset += p.shard_numel
         self.keep_alive.clear()
 
 
-def _pack(params: list[ShardedParam], grads: list[torch.Tensor], world: int, dtype, device) -> torch.Tensor:
-    """The reduce-scatter input: rank r's row holds every parameter's slot r, cast to `dtype`."""
-    packed = torch.empty((world, sum(p.shard_numel for p in params)), dtype=dtype, device=device)
+# [Note: Every rank packs every parameter]
+# Ranks may use different parameters of one group in a step (data-dependent branches, per-rank expert
+# routing). Each rank therefore packs every trainable parameter of the group, zeros where it has no
+# gradient, so slot i means the same parameter on every rank and sizes always match. After the
+# gradients, every row carries one flag per parameter: 1 where this rank had a gradient. The
+# reduce-scatter sums the flags into every rank's shard, so all ranks agree which parameters got a
+# gradient on some rank: those get the averaged gradient (zeros from the ranks that had none, as the
+# unsharded model on the global batch), the others keep `.grad` as it was (None), as in eager PyTorch.
+# The flags cost one element per parameter and no collective of their own.
+
+
+def _pack(params: list[ShardedParam], grads: list[Optional[torch.Tensor]], world: int, dtype, device) -> torch.Tensor:
+    """The reduce-scatter input: rank r's row holds every parameter's slot r, cast to `dtype`, then
+    the flags of [Note: Every rank packs every parameter]."""
+    total = sum(p.shard_numel for p in params)
+    packed = torch.empty((world, total + len(params)), dtype=dtype, device=device)
     offset = 0
     for p, grad in zip(params, grads):
-        p.pack_grad(grad, packed[:, offset : offset + p.shard_numel])
+        if grad is None:
+            packed[:, offset : offset + p.shard_numel].zero_()
+        else:
+            p.pack_grad(grad, packed[:, offset : offset + p.shard_numel])
         offset += p.shard_numel
+    flags = torch.tensor([float(grad is not None) for grad in grads], dtype=dtype, device=device)
+    packed[:, total:].copy_(flags.expand(world, -1))
     return packed
 
 
@@ -215,19 +241,20 @@ def reduce_scatter(
 ) -> ReduceScatterWork:
     """Reduce-scatter the unsharded gradients of `params` as one bucket and average them.
 
+    `params` are every trainable parameter of the group, with or without a gradient on this rank:
+    see [Note: Every rank packs every parameter].
+
     The sum is divided explicitly afterwards: gloo has no PREMUL_SUM, and one code path for every
     backend keeps eager and compiled numerics identical. A `comm_hook` replaces the
     reduce-scatter itself (it runs synchronously); HSDP's all-reduce and the division stay ours.
     """
     world = mesh_info.shard_size
-    dtype = reduce_dtype or params[0].unsharded_param.grad.dtype
-    total = sum(p.shard_numel for p in params)
-    grads = [p.unsharded_param.grad for p in params]
-    for p in params:
-        p.unsharded_param.grad = None
+    dtype = reduce_dtype or params[0].unsharded_dtype
+    total = sum(p.shard_numel for p in params) + len(params)  # gradients, then one flag per parameter
+    grads = [p.take_unsharded_grad() for p in params]
     # Allocated on the current stream, which later reads it for the optimizer.
     output = torch.empty(total, dtype=dtype, device=ctx.device)
-    work = ReduceScatterWork(params, output, mesh_info, divide_factor)
+    work = ReduceScatterWork(params, output, mesh_info, divide_factor, [grad is not None for grad in grads])
 
     if not ctx.uses_streams:
         packed = _pack(params, grads, world, dtype, ctx.device)

@@ -255,6 +255,13 @@ class ShardedParam:
             if remainder:
                 slots[num_full, :remainder].copy_(rows[num_full * self.padded_dim0 :])
 
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The unsharded gradient (None if there is none), which the parameter then gives up."""
+        if self.unsharded_param is None:
+            return None
+        grad, self.unsharded_param.grad = self.unsharded_param.grad, None
+        return grad
+
     def accumulate_sharded_grad(self, flat_shard: torch.Tensor) -> None:
         """Set or add this rank's reduced gradient (padded, flat) to the sharded parameter."""
         local = flat_shard[: self.num_valid_rows * self.row_numel].view(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from enum import Enum, auto
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,7 @@ class ParamGroup:
         reshard_after_forward: Optional[Union[bool, int]],
     ) -> None:
         self.params = params
+        self.num_trainable = sum(p.requires_grad for p in params)
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
@@ -94,10 +95,13 @@ class ParamGroup:
         # backward with sync reduces them together with its own.
         self.holds_unreduced_grads = False
 
+        # Called once every trainable gradient of a backward has accumulated; the root sets it to
+        # reduce the groups in an order all ranks share (runtime/state.py, RootContext).
+        self.on_all_grads_ready: Callable[[], None] = self.post_backward
+
         # Per-backward bookkeeping, reset by `reset_backward_state`.
         self._num_grads_ready = 0
         self.reduced_this_backward = False
-        self._num_trainable = sum(p.requires_grad for p in params)
 
     @property
     def world(self) -> int:
@@ -189,32 +193,39 @@ class ParamGroup:
 
     # -- backward ------------------------------------------------------------------------------
 
+    @property
+    def all_grads_ready(self) -> bool:
+        """Every trainable parameter's gradient has accumulated this backward (on this rank)."""
+        return self._num_grads_ready >= self.num_trainable
+
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
         self._num_grads_ready += 1
-        if self._num_grads_ready == self._num_trainable:
-            self.post_backward()
+        if self._num_grads_ready == self.num_trainable:
+            self.on_all_grads_ready()
 
     def post_backward(self) -> None:
-        """Reduce-scatter this group's unsharded gradients (once per backward) and reshard."""
+        """Reduce-scatter this group's unsharded gradients (once per backward) and reshard.
+
+        Every rank reduce-scatters every trainable parameter, whether or not it has a gradient
+        here: see [Note: Every rank packs every parameter] in runtime/collectives.py.
+        """
         if self.reduced_this_backward:
             return None
         self.reduced_this_backward = True
         with torch.profiler.record_function(f"fsdp_graph::post_backward ({self.name})"):
             logger.debug("fsdp_graph::post_backward (%s)", self.name)
-            with_grad = [
-                p for p in self.params if p.unsharded_param is not None and p.unsharded_param.grad is not None
-            ]
-            if with_grad and self.requires_gradient_sync:
+            trainable = [p for p in self.params if p.requires_grad]
+            if trainable and self.requires_gradient_sync:
                 # The previous group's reduce-scatter had this group's backward to finish: wait
                 # for it first, so at most one packed gradient buffer is alive at a time.
                 self.comm.finish_reduce_scatters()
                 factor = self.gradient_divide_factor or self.world * self.mesh_info.replicate_size
                 work = reduce_scatter(
-                    with_grad, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm, self.comm_hook
+                    trainable, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm, self.comm_hook
                 )
                 self.comm.add_reduce_scatter(work)
                 self.holds_unreduced_grads = False
-            elif with_grad:
+            elif any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in trainable):
                 self.holds_unreduced_grads = True
             if self.reshard_after_backward:
                 self.reshard()

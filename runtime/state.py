@@ -22,13 +22,12 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten
 
 from . import traced
 from .collectives import CommContext
 from .param_group import ParamGroup, ShardedState
 from .policies import MixedPrecisionPolicy
-from .trees import cast_floats
+from .trees import cast_floats, tensors_in
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +52,27 @@ class RootContext:
         self.is_last_backward = True
         # State name -> why its hooks ran eagerly inside a compiled call; see runtime/traced.py.
         self.fallbacks: dict[str, str] = {}
+
+    def reduce_ready_groups(self) -> None:
+        """Reduce-scatter, in reverse forward order, the groups whose gradients are all here, up to
+        the first that is still waiting for one.
+
+        [Note: One order of reduce-scatters on every rank]
+        Collectives must come in the same order on every rank. A group's gradients can all be
+        here on one rank and not on another (ranks using different parameters, or a parameter used
+        on some ranks only), so reducing each group as soon as its own gradients arrive could pair
+        one rank's group with another rank's. Groups are reduced in reverse forward order instead,
+        which every rank shares; a group still waiting for a gradient holds back the groups that ran
+        before it until the backward's final callback. In the usual backward gradients complete in
+        exactly that order, so nothing waits. Frozen groups reduce nothing and never hold others back.
+        """
+        for state in reversed(self.forward_order):
+            group = state.group
+            if group is None or group.reduced_this_backward or group.num_trainable == 0:
+                continue
+            if not group.all_grads_ready:
+                return
+            group.post_backward()
 
 
 def _in_backward() -> bool:
@@ -119,6 +139,7 @@ class FSDPState:
             if state.group is not None:
                 state.group.name = state.name
                 state.group.comm = self.ctx.comm
+                state.group.on_all_grads_ready = self.ctx.reduce_ready_groups
                 state.group.set_reshard_after_forward(state_raf)
         logger.debug("fsdp_graph::claim_root (%s) states=%d", self.name, len(states))
 
@@ -196,7 +217,7 @@ class FSDPState:
             self._num_forwards_done += 1
             if self.mp_policy.output_dtype is not None:
                 output = cast_floats(output, self.mp_policy.output_dtype)
-            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            tensors = [t for t in tensors_in(output) if t.requires_grad]
             if tensors:
                 register_multi_grad_hook(tensors, self._pre_backward, mode="any")
             if self._num_forwards_done >= len(self.modules):
@@ -242,6 +263,16 @@ class FSDPState:
         yet reduced, wait for the reduce-scatters, reshard as `reshard_after_backward` says. For
         drivers that run several backwards and reduce once themselves (fsdp_graph/pipelining.py)."""
         self.ctx.root._post_backward_final()
+
+    def discard_gradients(self) -> None:
+        """Reshard every group under this root and drop its gradients, reduced or not (a backward
+        run only to learn shapes, e.g. a pipeline schedule's metadata inference)."""
+        for state in self.ctx.states:
+            state._reset_after_error()
+            if state.group is not None:
+                state.group.holds_unreduced_grads = False
+                for p in state.group.params:
+                    p.sharded_param.grad = None
 
     def _post_backward_final(self) -> None:
         """Root only: runs once when the whole backward finished."""
