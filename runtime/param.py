@@ -105,6 +105,10 @@ class ShardedParam:
         local = self.own_rows(param.detach())
         local = local.clone() if local.is_meta else local.to(shard_device, copy=True)
         self.sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
+        # Whether `.grad` was None when the last compiled backward reached this parameter; see
+        # [Note: Gradient flags in a graph] in runtime/traced.py.
+        self.grad_was_none = True
+        self._watching_grad = False
 
         # Unsharded storage, padded to world * padded_dim0 rows so the all-gather output copies out
         # in one `split_with_sizes_copy`; the parameter autograd sees is a view of its first dim0
@@ -156,6 +160,8 @@ class ShardedParam:
         self.sharded_param = current
         self._check_unchanged()
         self.install(sharded=True)
+        if self._watching_grad:
+            self.watch_grad_before_backward()
 
     def _check_unchanged(self) -> None:
         """The sharded parameter still has what the group was built for (checked before a gather).
@@ -181,6 +187,18 @@ class ShardedParam:
                 f"model before its first forward: model.to_empty(device=...), then initialize the "
                 f"parameters (e.g. reset_parameters())"
             )
+
+    def watch_grad_before_backward(self) -> None:
+        """Record in `grad_was_none`, each time autograd is about to accumulate into the sharded
+        parameter, whether its `.grad` was None."""
+        self._watching_grad = True
+        param = self.sharded_param
+
+        def record(grad: torch.Tensor) -> torch.Tensor:
+            self.grad_was_none = param.grad is None
+            return grad
+
+        param.register_hook(record)
 
     def own_rows(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's valid rows of a full (unsharded) tensor of this parameter's shape."""

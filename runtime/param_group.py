@@ -10,6 +10,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from . import traced
 from .collectives import AllGatherWork, CommContext, CommHook, all_gather, copy_out, reduce_scatter
 from .param import MeshInfo, ShardedParam
 from .policies import MixedPrecisionPolicy
@@ -98,6 +99,10 @@ class ParamGroup:
         # Called once every trainable gradient of a backward has accumulated; the root sets it to
         # reduce the groups in an order all ranks share (runtime/state.py, RootContext).
         self.on_all_grads_ready: Callable[[], None] = self.post_backward
+
+        # The flags a compiled backward reduces with the gradients; see runtime/traced.py.
+        self.grad_flags: Optional[torch.Tensor] = None
+        traced.track_gradient_flags(self)
 
         # Per-backward bookkeeping, reset by `reset_backward_state`.
         self._num_grads_ready = 0

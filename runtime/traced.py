@@ -93,12 +93,15 @@ copy_in.register_autograd(_copy_in_backward, setup_context=_copy_in_setup)
 
 
 @torch.library.custom_op("fsdp_graph::copy_out", mutates_args=())
-def copy_out(gathered: torch.Tensor, world: int, shard_numels: list[int], numels: list[int]) -> list[torch.Tensor]:
+def copy_out(
+    gathered: torch.Tensor, world: int, shard_numels: list[int], numels: list[int], flags_at: int
+) -> list[torch.Tensor]:
     """Each parameter's `numels[i]` leading elements of its columns of the gathered bucket, flat.
 
     `gathered` is (world * sum(shard_numels),): rank r's row holds every parameter's shard, padded
     to `shard_numels[i]`. Parameter i is the concatenation of its column block over the rows, so
-    its first `numels[i]` elements are the unpadded parameter.
+    its first `numels[i]` elements are the unpadded parameter. Block `flags_at` (-1: none) holds the
+    gradient flags, not a parameter: its output has no elements (`numels[flags_at]` is 0).
     """
     rows = gathered.view(world, -1)
     out, offset = [], 0
@@ -111,7 +114,7 @@ def copy_out(gathered: torch.Tensor, world: int, shard_numels: list[int], numels
 
 
 @copy_out.register_fake
-def _(gathered, world, shard_numels, numels):
+def _(gathered, world, shard_numels, numels, flags_at):
     return [gathered.new_empty(numel) for numel in numels]
 
 
@@ -123,15 +126,22 @@ def pack_grads(
     numels: list[int],
     dtype: torch.dtype,
     device: torch.device,
+    flags_at: int,
 ) -> torch.Tensor:
     """The inverse layout of `copy_out`: a gathered-shaped bucket with each gradient in its
-    parameter's columns; zeros for padding and for a missing gradient."""
+    parameter's columns; zeros for padding and for a missing gradient. Block `flags_at` (-1: none)
+    gets, in every row, one flag per gradient before it: 1 where it is not None (see
+    [Note: Gradient flags in a graph])."""
     packed = torch.empty(world, sum(shard_numels), dtype=dtype, device=device)
     offset = 0
-    for grad, shard_numel, numel in zip(grads, shard_numels, numels):
+    for i, (grad, shard_numel, numel) in enumerate(zip(grads, shard_numels, numels)):
         # The gradient fills the block (world, shard_numel) row by row; the rest is padding.
         block = packed[:, offset : offset + shard_numel]
         offset += shard_numel
+        if i == flags_at:
+            flags = torch.tensor([float(g is not None) for g in grads[:i]], dtype=dtype, device=device)
+            block.copy_(flags.expand(world, -1))
+            continue
         if grad is None or numel == 0:
             block.zero_()
             continue
@@ -148,19 +158,21 @@ def pack_grads(
 
 
 @pack_grads.register_fake
-def _(grads, world, shard_numels, numels, dtype, device):
+def _(grads, world, shard_numels, numels, dtype, device, flags_at):
     return torch.empty(world * sum(shard_numels), dtype=dtype, device=device)
 
 
 def _copy_out_setup(ctx, inputs, output):
-    gathered, world, shard_numels, numels = inputs
+    gathered, world, shard_numels, numels, flags_at = inputs
     # No tensor is saved: the gradient's layout is all the backward needs.
-    ctx.layout = (world, shard_numels, numels, gathered.dtype, gathered.device)
+    ctx.layout = (world, shard_numels, numels, gathered.dtype, gathered.device, flags_at)
+    # An output the forward did not use gets None, not zeros: pack_grads flags it.
+    ctx.set_materialize_grads(False)
 
 
 def _copy_out_backward(ctx, grads):
     packed = torch.ops.fsdp_graph.pack_grads(list(grads), *ctx.layout)
-    return packed, None, None, None
+    return packed, None, None, None, None
 
 
 copy_out.register_autograd(_copy_out_backward, setup_context=_copy_out_setup)
@@ -202,6 +214,41 @@ class _AllGatherShards(torch.autograd.Function):
         return reduced.to(ctx.flat_dtype), None, None, None, None, None, None, None
 
 
+# [Note: Gradient flags in a graph]
+# A compiled backward produces a gradient for every sharded parameter: zeros where the forward did
+# not use it (the bucket must hold every parameter, [Note: Every rank packs every parameter]). Eager
+# PyTorch leaves such a `.grad` None, and AdamW skips None but decays and advances zeros. So the
+# traced bucket carries, like the eager one, one flag per trainable parameter after the gradients:
+# the flags ride in the columns of `group.grad_flags`, a small leaf gathered (as zeros) with the
+# shards, and its gradient, after the reduce-scatter, is the sum over ranks of "had a gradient".
+# Once the backward ends, a parameter whose flag is 0 on every rank and whose `.grad` was None
+# before this backward gets None back. Only then are the flags read (a device sync on CUDA).
+
+
+def track_gradient_flags(group: "ParamGroup") -> None:
+    """Give `group` its flags leaf and the hooks that restore None gradients after compiled steps."""
+    trainable = [p for p in group.params if p.requires_grad]
+    group.grad_flags = torch.zeros(len(trainable), device=group.params[0].shard_device, requires_grad=True)
+    if not trainable:
+        return
+    for p in trainable:
+        p.watch_grad_before_backward()
+
+    def flags_ready(_flags: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _restore_none_grads(group, trainable))
+
+    group.grad_flags.register_post_accumulate_grad_hook(flags_ready)
+
+
+def _restore_none_grads(group: "ParamGroup", trainable: list) -> None:
+    flags, group.grad_flags.grad = group.grad_flags.grad, None
+    if not any(p.grad_was_none for p in trainable):
+        return
+    for p, flag in zip(trainable, flags.tolist()):
+        if flag <= 0 and p.grad_was_none:
+            p.sharded_param.grad = None
+
+
 def _reshards_after_forward(group: "ParamGroup") -> bool:
     # An int `reshard_after_forward` reshards to a smaller group in eager; in a graph the backward
     # gathers from the full shard group instead, which gives the same numbers.
@@ -220,12 +267,13 @@ def unshard(group: "ParamGroup") -> list[torch.Tensor]:
     # runtime's reduce-scatter bucket, so gradients match it bit for bit.
     trainable = [i for i, p in enumerate(group.params) if p.requires_grad]
     frozen = [i for i, p in enumerate(group.params) if not p.requires_grad]
+    flags = group.grad_flags.to(flat_dtype) if trainable else None  # [Note: Gradient flags in a graph]
     if not trainable:
         trainable, frozen = frozen, []
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
     with annotate(annotation):
         gathered = _AllGatherShards.apply(
-            _flat_shards([group.params[i] for i in trainable], flat_dtype),
+            _flat_shards([group.params[i] for i in trainable], flat_dtype, flags),
             _flat_shards([group.params[i] for i in frozen], flat_dtype) if frozen else None,
             group.all_gather_dtype,
             group.mp_policy.reduce_dtype,
@@ -234,23 +282,35 @@ def unshard(group: "ParamGroup") -> list[torch.Tensor]:
             replicate,
             divide_factor,
         )
-        if len(group.params) == 1:  # the rows are the padded parameter: a view, no copy
+        if flags is None and len(group.params) == 1:  # the rows are the padded parameter: a view, no copy
             p = group.params[0]
             return [gathered.view(world * p.padded_dim0, *p.orig_size[1:])[: p.orig_size[0]]]
-        order = trainable + frozen
-        shard_numels = [group.params[i].shard_numel for i in order]
-        numels = [group.params[i].orig_size.numel() for i in order]
-        pieces = torch.ops.fsdp_graph.copy_out(gathered, world, shard_numels, numels)
+        shard_numels = [group.params[i].shard_numel for i in trainable]
+        numels = [group.params[i].orig_size.numel() for i in trainable]
+        flags_at = -1
+        if flags is not None:
+            flags_at = len(trainable)
+            shard_numels.append(flags.numel())
+            numels.append(0)
+        shard_numels += [group.params[i].shard_numel for i in frozen]
+        numels += [group.params[i].orig_size.numel() for i in frozen]
+        pieces = torch.ops.fsdp_graph.copy_out(gathered, world, shard_numels, numels, flags_at)
+        if flags is not None:
+            pieces = pieces[:flags_at] + pieces[flags_at + 1 :]
         unsharded: list = [None] * len(group.params)
-        for i, piece in zip(order, pieces):
+        for i, piece in zip(trainable + frozen, pieces):
             unsharded[i] = piece.view(group.params[i].orig_size)
     return unsharded
 
 
-def _flat_shards(params: list, dtype: torch.dtype) -> torch.Tensor:
-    """This rank's shards of `params`, each padded to its full shard size, as one flat tensor."""
+def _flat_shards(params: list, dtype: torch.dtype, flags: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's shards of `params`, each padded to its full shard size, then `flags` if given,
+    as one flat tensor."""
     pieces = [p.sharded_param.to_local().reshape(-1).to(dtype) for p in params]
     shard_numels = [p.shard_numel for p in params]
+    if flags is not None:
+        pieces.append(flags)
+        shard_numels.append(flags.numel())
     if len(pieces) > 1:
         return torch.ops.fsdp_graph.copy_in(pieces, shard_numels)
     (piece,), (shard_numel,) = pieces, shard_numels

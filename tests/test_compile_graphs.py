@@ -86,55 +86,67 @@ class CompiledGraphTest(expecttest.TestCase):
         self.assertEqual(self.saved_unsharded_groups(graphs), [])
         self.assertExpectedInline(graphs["forward"], """\
 primals_1: float32[2, 16]
-primals_2: float32[2, 16]
-primals_3: 
-primals_4: float32[1, 16]
-primals_5: 
-view = aten.view(primals_2, [2, 16]) : float32[2, 16]  # recompute
+primals_2: float32[1]
+primals_3: float32[2, 16]
+primals_4: 
+primals_5: float32[1]
+primals_6: float32[1, 16]
+primals_7: 
+view = aten.view(primals_3, [2, 16]) : float32[2, 16]  # recompute
 view_1 = aten.view(view, [-1]) : float32[32]  # recompute
-all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(view_1, 8, '0') : float32[256]  # fc1 recompute
-wait_tensor = _c10d_functional.wait_tensor(all_gather_into_tensor) : float32[256]  # recompute
-view_2 = aten.view(wait_tensor, [16, 16]) : float32[16, 16]  # recompute
-slice_1 = aten.slice.Tensor(view_2, 0, 0, 16) : float32[16, 16]  # recompute
-t = aten.t(slice_1) : float32[16, 16]
+copy_in = fsdp_graph.copy_in([view_1, primals_2], [32, 1]) : float32[33]  # recompute
+all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(copy_in, 8, '0') : float32[264]  # fc1 recompute
+wait_tensor = _c10d_functional.wait_tensor(all_gather_into_tensor) : float32[264]  # recompute
+copy_out = fsdp_graph.copy_out(wait_tensor, 8, [32, 1], [256, 0], 1) :   # recompute
+getitem = <built-in function getitem>(copy_out, 0) : float32[256]  # recompute
+view_2 = aten.view(getitem, [16, 16]) : float32[16, 16]  # recompute
+t = aten.t(view_2) : float32[16, 16]
 mm = aten.mm(primals_1, t) : float32[2, 16]
 relu = aten.relu(mm) : float32[2, 16]
-view_3 = aten.view(primals_4, [1, 16]) : float32[1, 16]  # recompute
+view_3 = aten.view(primals_6, [1, 16]) : float32[1, 16]  # recompute
 view_4 = aten.view(view_3, [-1]) : float32[16]  # recompute
-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(view_4, 8, '0') : float32[128]  # fc2 recompute
-wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[128]  # recompute
-view_5 = aten.view(wait_tensor_1, [8, 16]) : float32[8, 16]  # recompute
-slice_2 = aten.slice.Tensor(view_5, 0, 0, 4) : float32[4, 16]  # recompute
-t_1 = aten.t(slice_2) : float32[16, 4]
+copy_in_1 = fsdp_graph.copy_in([view_4, primals_5], [16, 1]) : float32[17]  # recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(copy_in_1, 8, '0') : float32[136]  # fc2 recompute
+wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[136]  # recompute
+copy_out_1 = fsdp_graph.copy_out(wait_tensor_1, 8, [16, 1], [64, 0], 1) :   # recompute
+getitem_2 = <built-in function getitem>(copy_out_1, 0) : float32[64]  # recompute
+view_5 = aten.view(getitem_2, [4, 16]) : float32[4, 16]  # recompute
+t_1 = aten.t(view_5) : float32[16, 4]
 mm_1 = aten.mm(relu, t_1) : float32[2, 4]
-return [mm_1, primals_1, primals_2, primals_4, relu, primals_3]
+return [mm_1, primals_1, primals_2, primals_3, primals_5, primals_6, relu, primals_4]
 """)
         self.assertExpectedInline(graphs["backward"], """\
 primals_1: float32[2, 16]
-primals_2: float32[2, 16]
-primals_4: float32[1, 16]
+primals_2: float32[1]
+primals_3: float32[2, 16]
+primals_5: float32[1]
+primals_6: float32[1, 16]
 relu: float32[2, 16]
-primals_3: 
+primals_4: 
 tangents_1: float32[2, 4]
 t_2 = aten.t(tangents_1) : float32[4, 2]
 mm_2 = aten.mm(t_2, relu) : float32[4, 16]
 t_3 = aten.t(mm_2) : float32[16, 4]
-view_3 = aten.view(primals_4, [1, 16]) : float32[1, 16]  # recompute
+view_3 = aten.view(primals_6, [1, 16]) : float32[1, 16]  # recompute
 view_4 = aten.view(view_3, [-1]) : float32[16]  # recompute
-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(view_4, 8, '0') : float32[128]  # fc2 recompute
-wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[128]  # recompute
-view_5 = aten.view(wait_tensor_1, [8, 16]) : float32[8, 16]  # recompute
-slice_2 = aten.slice.Tensor(view_5, 0, 0, 4) : float32[4, 16]  # recompute
-t_1 = aten.t(slice_2) : float32[16, 4]
+copy_in_1 = fsdp_graph.copy_in([view_4, primals_5], [16, 1]) : float32[17]  # recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(copy_in_1, 8, '0') : float32[136]  # fc2 recompute
+wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[136]  # recompute
+copy_out_1 = fsdp_graph.copy_out(wait_tensor_1, 8, [16, 1], [64, 0], 1) :   # recompute
+getitem_2 = <built-in function getitem>(copy_out_1, 0) : float32[64]  # recompute
+view_5 = aten.view(getitem_2, [4, 16]) : float32[4, 16]  # recompute
+t_1 = aten.t(view_5) : float32[16, 4]
 t_4 = aten.t(t_1) : float32[4, 16]
 mm_3 = aten.mm(tangents_1, t_4) : float32[2, 16]
 t_5 = aten.t(t_3) : float32[4, 16]
-slice_backward = aten.slice_backward(t_5, [8, 16], 0, 0, 4, 1) : float32[8, 16]
-view_6 = aten.view(slice_backward, [128]) : float32[128]
-reduce_scatter_tensor = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 8, '0') : float32[16]  # fc2
-wait_tensor_2 = _c10d_functional.wait_tensor(reduce_scatter_tensor) : float32[16]
-div = aten.div.Tensor(wait_tensor_2, 8.0) : float32[16]
-view_7 = aten.view(div, [1, 16]) : float32[1, 16]
+view_6 = aten.view(t_5, [64]) : float32[64]
+pack_grads = fsdp_graph.pack_grads([view_6, None], 8, [16, 1], [64, 0], float32, device(type='cpu'), 1) : float32[136]
+reduce_scatter_tensor = _c10d_functional.reduce_scatter_tensor(pack_grads, 'sum', 8, '0') : float32[17]  # fc2
+wait_tensor_2 = _c10d_functional.wait_tensor(reduce_scatter_tensor) : float32[17]
+div = aten.div.Tensor(wait_tensor_2, 8.0) : float32[17]
+slice_1 = aten.slice.Tensor(div, 0, 0, 16) : float32[16]
+slice_2 = aten.slice.Tensor(div, 0, 16, 17) : float32[1]
+view_7 = aten.view(slice_1, [1, 16]) : float32[1, 16]
 view_8 = aten.view(view_7, [1, 16]) : float32[1, 16]
 detach = aten.detach(relu) : float32[2, 16]
 detach_1 = aten.detach(detach) : float32[2, 16]
@@ -143,14 +155,16 @@ t_6 = aten.t(threshold_backward) : float32[16, 2]
 mm_4 = aten.mm(t_6, primals_1) : float32[16, 16]
 t_7 = aten.t(mm_4) : float32[16, 16]
 t_8 = aten.t(t_7) : float32[16, 16]
-slice_backward_1 = aten.slice_backward(t_8, [16, 16], 0, 0, 16, 1) : float32[16, 16]
-view_9 = aten.view(slice_backward_1, [256]) : float32[256]
-reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_9, 'sum', 8, '0') : float32[32]  # fc1
-wait_tensor_3 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1) : float32[32]
-div_1 = aten.div.Tensor(wait_tensor_3, 8.0) : float32[32]
-view_10 = aten.view(div_1, [2, 16]) : float32[2, 16]
+view_9 = aten.view(t_8, [256]) : float32[256]
+pack_grads_1 = fsdp_graph.pack_grads([view_9, None], 8, [32, 1], [256, 0], float32, device(type='cpu'), 1) : float32[264]
+reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(pack_grads_1, 'sum', 8, '0') : float32[33]  # fc1
+wait_tensor_3 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1) : float32[33]
+div_1 = aten.div.Tensor(wait_tensor_3, 8.0) : float32[33]
+slice_3 = aten.slice.Tensor(div_1, 0, 0, 32) : float32[32]
+slice_4 = aten.slice.Tensor(div_1, 0, 32, 33) : float32[1]
+view_10 = aten.view(slice_3, [2, 16]) : float32[2, 16]
 view_11 = aten.view(view_10, [2, 16]) : float32[2, 16]
-return [None, view_11, primals_3, view_8, primals_3]
+return [None, slice_4, view_11, primals_4, slice_2, view_8, primals_4]
 """)
 
     def test_no_reshard_after_forward_saves_unsharded_and_never_regathers(self):
@@ -175,7 +189,7 @@ backward reduce_scatter_tensor fc1""")
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         graphs = self.compile_step(reshard_after_forward=True, mp_policy=policy)
         forward, backward = graphs["forward"], graphs["backward"]
-        self.assertRegex(forward, r"_to_copy = aten._to_copy\(view_1, dtype=bfloat16\).*\n.*all_gather_into_tensor\(_to_copy,")
+        self.assertRegex(forward, r"_to_copy = aten._to_copy\(copy_in, dtype=bfloat16\).*\n.*all_gather_into_tensor\(_to_copy,")
         self.assertEqual(re.findall(r"all_gather_into_tensor\(.*: (\w+)\[", forward), ["bfloat16", "bfloat16"])
         self.assertEqual(re.findall(r"reduce_scatter_tensor\(.*: (\w+)\[", backward), ["float32", "float32"])
 
@@ -194,20 +208,21 @@ backward reduce_scatter_tensor fc1""")
 
         graphs = self.compile_step(shard=shard)
         sizes = {(kind, c["op"]): c["bytes"] for kind in ("forward", "backward") for c in graphs["summary"][kind]["collectives"]}
-        # Per rank: fc1 2 rows x 16, fc2 1 row x 16 (4 rows padded to 8), fp32. The all-gather
-        # brings both to all 8 ranks; the reduce-scatter carries fc2's row only.
-        self.assertEqual(sizes, {("forward", "all_gather_into_tensor"): 8 * (32 + 16) * 4,
-                                 ("backward", "reduce_scatter_tensor"): 16 * 4})
+        # Per rank: fc1 2 rows x 16, fc2 1 row x 16 (4 rows padded to 8), fp32, and fc2's gradient
+        # flag. The all-gather brings all to all 8 ranks; the reduce-scatter carries fc2's row and
+        # its flag only.
+        self.assertEqual(sizes, {("forward", "all_gather_into_tensor"): 8 * (32 + 16 + 1) * 4,
+                                 ("backward", "reduce_scatter_tensor"): (16 + 1) * 4})
 
     def test_group_of_several_parameters_copies_in_and_out_in_one_op(self):
         """One group (fc1, fc2): one `copy_in` and one `copy_out` per gather and one `pack_grads` per
         reduce-scatter, no per-parameter slicing for Inductor to turn into kernels."""
         graphs = self.compile_step(shard=lambda model: fully_shard(model))
         ops = {kind: re.findall(r"= (fsdp_graph\.\w+|aten\.slice\w*)", graphs[kind]) for kind in ("forward", "backward")}
-        # The root keeps its parameters for backward (no re-gather); the two slices there are views
-        # of the reduced shard, one per parameter's gradient shard.
+        # The root keeps its parameters for backward (no re-gather); the three slices there are
+        # views of the reduced shard: one per parameter's gradient shard, one for the gradient flags.
         self.assertEqual(ops, {"forward": ["fsdp_graph.copy_in", "fsdp_graph.copy_out"],
-                               "backward": ["fsdp_graph.pack_grads", "aten.slice", "aten.slice"]})
+                               "backward": ["fsdp_graph.pack_grads", "aten.slice", "aten.slice", "aten.slice"]})
 
 
 def _bucket(tensors, world: int) -> torch.Tensor:
@@ -227,23 +242,31 @@ def _bucket(tensors, world: int) -> torch.Tensor:
 def test_copy_in_copy_out_and_pack_grads_match_the_bucket_layout():
     world = 4
     params = [torch.randn(5, 3), torch.randn(4), torch.randn(1, 7), torch.randn(0, 2)]
-    shard_numels = [-(-p.shape[0] // world) * math.prod(p.shape[1:]) for p in params]
-    numels = [p.numel() for p in params]
-    gathered = _bucket(params, world).requires_grad_(True)
+    # The gradient flags ride after the trainable parameters, one column per parameter.
+    flags = torch.zeros(world, len(params))
+    shard_numels = [-(-p.shape[0] // world) * math.prod(p.shape[1:]) for p in params] + [len(params)]
+    numels = [p.numel() for p in params] + [0]
+    flags_at = len(params)
+    gathered = _bucket(params + [flags], world).requires_grad_(True)
     # copy_in builds rank r's row from rank r's shards (rows [r * pad, (r + 1) * pad) of each).
     r = 2
     shards = [p[r * (-(-p.shape[0] // world)) : (r + 1) * (-(-p.shape[0] // world))].reshape(-1) for p in params]
-    row = torch.ops.fsdp_graph.copy_in(shards, shard_numels)
+    row = torch.ops.fsdp_graph.copy_in(shards + [flags[r]], shard_numels)
     assert torch.equal(row, gathered.detach().view(world, -1)[r])
-    out = torch.ops.fsdp_graph.copy_out(gathered, world, shard_numels, numels)
+    out = torch.ops.fsdp_graph.copy_out(gathered, world, shard_numels, numels, flags_at)
+    assert out[flags_at].numel() == 0
     for got, p in zip(out, params):
         assert torch.equal(got.view(p.shape), p)
     grads = [torch.randn_like(p) for p in params]
-    grads[1] = None  # an output without gradient counts as zeros
-    packed = torch.ops.fsdp_graph.pack_grads(grads, world, shard_numels, numels, torch.float32, torch.device("cpu"))
-    expected = _bucket([g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)], world)
+    grads[1] = None  # an output without gradient counts as zeros, and its flag is 0
+    packed = torch.ops.fsdp_graph.pack_grads(
+        grads + [None], world, shard_numels, numels, torch.float32, torch.device("cpu"), flags_at
+    )
+    expected_flags = torch.tensor([1.0, 0.0, 1.0, 1.0]).expand(world, -1)
+    zeros_for_none = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)]
+    expected = _bucket(zeros_for_none + [expected_flags], world)
     assert torch.equal(packed, expected)
-    # copy_out's autograd formula is pack_grads.
+    # copy_out's autograd formula is pack_grads; an unused output reaches it as None, not zeros.
     loss = sum((o.view(p.shape) * g).sum() for o, p, g in zip(out, params, grads) if g is not None)
     (grad,) = torch.autograd.grad(loss, gathered)
     assert torch.equal(grad, expected)

@@ -18,7 +18,10 @@ from fsdp_graph.passes.reorder import SCHEDULE_META, reorder_for_overlap
 UNLIMITED = 1 << 50  # a memory budget nothing reaches: the schedule overlap alone decides
 from fsdp_graph.passes.simulator import in_flight_bytes, program_of, simulate
 
-_BLOCK_BYTES = 16 * 32 * 2 * 4  # up and down weights of one block, fp32, all ranks
+# Up and down weights of one block, fp32, all ranks, and one gradient flag per weight and rank
+# ([Note: Gradient flags in a graph]); the root's one weight and its flag.
+_BLOCK_BYTES = (16 * 32 * 2 + 8 * 2) * 4
+_ROOT_BYTES = (16 * 8 + 8) * 4
 
 
 class SchedulingPassTest(expecttest.TestCase):
@@ -49,7 +52,7 @@ class SchedulingPassTest(expecttest.TestCase):
         forward = bucket_by_group(graphs["forward"])
         self.assertEqual(
             [(b["op"], b["groups"], b["bytes"]) for b in buckets(forward)],
-            [("all_gather", ["<root>"], 16 * 4 * 8), *[("all_gather", [f"blocks.{i}"], _BLOCK_BYTES) for i in range(3)]],
+            [("all_gather", ["<root>"], _ROOT_BYTES), *[("all_gather", [f"blocks.{i}"], _BLOCK_BYTES) for i in range(3)]],
         )
         backward = bucket_by_group(graphs["backward"])
         self.assertEqual(
@@ -61,10 +64,10 @@ class SchedulingPassTest(expecttest.TestCase):
 
     def test_auto_bucket_merges_latency_bound_buckets_up_to_the_cap(self):
         graphs = self.graphs()
-        forward = auto_bucket(bucket_by_group(graphs["forward"]), LATENCY_BOUND, bucket_cap_bytes=2 * _BLOCK_BYTES + 512)
+        forward = auto_bucket(bucket_by_group(graphs["forward"]), LATENCY_BOUND, bucket_cap_bytes=2 * _BLOCK_BYTES + _ROOT_BYTES)
         self.assertEqual(
             [(b["groups"], b["bytes"]) for b in buckets(forward)],
-            [(["<root>", "blocks.0", "blocks.1"], 512 + 2 * _BLOCK_BYTES), (["blocks.2"], _BLOCK_BYTES)],
+            [(["<root>", "blocks.0", "blocks.1"], _ROOT_BYTES + 2 * _BLOCK_BYTES), (["blocks.2"], _BLOCK_BYTES)],
         )
         backward = auto_bucket(bucket_by_group(graphs["backward"]), LATENCY_BOUND, bucket_cap_bytes=1 << 20)
         self.assertEqual(
@@ -77,7 +80,7 @@ class SchedulingPassTest(expecttest.TestCase):
         forward = auto_bucket(bucket_by_group(self.graphs()["forward"]), FIXED, bucket_cap_bytes=_BLOCK_BYTES // 2)
         self.assertEqual(
             [(b["groups"], b["bytes"]) for b in buckets(forward)],
-            [(["<root>"], 512)] + [([f"blocks.{i}"], _BLOCK_BYTES // 2) for i in range(3) for _ in range(2)],
+            [(["<root>"], _ROOT_BYTES)] + [([f"blocks.{i}"], _BLOCK_BYTES // 2) for i in range(3) for _ in range(2)],
         )
 
     def test_reorder_forward_prefetches_the_next_all_gather(self):
@@ -216,10 +219,10 @@ wait RS blocks.0""")
         simulation = simulate(gm, FIXED)
         self.assertLessEqual(simulation.memory.peak_bytes, before)
         distances = {c.group: c.prefetch_distance for c in simulation.collectives if c.kind == "reduce_scatter"}
-        self.assertEqual(distances, {"blocks.2": 2, "blocks.1": 1, "blocks.0": 1, "<root>": 0})
+        self.assertEqual(distances, {"blocks.2": 1, "blocks.1": 1, "blocks.0": 1, "<root>": 0})
 
     def test_bytes_in_flight_limit(self):
-        limit = _BLOCK_BYTES + 512
+        limit = _BLOCK_BYTES + _ROOT_BYTES
         for kind in ("forward", "backward"):
             gm = reorder_for_overlap(bucket_by_group(self.graphs()[kind]), FIXED, max_bytes_in_flight=limit)
             self.assertLessEqual(in_flight_bytes(program_of(gm)), limit)

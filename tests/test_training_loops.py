@@ -99,9 +99,10 @@ def _routed(rank, world_size, compiled):
             optimizer.step()
             optimizer.zero_grad()
     _check_params(sharded_model, reference)
+    assert sharded_model._fsdp_state.ctx.fallbacks == {}, sharded_model._fsdp_state.ctx.fallbacks  # compiled: all in the graph
 
 
-@pytest.mark.parametrize("compiled", [False])
+@pytest.mark.parametrize("compiled", [False, True])
 def test_ranks_using_different_parameters_of_a_group(compiled):
     """A parameter used on any rank gets the averaged gradient on every rank, one used on none keeps
     None; the groups reduce in one order on both ranks although their gradients complete in
@@ -154,6 +155,7 @@ def _dataclass_output(rank, world_size, compiled):
             optimizer.step()
             optimizer.zero_grad()
     _check_params(sharded_model, reference)
+    assert sharded_model._fsdp_state.ctx.fallbacks == {}
 
 
 @pytest.mark.parametrize("compiled", [False, True])
