@@ -173,3 +173,172 @@ def test_output_dtype_reaches_tensors_inside_dataclasses():
     assert [t.dtype for t in tensors_in(cast)] == [torch.float64, torch.float64]
     assert cast["out"].extra[1] == 3 and cast["out"].extra[0].second is None
     assert [t.dtype for t in tensors_in(tree)] == [torch.float32, torch.float32]  # the input is left as it was
+
+
+# -- the differential test of training loops ------------------------------------------------------
+#
+# A loop is a combination of patterns users write. Each drawn combination trains the same model three
+# ways on 2 ranks, eager and compiled (aot_eager): fsdp_graph, torch's fully_shard (where it finishes:
+# not with per-rank routing, which it cannot reduce), and the unsharded model on the global batch.
+# After every backward every gradient (None-ness included) is compared; after the loop the
+# parameters, the optimizer states and a no_grad inference. `pytest --loop-fuzz N` draws N more.
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    routed: bool = False  # ranks route through different experts (the routing case above)
+    output: str = "plain"  # "plain", "dataclass" (a dict of a frozen dataclass), "tuple" (with an int)
+    argmax_gate: bool = False  # a gate behind argmax: its weight never gets a gradient
+    eval_between: bool = False  # model.eval() and a no_grad forward between steps, then train()
+    seq_lens: tuple = (4,)  # sequence length of each step, cycled
+    reuse_block: bool = False  # blocks[0] is called twice in one forward
+    accumulate: int = 1  # micro-batches per step, gradient sync off for all but the last
+    two_optimizers: bool = False  # SGD with momentum for the blocks, AdamW for the rest
+    set_to_none: bool = True  # zero_grad(set_to_none=...)
+    steps: int = 3
+
+
+CHOICES = {
+    "routed": [False, True], "output": ["plain", "dataclass", "tuple"], "argmax_gate": [False, True],
+    "eval_between": [False, True], "seq_lens": [(4,), (4, 6)], "reuse_block": [False, True],
+    "accumulate": [1, 2], "two_optimizers": [False, True], "set_to_none": [True, False],
+}
+# The issue's three cases first, then drawn combinations.
+DEFAULT_LOOPS = [Loop(routed=True), Loop(output="dataclass"), Loop(argmax_gate=True)]
+
+
+def draw_loops(seeds) -> list[Loop]:
+    import random
+
+    loops = []
+    for seed in seeds:
+        rng = random.Random(seed)
+        loops.append(Loop(**{name: rng.choice(options) for name, options in CHOICES.items()}))
+    return loops
+
+
+class LoopModel(nn.Module):
+    def __init__(self, loop: Loop) -> None:
+        super().__init__()
+        self.loop = loop
+        self.inp = nn.Linear(DIM, DIM)
+        self.gate = nn.Linear(DIM, 2)
+        self.blocks = nn.ModuleList([Experts(), Experts()])
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor, routes: tuple[str, str]):
+        h = self.inp(x)
+        if self.loop.argmax_gate:
+            h = h * (1 + self.gate(h).argmax(-1, keepdim=True))  # no gradient reaches the gate
+        for block, route in zip(self.blocks, routes):
+            h = block(h, route)
+        if self.loop.reuse_block:
+            h = self.blocks[0](h, routes[0])
+        logits = self.head(h).squeeze(-1)
+        if self.loop.output == "dataclass":
+            return {"out": Out(logits, extra=(Pair(h, None), 3))}
+        if self.loop.output == "tuple":
+            return logits, 7
+        return logits
+
+
+def _logits(output):
+    if isinstance(output, dict):
+        return output["out"].logits
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _optimizers(model: nn.Module, loop: Loop) -> list:
+    if not loop.two_optimizers:
+        return [torch.optim.AdamW(model.parameters(), lr=1e-2)]
+    blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    return [torch.optim.SGD(blocks, lr=1e-2, momentum=0.9), torch.optim.AdamW(rest, lr=1e-2)]
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _states(optimizers) -> list:
+    """Every optimizer state tensor, full (unsharded), in a fixed order."""
+    return [_full(value) for opt in optimizers for group in opt.param_groups for p in group["params"]
+            for _, value in sorted(opt.state[p].items()) if torch.is_tensor(value)]
+
+
+def _train_loop(loop: Loop, model: nn.Module, run, rank: int, global_view: bool) -> dict:
+    """Train `model` (called through `run`) with `loop`; on the global batch when `global_view`."""
+    optimizers = _optimizers(model, loop)
+    record = {"losses": [], "grads": [], "evals": []}
+    routes = [ROUTES[r] if loop.routed else ("ab", "ab") for r in range(2)]
+    ranks = range(2) if global_view else [rank]
+    for step in range(loop.steps):
+        seq = loop.seq_lens[step % len(loop.seq_lens)]
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(2, 4, seq, DIM, generator=gen), torch.randn(2, 4, seq, generator=gen)
+        for micro in range(loop.accumulate):
+            rows = slice(micro * 4 // loop.accumulate, (micro + 1) * 4 // loop.accumulate)
+            if not global_view and loop.accumulate > 1:
+                model.set_requires_gradient_sync(micro == loop.accumulate - 1)
+            losses = [F.mse_loss(_logits(run(x[r, rows], routes[r])), y[r, rows]) for r in ranks]
+            (sum(losses) / len(losses) / loop.accumulate).backward()
+            record["losses"].append(losses[rank if global_view else 0].item())
+        record["grads"].append({n: None if p.grad is None else _full(p.grad).clone() for n, p in model.named_parameters()})
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=loop.set_to_none)
+        if loop.eval_between:
+            model.eval()
+            with torch.no_grad():
+                record["evals"].append(_logits(run(x[rank], routes[rank])).clone())
+            model.train()
+    with torch.no_grad():
+        record["inference"] = _logits(run(x[rank], routes[rank])).clone()
+    record["params"] = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    record["states"] = _states(optimizers)
+    return record
+
+
+def _assert_same_training(got: dict, expected: dict, what: str) -> None:
+    close = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got["losses"], expected["losses"], **close, msg=lambda m: f"{what} losses: {m}")
+    for step, (grads, ref) in enumerate(zip(got["grads"], expected["grads"])):
+        for name, grad in grads.items():
+            assert (grad is None) == (ref[name] is None), f"{what} step {step} {name}: grad {grad} vs {ref[name]}"
+            if grad is not None:
+                torch.testing.assert_close(grad, ref[name], **close, msg=lambda m: f"{what} step {step} {name}: {m}")
+    for key in ("evals", "inference", "params", "states"):
+        torch.testing.assert_close(got[key], expected[key], **close, msg=lambda m: f"{what} {key}: {m}")
+
+
+def _differential(rank, world_size, loops, compiled):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_graph import fully_shard
+
+    for loop in loops:
+        torch.manual_seed(0)
+        reference = LoopModel(loop)
+        ours, theirs = copy.deepcopy(reference), copy.deepcopy(reference)
+        expected = _train_loop(loop, reference, reference, rank, global_view=True)
+        for block in ours.blocks:
+            fully_shard(block)
+        fully_shard(ours)
+        run = torch.compile(ours, backend="fsdp_graph", options={"compiler": "aot_eager"}) if compiled else ours
+        _assert_same_training(_train_loop(loop, ours, run, rank, global_view=False), expected, f"fsdp_graph {loop}")
+        if not loop.routed:  # torch's fully_shard cannot reduce groups the ranks use differently
+            for block in theirs.blocks:
+                torch_fully_shard(block)
+            torch_fully_shard(theirs)
+            run = torch.compile(theirs) if compiled else theirs
+            _assert_same_training(_train_loop(loop, theirs, run, rank, global_view=False), expected, f"torch {loop}")
+        torch._dynamo.reset()
+    return len(loops)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_training_loops_match_the_unsharded_model_and_torch(compiled, loop_fuzz):
+    loops = DEFAULT_LOOPS + draw_loops(range(3)) + draw_loops(range(100, 100 + loop_fuzz))
+    assert run_ranks(_differential, 2, loops, compiled, timeout_s=900) == len(loops)
