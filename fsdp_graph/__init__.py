@@ -7,7 +7,7 @@
     model = torch.compile(model, backend="fsdp_graph")   # optional: collectives inside the graph
 """
 
-from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .backend import BackendConfig, Compiler, backend
 from .runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -22,4 +22,5 @@ __all__ = [
     "backend",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

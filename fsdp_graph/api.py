@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import logging
 import types
+import warnings
 from typing import Callable, Optional, Union
 
 import torch
@@ -18,6 +20,8 @@ from .runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPol
 from .runtime.param import MeshInfo, ShardedParam
 from .runtime.param_group import ParamGroup
 from .runtime.state import FSDPState
+
+logger = logging.getLogger(__name__)
 
 # Set on every original parameter a group took over, so a later `fully_shard` that meets the same
 # parameter (a tied weight) can tell which group owns it.
@@ -41,16 +45,56 @@ class FSDPModule:
             return _call_on_eager_hooks(self, args, kwargs)  # [Note: Groups that stay on the eager hooks]
         return super().__call__(*args, **kwargs)
 
-    def unshard(self, async_op: bool = False) -> "UnshardHandle":
-        """All-gather this module's group. With `async_op`, wait on the returned handle before use."""
+    def __new__(cls, *args, **kwargs):
+        """Build the original class: `nn.Sequential` slicing calls `self.__class__(...)` on the
+        sharded container, and its result holds modules, not a `fully_shard` call of its own."""
+        orig = cls.__mro__[2]  # FSDP<Cls>, FSDPModule, Cls
+        self = orig.__new__(orig) if orig.__new__ is object.__new__ else orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def __deepcopy__(self, memo):
+        raise ValueError(
+            f"a fully_shard'ed {type(self).__name__} cannot be deep-copied (its parameters are shards "
+            f"tied to hooks and process groups); deepcopy the module before fully_shard, or copy its "
+            f"state with state_dict()/load_state_dict()"
+        )
+
+    def _apply(self, *args, **kwargs):
+        # `.to()`, `.float()`, ...: convert the shards, never a gathered copy that the next
+        # reshard would throw away (as FSDP2 does).
+        for state in self._states(recurse=True):
+            if state.group is not None:
+                state.group.reshard()
+        return super()._apply(*args, **kwargs)
+
+    def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
+        """All-gather this module's group (not recursive). With `async_op`, returns a handle to wait
+        on (the pre-forward also waits); without, waits and returns None, as FSDP2 does."""
         _check_bool("async_op", async_op)
         state = self._fsdp_state
         handle = UnshardHandle(state)
         if state.group is not None:
             state.group.unshard(async_op=async_op)
-            if not async_op:
-                handle.wait()
-        return handle
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward: drop that iteration's state (call on the root).
+
+        In-flight reductions finish and are discarded, every group is resharded; gradients
+        accumulated without sync (and HSDP sums kept by `set_requires_all_reduce(False)`) are
+        dropped, so restart a gradient-accumulation sequence.
+        """
+        state = self._fsdp_state
+        if not state.is_root:
+            raise ValueError(
+                f"reset_iter_state must be called on the root module (the one fully_shard was applied "
+                f"to last), not on '{state.name}'"
+            )
+        state.reset_iter_state()
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the shards again."""
@@ -85,20 +129,97 @@ class FSDPModule:
         self._fsdp_state.ctx.is_last_backward = is_last_backward
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """In this module's pre-forward, issue the all-gathers of `modules` (asynchronously)."""
+        """In this module's pre-forward, issue the all-gathers of `modules` (asynchronously).
+        Eager steps only: in compiled steps the schedule decides (logged once)."""
+        _log_prefetch_in_compiled_steps()
         self._fsdp_state.forward_prefetch = _prefetch_states("set_modules_to_forward_prefetch", modules)
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """In this module's pre-backward, issue the all-gathers of `modules` instead of the default."""
+        """In this module's pre-backward, issue the all-gathers of `modules` instead of the default.
+        Eager steps only: in compiled steps the schedule decides (logged once)."""
+        _log_prefetch_in_compiled_steps()
         self._fsdp_state.backward_prefetch = _prefetch_states("set_modules_to_backward_prefetch", modules)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by `factor` instead of the number of data-parallel ranks."""
+        """Divide this module's reduced gradients by `factor` instead of the number of data-parallel
+        ranks. Only this module's own group, as in FSDP2: call it on each module to change."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
             raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
-        for state in self._states(recurse=True):
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated (as in FSDP2): use `set_gradient_divide_factor`."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with SUM only, dividing separately (this module's group).
+
+        fsdp_graph's collectives always sum and divide separately (gloo has no PREMUL_SUM or AVG),
+        so the numbers do not change; what changes is when an all-reduce hook runs, as in FSDP2:
+        with forced sums it sees the sum before the division, else the averaged gradient.
+        """
+        _check_bool("enable", enable)
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.reduce_controls.force_sum = enable
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters gradients but skips the replica all-reduce, keeping the sums
+        until a backward with True all-reduces them (accumulation with less communication).
+        No effect on a 1-D mesh. Such steps run on the eager hooks when compiled."""
+        _check_bool("requires_all_reduce", requires_all_reduce)
+        for state in self._states(recurse):
             if state.group is not None:
-                state.group.gradient_divide_factor = float(factor)
+                state.group.reduce_controls.all_reduce = requires_all_reduce
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: backward does not gather this module's group, for modules whose backward reads
+        none of their parameters (an embedding). Gradients are still reduced. Runs eagerly when
+        compiled (the graph's backward reads what the forward gathered)."""
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.unshard_in_backward = unshard_in_backward
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Accepted for FSDP2 compatibility; nothing to set. fsdp_graph always reduce-scatters every
+        trainable parameter of a group on every rank, with zeros where a rank has no gradient and
+        a flag so ranks agree which parameters got one ([Note: Every rank packs every parameter]
+        in runtime/collectives.py): what FSDP2 does with this set to True, without the hang when
+        it is False and ranks use different parameters."""
+        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """FSDP2's cap on reduce-scatter input buffers in flight. Validated and accepted; the eager
+        runtime keeps one (FSDP2's default): it waits for a group's reduce-scatter before the next
+        group packs, and compiled steps place buffers by the memory budget (passes/reorder.py)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        """Run `hook(reduced)` on this module's reduced gradients (flat, this rank's shard): after
+        the replica all-reduce with HSDP, after the reduce-scatter otherwise; it may change them in
+        place. As in FSDP2, `stream` is refused with HSDP. The hook runs on the reduce-scatter
+        stream (CUDA), which `stream` would replace; steps with a hook run on the eager hooks."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook expects a callable, got {hook!r}")
+        group = self._fsdp_state.group
+        if group is None:
+            return
+        if stream is not None and group.mesh_info.is_hsdp:
+            raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (a 2-D mesh)")
+        group.reduce_controls.all_reduce_hook = hook
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next all-gathers wait for `event` (recorded after the optimizer step) instead of the
+        whole current stream; once, so pass a new event every step. No effect without streams (CPU)."""
+        self._fsdp_state.ctx.comm.post_optim_event = event
 
     def _states(self, recurse: bool) -> list[FSDPState]:
         if not recurse:
@@ -159,6 +280,13 @@ def fully_shard(
 
     device = _mesh_device(mesh)
     shard_device = torch.device("cpu") if isinstance(offload_policy, CPUOffloadPolicy) else device
+    pin_memory = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+    if pin_memory and not torch.cuda.is_available():
+        # FSDP2 fails here too (pinning needs an accelerator), with a RuntimeError deep in pin_memory().
+        raise ValueError(
+            "CPUOffloadPolicy(pin_memory=True) pins the CPU shards for fast copies to the GPU, but no "
+            "GPU is available; pass CPUOffloadPolicy(pin_memory=False)"
+        )
     owners = _collect_params(modules, ignored)
     _check_devices(owners)
     _check_shardable(owners)
@@ -177,6 +305,8 @@ def fully_shard(
         )
     group = ParamGroup(params, mesh_info, device, mp_policy, reshard_after_forward) if params else None
     for param, sharded in zip((o[0] for o in owners), params):
+        if pin_memory:
+            sharded.pin_shard()
         setattr(param, _OWNER_ATTR, sharded)
         setattr(sharded.sharded_param, _OWNER_ATTR, sharded)
         sharded.install(sharded=True)
@@ -480,7 +610,7 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> 
                 continue
             if p is not owner.sharded_param:
                 stale.append(owner.fqn)
-            elif owner.unsharded_param is not None and owner.unsharded_param.grad is not None:
+            elif owner.unreduced_grad is not None or (owner.unsharded_param is not None and owner.unsharded_param.grad is not None):
                 unreduced.append(owner.fqn)
             state = owner.group_modules[0]._fsdp_state
             contexts.setdefault(id(state.ctx), state.ctx)
@@ -508,6 +638,32 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> 
         group.reshard()
 
 
+@functools.lru_cache(maxsize=None)
+def _log_prefetch_in_compiled_steps() -> None:
+    logger.info(
+        "fsdp_graph: set_modules_to_forward/backward_prefetch apply to eager steps; in steps compiled "
+        "with backend='fsdp_graph' the compiled schedule (passes/reorder.py) decides what to prefetch"
+    )
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Make several roots (pipeline stages) share the first one's streams and buffers, as FSDP2's."""
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"share_comm_ctx expects a list of FSDPModule, got {type(modules).__name__}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects modules fully_shard was applied to, got {type(m).__name__}")
+    if not modules:
+        return
+    comm = modules[0]._fsdp_state.ctx.comm
+    for m in modules[1:]:
+        ctx = m._fsdp_state.ctx
+        ctx.comm = comm
+        for state in ctx.states:
+            if state.group is not None:
+                state.group.comm = comm
+
+
 def _prefetch_states(method: str, modules) -> list[FSDPState]:
     if not isinstance(modules, (list, tuple)):
         raise TypeError(f"{method} expects a list of FSDPModule, got {type(modules).__name__}")
@@ -527,4 +683,5 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

@@ -49,6 +49,8 @@ class CommContext:
         self._retired_all_gathers: list[tuple[AllGatherWork, object]] = []
         # Issued reduce-scatters whose sharded gradients are not written yet, oldest first.
         self.pending_reduce_scatters: list[ReduceScatterWork] = []
+        # `set_post_optim_event`: what the next copy-in waits for instead of the whole current stream.
+        self.post_optim_event: Optional[torch.Event] = None
 
     def current_stream(self):
         return self._device_module.current_stream(self.device)
@@ -65,6 +67,24 @@ class CommContext:
     def finish_reduce_scatters(self) -> None:
         while self.pending_reduce_scatters:
             self.pending_reduce_scatters.pop(0).finish(self)
+
+    def discard_reduce_scatters(self) -> None:
+        """Wait for the issued reduce-scatters to end and drop their gradients (`reset_iter_state`)."""
+        for work in self.pending_reduce_scatters:
+            if work.handle is not None:
+                work.handle.wait()
+            if work.event is not None:
+                self.current_stream().wait_event(work.event)
+        self.pending_reduce_scatters.clear()
+
+    def copy_in_waits_for_optimizer(self) -> None:
+        """Order the next copy-in after the optimizer step: after the user's post-optimizer event
+        if one was set (once), else after everything on the current stream."""
+        if self.post_optim_event is not None:
+            self.copy_in_stream.wait_event(self.post_optim_event)
+            self.post_optim_event = None
+        else:
+            self.copy_in_stream.wait_stream(self.current_stream())
 
     def release_retired(self) -> None:
         for _, event in self._retired_all_gathers:
@@ -133,7 +153,7 @@ def all_gather(
 
     mod = ctx._device_module
     ctx.release_retired()
-    ctx.copy_in_stream.wait_stream(ctx.current_stream())
+    ctx.copy_in_waits_for_optimizer()
     with mod.stream(ctx.copy_in_stream):
         output = torch.empty(world * total, dtype=dtype, device=device)
         if input is None:
@@ -161,6 +181,33 @@ def copy_out(params: list[ShardedParam], work: AllGatherWork, world: int) -> Non
         )
 
 
+def divide_factors(factor: float, dtype: torch.dtype) -> tuple[float, float]:
+    """(pre, post): divide the gradients by `pre` before the sum and the sum by `post`, as FSDP2 does.
+
+    [Note: fp16 divides before and after the sum]
+
+    fp16 has little range: summing N full-size gradients can overflow, and dividing by N first can
+    underflow. So every dtype but fp32 and bf16 (FSDP2's rule) splits the division around the sum:
+    `pre` doubles while it divides `factor` and stays below `factor / pre` (about sqrt(N)).
+    """
+    if dtype in (torch.float32, torch.bfloat16):
+        return 1.0, factor
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre), factor / pre
+
+
+@dataclass
+class ReduceControls:
+    """A group's user controls of its gradient reduction (FSDP2's setters); see `ReduceScatterWork`."""
+
+    all_reduce: bool = True  # HSDP: False reduce-scatters but skips the replica all-reduce
+    all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None  # runs on the reduced output
+    force_sum: bool = False  # how FSDP2's collectives reduce; ours always sum, see the hook order
+    partial: Optional[torch.Tensor] = None  # HSDP: reduce-scattered sums waiting for the all-reduce
+
+
 @dataclass
 class ReduceScatterWork:
     """An issued gradient reduce-scatter for one group; `finish` writes the sharded gradients.
@@ -171,8 +218,9 @@ class ReduceScatterWork:
     params: list[ShardedParam]
     output: torch.Tensor  # this rank's reduced, divided shard of every param, flat, then one flag per param
     mesh_info: MeshInfo
-    divide_factor: float
+    divide_factor: float  # the post-divide factor: see `divide_factors`
     had_grad: list[bool]  # per param: did this rank pack a gradient
+    controls: "ReduceControls" = None
     handle: Optional[dist.Work] = None  # CPU: the async work handle
     event: object = None  # CUDA: recorded on the reduce-scatter stream after the division
     # CUDA: the packed input and the unsharded gradients, read on the reduce-scatter stream but
@@ -180,9 +228,24 @@ class ReduceScatterWork:
     keep_alive: list = field(default_factory=list)
 
     def reduce_across_replicas_and_divide(self) -> None:
+        controls = self.controls
+        if controls.partial is not None:  # reduce-scattered earlier without the replica all-reduce
+            self.output.add_(controls.partial)
+            controls.partial = None
         if self.mesh_info.is_hsdp:
+            if not controls.all_reduce:
+                return  # `finish` keeps the sum as the next reduction's partial
             dist.all_reduce(self.output, group=self.mesh_info.replicate_group)
+        hook = controls.all_reduce_hook
+        grads = self.output[: self.output.numel() - len(self.params)]
+        # FSDP2 hands the hook an already averaged output when its collectives average (fp32/bf16
+        # without forced sums), and the sum before the post-divide otherwise.
+        divide_first = not controls.force_sum and self.output.dtype in (torch.float32, torch.bfloat16)
+        if hook is not None and not divide_first:
+            hook(grads)
         self.output.div_(self.divide_factor)
+        if hook is not None and divide_first:
+            hook(grads)
 
     @torch.no_grad()
     def finish(self, ctx: CommContext) -> None:
@@ -191,6 +254,10 @@ class ReduceScatterWork:
             self.reduce_across_replicas_and_divide()
         if self.event is not None:
             ctx.current_stream().wait_event(self.event)
+        if self.mesh_info.is_hsdp and not self.controls.all_reduce:
+            self.controls.partial = self.output  # set_requires_all_reduce(False): no gradient yet
+            self.keep_alive.clear()
+            return
         got_grad = self.had_grad
         if not all(got_grad):  # read the summed flags only then: on CUDA reading waits for the stream
             got_grad = [flag > 0 for flag in self.output[-len(self.params) :].tolist()]
@@ -238,6 +305,7 @@ def reduce_scatter(
     divide_factor: float,
     ctx: CommContext,
     comm_hook: Optional[CommHook] = None,
+    controls: Optional["ReduceControls"] = None,
 ) -> ReduceScatterWork:
     """Reduce-scatter the unsharded gradients of `params` as one bucket and average them.
 
@@ -254,10 +322,15 @@ def reduce_scatter(
     grads = [p.take_unsharded_grad() for p in params]
     # Allocated on the current stream, which later reads it for the optimizer.
     output = torch.empty(total, dtype=dtype, device=ctx.device)
-    work = ReduceScatterWork(params, output, mesh_info, divide_factor, [grad is not None for grad in grads])
+    pre, post = divide_factors(divide_factor, dtype)
+    work = ReduceScatterWork(
+        params, output, mesh_info, post, [grad is not None for grad in grads], controls or ReduceControls()
+    )
 
     if not ctx.uses_streams:
         packed = _pack(params, grads, world, dtype, ctx.device)
+        if pre != 1:
+            packed.div_(pre)
         if comm_hook is not None:
             comm_hook(packed.view(-1), output, mesh_info.shard_group)
             work.reduce_across_replicas_and_divide()
@@ -272,6 +345,8 @@ def reduce_scatter(
     ctx.reduce_scatter_stream.wait_stream(ctx.current_stream())
     with mod.stream(ctx.reduce_scatter_stream):
         packed = _pack(params, grads, world, dtype, ctx.device)
+        if pre != 1:
+            packed.div_(pre)
         if comm_hook is not None:
             comm_hook(packed.view(-1), output, mesh_info.shard_group)
         else:

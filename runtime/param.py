@@ -115,8 +115,16 @@ class ShardedParam:
         # rows. Its storage is empty whenever the group is sharded.
         self._unsharded_padded: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
+        # Gradients accumulated without sync, upcast to reduce_dtype: see `accumulate_unreduced_grad`.
+        self.unreduced_grad: torch.Tensor | None = None
 
     # -- sharded side --------------------------------------------------------------------------
+
+    def pin_shard(self) -> None:
+        """Pin the (CPU-offloaded) shard in page-locked memory: its copies to the GPU can overlap."""
+        if not self.local_shard.is_meta:
+            pinned = self.local_shard.pin_memory()
+            self.sharded_param = nn.Parameter(self._to_dtensor(pinned), requires_grad=self.requires_grad)
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(
@@ -273,11 +281,30 @@ class ShardedParam:
             if remainder:
                 slots[num_full, :remainder].copy_(rows[num_full * self.padded_dim0 :])
 
+    def accumulate_unreduced_grad(self, reduce_dtype: torch.dtype | None) -> None:
+        """After a backward without sync: keep the unsharded gradient for a later reduction, in
+        `reduce_dtype` as FSDP2 does (so bf16 micro-batch gradients add up in fp32)."""
+        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        if grad is None:
+            return
+        if self.unreduced_grad is not None:
+            self.unreduced_grad += grad
+            self.unsharded_param.grad = None
+        elif reduce_dtype is not None and grad.dtype != reduce_dtype:
+            # `.grad` must have the parameter's dtype, so the upcast copy lives here instead.
+            self.unreduced_grad = grad.to(reduce_dtype)
+            self.unsharded_param.grad = None
+
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """The unsharded gradient (None if there is none), which the parameter then gives up."""
-        if self.unsharded_param is None:
-            return None
-        grad, self.unsharded_param.grad = self.unsharded_param.grad, None
+        grad = None
+        if self.unsharded_param is not None:
+            grad, self.unsharded_param.grad = self.unsharded_param.grad, None
+        if self.unreduced_grad is not None:
+            accumulated, self.unreduced_grad = self.unreduced_grad, None
+            if grad is not None:
+                accumulated += grad
+            grad = accumulated
         return grad
 
     def accumulate_sharded_grad(self, flat_shard: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import traced
-from .collectives import AllGatherWork, CommContext, CommHook, all_gather, copy_out, reduce_scatter
+from .collectives import AllGatherWork, CommContext, CommHook, ReduceControls, all_gather, copy_out, reduce_scatter
 from .param import MeshInfo, ShardedParam
 from .policies import MixedPrecisionPolicy
 
@@ -92,6 +92,8 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.gradient_divide_factor: Optional[float] = None
         self.comm_hook: Optional[CommHook] = None  # replaces the reduce-scatter (FSDP1 comm hooks)
+        self.reduce_controls = ReduceControls()  # all-reduce on/off, all-reduce hook, forced sums
+        self.unshard_in_backward = True  # False: backward needs none of these parameters (FSDP2)
         # Unsharded gradients kept unreduced by a backward without sync (accumulation), until a
         # backward with sync reduces them together with its own.
         self.holds_unreduced_grads = False
@@ -226,12 +228,15 @@ class ParamGroup:
                 self.comm.finish_reduce_scatters()
                 factor = self.gradient_divide_factor or self.world * self.mesh_info.replicate_size
                 work = reduce_scatter(
-                    trainable, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm, self.comm_hook
+                    trainable, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm, self.comm_hook,
+                    self.reduce_controls,
                 )
                 self.comm.add_reduce_scatter(work)
                 self.holds_unreduced_grads = False
             elif any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in trainable):
                 self.holds_unreduced_grads = True
+                for p in trainable:  # FSDP2 accumulates unreduced gradients in reduce_dtype
+                    p.accumulate_unreduced_grad(self.mp_policy.reduce_dtype)
             if self.reshard_after_backward:
                 self.reshard()
 
@@ -244,6 +249,14 @@ class ParamGroup:
             return "gradient sync is off (no_sync / set_requires_gradient_sync(False)): accumulating unreduced gradients"
         if self.holds_unreduced_grads:
             return "it holds gradients accumulated without sync, which this backward reduces"
+        if self.mesh_info.is_hsdp and not self.reduce_controls.all_reduce:
+            return "set_requires_all_reduce(False): keeping reduce-scattered sums without the replica all-reduce"
+        if self.reduce_controls.partial is not None:
+            return "it holds reduce-scattered sums (set_requires_all_reduce(False)) which this backward all-reduces"
+        if self.reduce_controls.all_reduce_hook is not None:
+            return "an all-reduce hook is set (set_all_reduce_hook); hooks run on the eager runtime"
+        if not self.unshard_in_backward:
+            return "set_unshard_in_backward(False): the graph's backward reads the gathered parameters"
         return None
 
     def reset_backward_state(self) -> None:

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
 from . import traced
 from .collectives import CommContext
@@ -170,6 +171,10 @@ class FSDPState:
             return args, kwargs
         if self.is_root:
             self._root_pre_forward()
+            if self.device.type != "cpu":  # as FSDP2's root: inputs go where the parameters are
+                args, kwargs = tree_map(
+                    lambda x: x.to(self.device) if torch.is_tensor(x) else x, (args, kwargs)
+                )
         with torch.profiler.record_function(f"fsdp_graph::pre_forward ({self.name})"):
             logger.debug("fsdp_graph::pre_forward (%s)", self.name)
             self.training_state = TrainingState.FORWARD
@@ -197,6 +202,23 @@ class FSDPState:
         self.ctx.forward_order.clear()
         self.ctx.final_callback_queued = False
 
+    def reset_iter_state(self) -> None:
+        """Root only: after a forward or backward raised, drop everything of that iteration.
+
+        In-flight reductions end and their gradients are dropped, as are gradients accumulated
+        without sync and HSDP sums kept without the all-reduce; every group is resharded.
+        """
+        ctx = self.ctx
+        ctx.comm.discard_reduce_scatters()
+        for state in ctx.states:
+            state._reset_after_error()
+            state._num_forwards_done = 0
+            if state.group is not None:
+                state.group.holds_unreduced_grads = False
+                state.group.reduce_controls.partial = None
+        ctx.forward_order.clear()
+        ctx.final_callback_queued = False
+
     def _reset_after_error(self) -> None:
         logger.debug("fsdp_graph::reset (%s) from %s", self.name, self.training_state.name)
         if self.group is not None:
@@ -205,6 +227,7 @@ class FSDPState:
             for p in self.group.params:  # partial gradients of a backward that raised
                 if p.unsharded_param is not None:
                     p.unsharded_param.grad = None
+                p.unreduced_grad = None
         self.training_state = TrainingState.IDLE
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any):
@@ -243,11 +266,11 @@ class FSDPState:
         with torch.profiler.record_function(f"fsdp_graph::pre_backward ({self.name})"):
             logger.debug("fsdp_graph::pre_backward (%s)", self.name)
             self.training_state = TrainingState.BACKWARD
-            if self.group is not None:
+            if self.group is not None and self.group.unshard_in_backward:
                 self.group.unshard()
                 self.group.wait_for_unshard()
             for target in self._backward_prefetch_targets():
-                if target.group is not None:
+                if target.group is not None and target.group.unshard_in_backward:
                     target.group.unshard(async_op=True)
 
     def _backward_prefetch_targets(self) -> list["FSDPState"]:

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.traceback import annotate
 
+from .collectives import divide_factors
 from .meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
 from .trees import cast_floats
 
@@ -206,11 +207,15 @@ class _AllGatherShards(torch.autograd.Function):
         dtype = ctx.reduce_dtype or grad.dtype
         if grad.numel() != ctx.world * ctx.trainable_numel:  # leave the frozen columns out
             grad = grad.view(ctx.world, -1)[:, : ctx.trainable_numel].contiguous().view(-1)
-        reduced = _C10D.reduce_scatter_tensor(grad.to(dtype).contiguous(), "sum", ctx.world, ctx.group_name)
+        pre, post = ctx.divide_factor  # [Note: fp16 divides before and after the sum] in collectives
+        grad = grad.to(dtype).contiguous()
+        if pre != 1:
+            grad = grad / pre
+        reduced = _C10D.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.group_name)
         reduced = _C10D.wait_tensor(reduced)
         if ctx.replicate is not None:
             reduced = _C10D.wait_tensor(_C10D.all_reduce(reduced, "sum", ctx.replicate))
-        reduced = reduced / ctx.divide_factor
+        reduced = reduced / post
         return reduced.to(ctx.flat_dtype), None, None, None, None, None, None, None
 
 
@@ -262,7 +267,10 @@ def unshard(group: "ParamGroup") -> list[torch.Tensor]:
     flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else group.all_gather_dtype
     mesh_info = group.mesh_info
     replicate = mesh_info.replicate_group.group_name if mesh_info.is_hsdp else None
-    divide_factor = group.gradient_divide_factor or float(world * mesh_info.replicate_size)
+    divide_factor = divide_factors(
+        group.gradient_divide_factor or float(world * mesh_info.replicate_size),
+        group.mp_policy.reduce_dtype or group.all_gather_dtype,
+    )
     # Trainable parameters first, in group order: the columns the backward reduces are the eager
     # runtime's reduce-scatter bucket, so gradients match it bit for bit.
     trainable = [i for i, p in enumerate(group.params) if p.requires_grad]

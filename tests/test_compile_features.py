@@ -52,7 +52,7 @@ def _shard(name):
             fully_shard([m.tok_embeddings, m.output])
             return fully_shard(m)
         if name == "offload":
-            return shard_llama(m, fully_shard, offload_policy=CPUOffloadPolicy())
+            return shard_llama(m, fully_shard, offload_policy=CPUOffloadPolicy(pin_memory=False))
         return shard_llama(m, fully_shard)
     return shard
 

@@ -85,7 +85,7 @@ def _offload(rank, world_size):
     torch.manual_seed(0)
 
     def shard(m):
-        shard_llama(m, fully_shard, offload_policy=CPUOffloadPolicy(pin_memory=True))
+        shard_llama(m, fully_shard, offload_policy=CPUOffloadPolicy(pin_memory=False))
         assert all(p.device.type == "cpu" for p in m.parameters())
         return m
 

@@ -1,0 +1,295 @@
+"""FSDP2's `FSDPModule` controls (issue #18), each against torch's own `fully_shard` doing the same.
+
+Several checks share one spawn of ranks to keep the suite fast.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
+from torch.distributed.tensor.debug import CommDebugMode
+
+import fsdp_graph.runtime.collectives as collectives
+from _harness import run_ranks
+from _models import MLPBlock, comm_counts
+from fsdp_graph import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, share_comm_ctx
+
+
+class Net(nn.Module):
+    """An embedding (its backward reads no parameter), MLP blocks, a head; `fail` makes block 1 raise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.Sequential(MLPBlock(8, 6), MLPBlock(8, 6), MLPBlock(8, 6))
+        self.head = nn.Linear(8, 1)
+        self.fail = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens).mean(1)
+        x = self.blocks[0](x)
+        if self.fail:
+            raise RuntimeError("user error in forward")
+        x = self.blocks[1:](x)
+        return self.head(x).sum(-1)  # not a view: torch warns about views returned by a root
+
+
+def _pair(mp=None, mesh=None):
+    """(ours, torch's): the same seeded Net, sharded per embedding, per block, then the root."""
+    torch.manual_seed(0)
+    net = Net()
+    out = []
+    for fs, mp_cls in ((fully_shard, MixedPrecisionPolicy), (torch_fully_shard, TorchMixedPrecisionPolicy)):
+        model = copy.deepcopy(net)
+        kwargs = {"mesh": mesh} if mesh is not None else {}
+        if mp:
+            kwargs["mp_policy"] = mp_cls(**mp)
+        fs(model.emb, **kwargs)
+        for block in model.blocks:
+            fs(block, **kwargs)
+        fs(model, **kwargs)
+        out.append(model)
+    return out
+
+
+def _batch(step, rank):
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, 16, (4, 3), generator=gen), torch.randn(4, generator=gen)
+
+
+def _step(model, step, rank):
+    tokens, y = _batch(step, rank)
+    loss = nn.functional.mse_loss(model(tokens).float(), y)
+    loss.backward()
+    return loss
+
+
+def _assert_same_grads(ours, theirs, rtol=1e-5, atol=1e-7, what=""):
+    theirs_params = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        q = theirs_params[name]
+        assert (p.grad is None) == (q.grad is None), f"{what} {name}"
+        if p.grad is not None:
+            torch.testing.assert_close(
+                p.grad.to_local(), q.grad.to_local(), rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}: {m}"
+            )
+
+
+def _controls(rank, world_size):
+    figures = {}
+
+    # set_gradient_divide_factor changes only the module it is called on. (torch's uses
+    # PREMUL_SUM, which gloo lacks, unless sums are forced; ours always sums, then divides.)
+    ours, theirs = _pair()
+    for module in theirs.modules():
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)
+    for model in (ours, theirs):
+        model.set_gradient_divide_factor(3.0)
+        _step(model, 0, rank)
+    _assert_same_grads(ours, theirs, what="divide factor")
+    assert ours.blocks[0]._fsdp_state.group.gradient_divide_factor is None
+
+    # The deprecated alias warns and does the same.
+    ours, theirs = _pair()
+    theirs.blocks[1].set_force_sum_reduction_for_comms(True)
+    for model in (ours, theirs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.blocks[1].set_reduce_scatter_divide_factor(5.0)
+        assert any(issubclass(w.category, DeprecationWarning) for w in caught), caught
+        _step(model, 0, rank)
+    _assert_same_grads(ours, theirs, what="deprecated alias")
+
+    # Gradients accumulated without sync add up in reduce_dtype (fp32), not in bf16.
+    ours, theirs = _pair(mp={"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32})
+    for model in (ours, theirs):
+        model.set_requires_gradient_sync(False)
+        _step(model, 0, rank)
+        _step(model, 1, rank)
+        model.set_requires_gradient_sync(True)
+        _step(model, 2, rank)
+    _assert_same_grads(ours, theirs, what="bf16 accumulation")
+
+    # unshard(): None when waited, a handle when async.
+    ours, theirs = _pair()
+    for model in (ours, theirs):
+        assert model.blocks[0].unshard() is None
+        handle = model.blocks[1].unshard(async_op=True)
+        assert handle is not None
+        handle.wait()
+        model.blocks[0].reshard()
+        model.blocks[1].reshard()
+
+    # The all-reduce hook sees what FSDP2's sees (averaged; the sum with forced sums) and may
+    # change the gradients in place.
+    for force_sum in (False, True):
+        ours, theirs = _pair()
+        seen = []
+        for model in (ours, theirs):
+            captured = []
+
+            def hook(reduced, captured=captured):
+                captured.append(reduced.clone())
+                reduced.mul_(2)
+
+            model.set_force_sum_reduction_for_comms(force_sum)
+            model.set_all_reduce_hook(hook)
+            _step(model, 0, rank)
+            seen.append(captured)
+        assert len(seen[0]) == len(seen[1]) == 1
+        torch.testing.assert_close(seen[0][0], seen[1][0], rtol=1e-5, atol=1e-7)
+        _assert_same_grads(ours, theirs, what=f"all-reduce hook force_sum={force_sum}")
+
+    # set_unshard_in_backward(False) on the embedding: one all-gather fewer, same gradients.
+    ours, theirs = _pair()
+    counts = []
+    for model in (ours, theirs):
+        model.emb.set_unshard_in_backward(False)
+        model.emb.set_reshard_after_forward(True)
+        with CommDebugMode() as mode:
+            _step(model, 0, rank)
+        counts.append(comm_counts(mode))
+    _assert_same_grads(ours, theirs, what="unshard_in_backward")
+    assert counts[0] == counts[1], counts
+    figures["unshard_in_backward counts"] = counts[0]
+
+    # reset_iter_state after a forward that raised, then a normal step.
+    ours, theirs = _pair()
+    for model in (ours, theirs):
+        _step(model, 0, rank)
+        model.fail = True
+        with pytest.raises(RuntimeError, match="user error"):
+            _step(model, 1, rank)
+        model.fail = False
+        model.reset_iter_state()
+        _step(model, 2, rank)
+    _assert_same_grads(ours, theirs, what="reset_iter_state")
+    with pytest.raises(ValueError, match="root"):
+        ours.blocks[0].reset_iter_state()
+
+    # Accepted controls, validated as FSDP2 validates them.
+    for model in (ours, theirs):
+        model.set_reduce_scatter_unused_params(True)
+        model.set_reduce_scatter_max_input_buffers(2)
+        for bad, error in ((True, TypeError), (0, ValueError)):
+            with pytest.raises(error):
+                model.set_reduce_scatter_max_input_buffers(bad)
+
+    # Slicing a sharded nn.Sequential gives a plain Sequential of the (sharded) blocks; deepcopy
+    # of a sharded module is refused.
+    for fs in (fully_shard, torch_fully_shard):
+        seq = nn.Sequential(MLPBlock(8, 6), MLPBlock(8, 6), MLPBlock(8, 6))
+        fs(seq[0])
+        fs(seq)
+        sliced = seq[1:]
+        assert type(sliced) is nn.Sequential and len(sliced) == 2 and sliced[0] is seq[1]
+    with pytest.raises(ValueError, match="deep"):
+        copy.deepcopy(ours)
+
+    # .to() / _apply on a sharded module keeps it training like torch's.
+    ours, theirs = _pair()
+    for model in (ours, theirs):
+        model.set_reshard_after_backward(False)
+        _step(model, 0, rank)
+        model.to(torch.float32)
+        model.zero_grad()
+        _step(model, 1, rank)
+    _assert_same_grads(ours, theirs, what="after .to()")
+
+    # share_comm_ctx: two roots (pipeline stages) share one context and train as torch's.
+    stages = []
+    for fs, share in ((fully_shard, share_comm_ctx), (torch_fully_shard, torch_share_comm_ctx)):
+        torch.manual_seed(1)
+        a, b = MLPBlock(8, 6), MLPBlock(8, 6)
+        fs(a)
+        fs(b)
+        share([a, b])
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        b(a(x)).sum().backward()
+        stages.append((a, b))
+    assert stages[0][0]._fsdp_state.ctx.comm is stages[0][1]._fsdp_state.ctx.comm
+    for i in range(2):
+        _assert_same_grads(stages[0][i], stages[1][i], what="share_comm_ctx")
+
+    # CPUOffloadPolicy(pin_memory=True) needs a GPU to pin: both refuse it on a CPU-only machine.
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin_memory=False"):
+            fully_shard(MLPBlock(8, 6), offload_policy=CPUOffloadPolicy(pin_memory=True))
+        from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+
+        with pytest.raises(RuntimeError):
+            torch_fully_shard(MLPBlock(8, 6), offload_policy=TorchCPUOffloadPolicy(pin_memory=True))
+    return figures
+
+
+def test_fsdp2_controls_match_torch_fully_shard():
+    figures = run_ranks(_controls, 2)
+    print(figures)
+
+
+def _fp16_near_max(rank, world_size):
+    """fp16 gradients of about 40000 on each rank: their sum (over 65504) overflows unless the
+    division is split around it, as FSDP2 does (pre 2, post 1 on 2 ranks)."""
+    results = {}
+    x = torch.full((1, 4), 200.0 + 8 * rank)
+    expected = torch.full((4, 4), 200.0 * (200.0 + 8 * 0.5))  # mean over ranks of 200 * x
+    mp = {"param_dtype": torch.float16, "reduce_dtype": torch.float16}
+    for name, fs, mp_cls in (
+        ("ours", fully_shard, MixedPrecisionPolicy),
+        ("torch", torch_fully_shard, TorchMixedPrecisionPolicy),
+        ("ours_unsplit", fully_shard, MixedPrecisionPolicy),
+    ):
+        lin = nn.Linear(4, 4, bias=False)
+        fs(lin, mp_policy=mp_cls(**mp))
+        split = collectives.divide_factors
+        if name == "ours_unsplit":
+            collectives.divide_factors = lambda factor, dtype: (1.0, factor)
+        try:
+            (lin(x).float().sum() * 200).backward()
+        finally:
+            collectives.divide_factors = split
+        grad = lin.weight.grad.full_tensor()
+        results[name] = grad
+    assert torch.isinf(results["ours_unsplit"]).all()
+    torch.testing.assert_close(results["ours"], results["torch"], rtol=0, atol=0)
+    torch.testing.assert_close(results["ours"], expected, rtol=1e-3, atol=0)
+    return {k: v.flatten()[0].item() for k, v in results.items()}
+
+
+def test_fp16_reduction_splits_the_division_like_fsdp2():
+    figures = run_ranks(_fp16_near_max, 2)
+    print(figures)
+
+
+def _hsdp_partial(rank, world_size):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ours, theirs = _pair(mesh=mesh)
+    counts = []
+    for model in (ours, theirs):
+        model_counts = []
+        model.set_requires_all_reduce(False)
+        for step in range(2):
+            with CommDebugMode() as mode:
+                _step(model, step, rank)
+            model_counts.append(comm_counts(mode))
+        model.set_requires_all_reduce(True)
+        with CommDebugMode() as mode:
+            _step(model, 2, rank)
+        model_counts.append(comm_counts(mode))
+        counts.append(model_counts)
+    _assert_same_grads(ours, theirs, what="HSDP partial reduce")
+    assert counts[0] == counts[1], counts
+    return counts[0]
+
+
+def test_hsdp_requires_all_reduce_false_matches_torch_fully_shard():
+    counts = run_ranks(_hsdp_partial, 4)
+    print(counts)
+    assert "allreduce_" not in counts[0] and counts[2].get("allreduce_") == 5
