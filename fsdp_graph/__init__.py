@@ -9,15 +9,18 @@
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .backend import BackendConfig, Compiler, backend
+from .runtime.comms import AllGather, ReduceScatter
 from .runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
+    "AllGather",
     "BackendConfig",
     "Compiler",
     "CPUOffloadPolicy",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ReduceScatter",
     "UnshardHandle",
     "backend",
     "fully_shard",

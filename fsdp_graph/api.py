@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .runtime.comms import AllGather, ReduceScatter
 from .runtime.param import MeshInfo, ShardedParam
 from .runtime.param_group import ParamGroup
 from .runtime.state import FSDPState
@@ -216,6 +217,22 @@ class FSDPModule:
             raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (a 2-D mesh)")
         group.reduce_controls.all_reduce_hook = hook
 
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Replace this module's all-gather (and its output buffer) with `comm`: an `AllGather`
+        (`allocate` + `__call__(output, input, group, async_op=False)`), as in FSDP2. Steps with a
+        custom comm run on the eager hooks when compiled."""
+        _check_comm("set_custom_all_gather", comm)
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Replace this module's gradient reduce-scatter (and its buffers) with `comm`: a
+        `ReduceScatter` (`allocate` + `__call__(output, input, group, op, async_op=False)`), as
+        in FSDP2; it is asked for a SUM. Steps with a custom comm run on the eager hooks when compiled."""
+        _check_comm("set_custom_reduce_scatter", comm)
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.custom_reduce_scatter = comm
+
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next all-gathers wait for `event` (recorded after the optimizer step) instead of the
         whole current stream; once, so pass a new event every step. No effect without streams (CPU)."""
@@ -379,6 +396,14 @@ def _own_call(cls: type):
     return own
 
 
+def _check_comm(method: str, comm: object) -> None:
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(
+            f"{method} expects an object with allocate(size, *, dtype, device) and __call__, e.g. a "
+            f"subclass of fsdp_graph.{'AllGather' if 'gather' in method else 'ReduceScatter'}; got {comm!r}"
+        )
+
+
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
@@ -417,10 +442,17 @@ def _check_modules(module) -> tuple[nn.Module, ...]:
 
 
 def _check_mesh(mesh: Optional[DeviceMesh]) -> DeviceMesh:
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            "fully_shard needs a process group; call torch.distributed.init_process_group(...) first"
-        )
+    if not dist.is_available():
+        raise ValueError("fully_shard needs torch.distributed, which this torch build lacks")
+    if not dist.is_initialized():
+        if mesh is not None:
+            raise ValueError(
+                "fully_shard got a mesh but no process group exists; call "
+                "torch.distributed.init_process_group(...) before building the mesh"
+            )
+        # As FSDP2: the default process group from the environment (torchrun's RANK, WORLD_SIZE,
+        # MASTER_ADDR, MASTER_PORT); without them init_process_group raises, naming the variable.
+        dist.init_process_group()
     if mesh is None:
         device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
         return init_device_mesh(device_type, (dist.get_world_size(),))

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .comms import AllGather, Comm, ReduceScatter
 from .param import MeshInfo, ShardedParam
 
 # (packed gradient, output shard, shard process group) -> None: writes the summed shard to output.
@@ -130,6 +131,12 @@ def _copy_in(params: list[ShardedParam], output: torch.Tensor, rank: int) -> tor
     return flat
 
 
+def _allocate(comm: Optional[Comm], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if comm is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    return comm.allocate((numel,), dtype=dtype, device=device)
+
+
 @torch.no_grad()
 def all_gather(
     params: list[ShardedParam],
@@ -139,28 +146,36 @@ def all_gather(
     ctx: CommContext,
     async_op: bool,
     input: Optional[torch.Tensor] = None,
+    comm: Optional[AllGather] = None,
 ) -> AllGatherWork:
-    """Gather `params` as one bucket. `input` replaces the copy-in (a post-forward shard)."""
+    """Gather `params` as one bucket. `input` replaces the copy-in (a post-forward shard); `comm`
+    replaces `all_gather_single` and its buffer (`set_custom_all_gather`)."""
     device = ctx.device
     total = input.numel() if input is not None else sum(p.shard_numel for p in params)
     rank = dist.get_rank(group)
     if not ctx.uses_streams:
-        output = torch.empty(world * total, dtype=dtype, device=device)
+        output = _allocate(comm, world * total, dtype, device)
         if input is None:
             input = _copy_in(params, output, rank)
-        handle = dist.all_gather_single(output, input, group=group, async_op=async_op)
+        if comm is not None:
+            handle = comm(output, input, group, async_op=async_op)
+        else:
+            handle = dist.all_gather_single(output, input, group=group, async_op=async_op)
         return AllGatherWork(output, input, handle=handle, done=not async_op)
 
     mod = ctx._device_module
     ctx.release_retired()
     ctx.copy_in_waits_for_optimizer()
     with mod.stream(ctx.copy_in_stream):
-        output = torch.empty(world * total, dtype=dtype, device=device)
+        output = _allocate(comm, world * total, dtype, device)
         if input is None:
             input = _copy_in(params, output, rank)
     ctx.all_gather_stream.wait_stream(ctx.copy_in_stream)
     with mod.stream(ctx.all_gather_stream):
-        dist.all_gather_single(output, input, group=group)
+        if comm is not None:
+            comm(output, input, group)
+        else:
+            dist.all_gather_single(output, input, group=group)
         event = ctx.all_gather_stream.record_event()
     work = AllGatherWork(output, input, event=event)
     if not async_op:
@@ -280,11 +295,13 @@ class ReduceScatterWork:
 # The flags cost one element per parameter and no collective of their own.
 
 
-def _pack(params: list[ShardedParam], grads: list[Optional[torch.Tensor]], world: int, dtype, device) -> torch.Tensor:
+def _pack(
+    params: list[ShardedParam], grads: list[Optional[torch.Tensor]], world: int, dtype, device, comm=None
+) -> torch.Tensor:
     """The reduce-scatter input: rank r's row holds every parameter's slot r, cast to `dtype`, then
     the flags of [Note: Every rank packs every parameter]."""
     total = sum(p.shard_numel for p in params)
-    packed = torch.empty((world, total + len(params)), dtype=dtype, device=device)
+    packed = _allocate(comm, world * (total + len(params)), dtype, device).view(world, -1)
     offset = 0
     for p, grad in zip(params, grads):
         if grad is None:
@@ -306,6 +323,7 @@ def reduce_scatter(
     ctx: CommContext,
     comm_hook: Optional[CommHook] = None,
     controls: Optional["ReduceControls"] = None,
+    comm: Optional[ReduceScatter] = None,
 ) -> ReduceScatterWork:
     """Reduce-scatter the unsharded gradients of `params` as one bucket and average them.
 
@@ -315,40 +333,48 @@ def reduce_scatter(
     The sum is divided explicitly afterwards: gloo has no PREMUL_SUM, and one code path for every
     backend keeps eager and compiled numerics identical. A `comm_hook` replaces the
     reduce-scatter itself (it runs synchronously); HSDP's all-reduce and the division stay ours.
+    A custom `comm` (`set_custom_reduce_scatter`) allocates the buffers and runs the SUM.
     """
     world = mesh_info.shard_size
     dtype = reduce_dtype or params[0].unsharded_dtype
     total = sum(p.shard_numel for p in params) + len(params)  # gradients, then one flag per parameter
     grads = [p.take_unsharded_grad() for p in params]
     # Allocated on the current stream, which later reads it for the optimizer.
-    output = torch.empty(total, dtype=dtype, device=ctx.device)
+    output = _allocate(comm, total, dtype, ctx.device)
     pre, post = divide_factors(divide_factor, dtype)
     work = ReduceScatterWork(
         params, output, mesh_info, post, [grad is not None for grad in grads], controls or ReduceControls()
     )
 
     if not ctx.uses_streams:
-        packed = _pack(params, grads, world, dtype, ctx.device)
+        packed = _pack(params, grads, world, dtype, ctx.device, comm)
         if pre != 1:
             packed.div_(pre)
         if comm_hook is not None:
             comm_hook(packed.view(-1), output, mesh_info.shard_group)
             work.reduce_across_replicas_and_divide()
             return work
-        work.handle = dist.reduce_scatter_single(
-            output, packed.view(-1), op=dist.ReduceOp.SUM, group=mesh_info.shard_group, async_op=True
-        )
+        if comm is not None:
+            work.handle = comm(output, packed.view(-1), mesh_info.shard_group, dist.ReduceOp.SUM, async_op=True)
+        else:
+            work.handle = dist.reduce_scatter_single(
+                output, packed.view(-1), op=dist.ReduceOp.SUM, group=mesh_info.shard_group, async_op=True
+            )
+        if work.handle is None:  # a custom comm that ran synchronously
+            work.reduce_across_replicas_and_divide()
         work.keep_alive = [packed]
         return work
 
     mod = ctx._device_module
     ctx.reduce_scatter_stream.wait_stream(ctx.current_stream())
     with mod.stream(ctx.reduce_scatter_stream):
-        packed = _pack(params, grads, world, dtype, ctx.device)
+        packed = _pack(params, grads, world, dtype, ctx.device, comm)
         if pre != 1:
             packed.div_(pre)
         if comm_hook is not None:
             comm_hook(packed.view(-1), output, mesh_info.shard_group)
+        elif comm is not None:
+            comm(output, packed.view(-1), mesh_info.shard_group, dist.ReduceOp.SUM)
         else:
             dist.reduce_scatter_single(output, packed.view(-1), op=dist.ReduceOp.SUM, group=mesh_info.shard_group)
         work.reduce_across_replicas_and_divide()

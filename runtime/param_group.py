@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from . import traced
 from .collectives import AllGatherWork, CommContext, CommHook, ReduceControls, all_gather, copy_out, reduce_scatter
+from .comms import AllGather, ReduceScatter
 from .param import MeshInfo, ShardedParam
 from .policies import MixedPrecisionPolicy
 
@@ -94,6 +95,8 @@ class ParamGroup:
         self.comm_hook: Optional[CommHook] = None  # replaces the reduce-scatter (FSDP1 comm hooks)
         self.reduce_controls = ReduceControls()  # all-reduce on/off, all-reduce hook, forced sums
         self.unshard_in_backward = True  # False: backward needs none of these parameters (FSDP2)
+        self.custom_all_gather: Optional[AllGather] = None  # replace the collectives (FSDP2's API)
+        self.custom_reduce_scatter: Optional[ReduceScatter] = None
         # Unsharded gradients kept unreduced by a backward without sync (accumulation), until a
         # backward with sync reduces them together with its own.
         self.holds_unreduced_grads = False
@@ -140,14 +143,14 @@ class ParamGroup:
                 mesh = self.post_forward_mesh
                 self._all_gather = all_gather(
                     self.params, mesh.group, mesh.size, self.all_gather_dtype, self.comm, async_op,
-                    input=self._post_forward_shard,
+                    input=self._post_forward_shard, comm=self.custom_all_gather,
                 )
             else:
                 for p in self.params:
                     p.adopt_current_param()
                 self._all_gather = all_gather(
                     self.params, self.mesh_info.shard_group, self.world, self.all_gather_dtype,
-                    self.comm, async_op,
+                    self.comm, async_op, comm=self.custom_all_gather,
                 )
 
     def wait_for_unshard(self) -> None:
@@ -229,7 +232,7 @@ class ParamGroup:
                 factor = self.gradient_divide_factor or self.world * self.mesh_info.replicate_size
                 work = reduce_scatter(
                     trainable, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm, self.comm_hook,
-                    self.reduce_controls,
+                    self.reduce_controls, self.custom_reduce_scatter,
                 )
                 self.comm.add_reduce_scatter(work)
                 self.holds_unreduced_grads = False
@@ -255,6 +258,8 @@ class ParamGroup:
             return "it holds reduce-scattered sums (set_requires_all_reduce(False)) which this backward all-reduces"
         if self.reduce_controls.all_reduce_hook is not None:
             return "an all-reduce hook is set (set_all_reduce_hook); hooks run on the eager runtime"
+        if self.custom_all_gather is not None or self.custom_reduce_scatter is not None:
+            return "a custom all-gather or reduce-scatter is set; custom comms run on the eager runtime"
         if not self.unshard_in_backward:
             return "set_unshard_in_backward(False): the graph's backward reads the gathered parameters"
         return None

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -18,7 +19,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import fsdp_graph.runtime.collectives as collectives
 from _harness import run_ranks
 from _models import MLPBlock, comm_counts
-from fsdp_graph import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, share_comm_ctx
+from fsdp_graph import AllGather, CPUOffloadPolicy, MixedPrecisionPolicy, ReduceScatter, fully_shard, share_comm_ctx
 
 
 class Net(nn.Module):
@@ -79,6 +80,24 @@ def _assert_same_grads(ours, theirs, rtol=1e-5, atol=1e-7, what=""):
             torch.testing.assert_close(
                 p.grad.to_local(), q.grad.to_local(), rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}: {m}"
             )
+
+
+class CountingAllGather(AllGather):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class CountingReduceScatter(ReduceScatter):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def _controls(rank, world_size):
@@ -218,6 +237,21 @@ def _controls(rank, world_size):
     for i in range(2):
         _assert_same_grads(stages[0][i], stages[1][i], what="share_comm_ctx")
 
+    # Custom all-gather / reduce-scatter: called once per gather and reduction, same gradients.
+    calls = []
+    ours, theirs = _pair()
+    for model in (ours, theirs):
+        gather, reduce = CountingAllGather(), CountingReduceScatter()
+        model.blocks[0].set_custom_all_gather(gather)
+        model.blocks[0].set_custom_reduce_scatter(reduce)
+        model.zero_grad()
+        _step(model, 3, rank)
+        calls.append((gather.calls, reduce.calls))
+    _assert_same_grads(ours, theirs, what="custom comms")
+    assert calls[0] == calls[1] == (2, 1), calls
+    with pytest.raises(TypeError, match="allocate"):
+        ours.set_custom_all_gather(lambda *args: None)
+
     # CPUOffloadPolicy(pin_memory=True) needs a GPU to pin: both refuse it on a CPU-only machine.
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="pin_memory=False"):
@@ -293,3 +327,30 @@ def test_hsdp_requires_all_reduce_false_matches_torch_fully_shard():
     counts = run_ranks(_hsdp_partial, 4)
     print(counts)
     assert "allreduce_" not in counts[0] and counts[2].get("allreduce_") == 5
+
+
+_DEFAULT_GROUP_SCRIPT = """
+import os, torch, torch.distributed as dist
+from fsdp_graph import fully_shard
+model = torch.nn.Linear(4, 4)
+fully_shard(model)  # no init_process_group: fully_shard makes the default group from the environment
+assert dist.is_initialized() and dist.get_world_size() == 1
+model(torch.randn(2, 4)).sum().backward()
+print("trained", model.weight.grad.to_local().shape)
+os._exit(0)  # [Note: Gloo teardown] in tests/_harness.py
+"""
+
+
+def test_fully_shard_initialises_the_default_process_group():
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    out = subprocess.run([sys.executable, "-c", _DEFAULT_GROUP_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "trained torch.Size([4, 4])" in out.stdout
