@@ -233,6 +233,16 @@ class FSDPModule:
         if self._fsdp_state.group is not None:
             self._fsdp_state.group.custom_reduce_scatter = comm
 
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """True: gradient reduce-scatters run on a process group of their own over the shard ranks
+        (one per set of ranks), so they can progress alongside all-gathers; False: back to the
+        shard group. Collective: call it on every rank of the mesh alike, as in FSDP2."""
+        _check_bool("enable", enable)
+        made: dict = {}
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.set_separate_reduce_scatter_group(enable, made)
+
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next all-gathers wait for `event` (recorded after the optimizer step) instead of the
         whole current stream; once, so pass a new event every step. No effect without streams (CPU)."""

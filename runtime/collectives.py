@@ -221,6 +221,9 @@ class ReduceControls:
     all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None  # runs on the reduced output
     force_sum: bool = False  # how FSDP2's collectives reduce; ours always sum, see the hook order
     partial: Optional[torch.Tensor] = None  # HSDP: reduce-scattered sums waiting for the all-reduce
+    # `set_separate_reduce_scatter_group`: reduce-scatter on a process group of its own, so it can
+    # progress alongside all-gathers on the shard group (one communicator runs one at a time).
+    reduce_scatter_group: Optional[dist.ProcessGroup] = None
 
 
 @dataclass
@@ -342,23 +345,23 @@ def reduce_scatter(
     # Allocated on the current stream, which later reads it for the optimizer.
     output = _allocate(comm, total, dtype, ctx.device)
     pre, post = divide_factors(divide_factor, dtype)
-    work = ReduceScatterWork(
-        params, output, mesh_info, post, [grad is not None for grad in grads], controls or ReduceControls()
-    )
+    controls = controls or ReduceControls()
+    work = ReduceScatterWork(params, output, mesh_info, post, [grad is not None for grad in grads], controls)
+    shard_group = controls.reduce_scatter_group or mesh_info.shard_group
 
     if not ctx.uses_streams:
         packed = _pack(params, grads, world, dtype, ctx.device, comm)
         if pre != 1:
             packed.div_(pre)
         if comm_hook is not None:
-            comm_hook(packed.view(-1), output, mesh_info.shard_group)
+            comm_hook(packed.view(-1), output, shard_group)
             work.reduce_across_replicas_and_divide()
             return work
         if comm is not None:
-            work.handle = comm(output, packed.view(-1), mesh_info.shard_group, dist.ReduceOp.SUM, async_op=True)
+            work.handle = comm(output, packed.view(-1), shard_group, dist.ReduceOp.SUM, async_op=True)
         else:
             work.handle = dist.reduce_scatter_single(
-                output, packed.view(-1), op=dist.ReduceOp.SUM, group=mesh_info.shard_group, async_op=True
+                output, packed.view(-1), op=dist.ReduceOp.SUM, group=shard_group, async_op=True
             )
         if work.handle is None:  # a custom comm that ran synchronously
             work.reduce_across_replicas_and_divide()
@@ -372,11 +375,11 @@ def reduce_scatter(
         if pre != 1:
             packed.div_(pre)
         if comm_hook is not None:
-            comm_hook(packed.view(-1), output, mesh_info.shard_group)
+            comm_hook(packed.view(-1), output, shard_group)
         elif comm is not None:
-            comm(output, packed.view(-1), mesh_info.shard_group, dist.ReduceOp.SUM)
+            comm(output, packed.view(-1), shard_group, dist.ReduceOp.SUM)
         else:
-            dist.reduce_scatter_single(output, packed.view(-1), op=dist.ReduceOp.SUM, group=mesh_info.shard_group)
+            dist.reduce_scatter_single(output, packed.view(-1), op=dist.ReduceOp.SUM, group=shard_group)
         work.reduce_across_replicas_and_divide()
         work.event = ctx.reduce_scatter_stream.record_event()
     work.keep_alive = [packed, grads]

@@ -243,6 +243,18 @@ class ParamGroup:
             if self.reshard_after_backward:
                 self.reshard()
 
+    def set_separate_reduce_scatter_group(self, enable: bool, made: dict) -> None:
+        """Reduce-scatter on a new process group over the shard ranks (`made`: ranks -> group, so
+        groups over the same ranks share one). Collective over those ranks."""
+        if not enable:
+            self.reduce_controls.reduce_scatter_group = None
+            return
+        ranks = tuple(dist.get_process_group_ranks(self.mesh_info.shard_group))
+        if ranks not in made:
+            timeout = _timeout_of(self.mesh_info.shard_group, self.mesh_info.mesh.device_type)
+            made[ranks] = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
+        self.reduce_controls.reduce_scatter_group = made[ranks]
+
     def eager_only_reason(self) -> Optional[str]:
         """Why this group cannot be traced into a graph right now, or None. See runtime/traced.py,
         [Note: Groups that stay on the eager hooks]."""

@@ -190,11 +190,13 @@ class _AllGatherShards(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, trainable, frozen, all_gather_dtype, reduce_dtype, world, group_name, replicate, divide_factor):
+    def forward(
+        ctx, trainable, frozen, all_gather_dtype, reduce_dtype, world, group_name, replicate, divide_factor, reduce_group
+    ):
         ctx.reduce_dtype = reduce_dtype
         ctx.flat_dtype = trainable.dtype
         ctx.world = world
-        ctx.group_name = group_name
+        ctx.reduce_group = reduce_group  # the shard group, or its separate reduce-scatter group
         ctx.replicate = replicate  # HSDP: the replicate axis' group name; else None
         ctx.divide_factor = divide_factor
         ctx.trainable_numel = trainable.numel()
@@ -211,12 +213,12 @@ class _AllGatherShards(torch.autograd.Function):
         grad = grad.to(dtype).contiguous()
         if pre != 1:
             grad = grad / pre
-        reduced = _C10D.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.group_name)
+        reduced = _C10D.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.reduce_group)
         reduced = _C10D.wait_tensor(reduced)
         if ctx.replicate is not None:
             reduced = _C10D.wait_tensor(_C10D.all_reduce(reduced, "sum", ctx.replicate))
         reduced = reduced / post
-        return reduced.to(ctx.flat_dtype), None, None, None, None, None, None, None
+        return reduced.to(ctx.flat_dtype), None, None, None, None, None, None, None, None
 
 
 # [Note: Gradient flags in a graph]
@@ -289,6 +291,7 @@ def unshard(group: "ParamGroup") -> list[torch.Tensor]:
             mesh_info.shard_group.group_name,
             replicate,
             divide_factor,
+            (group.reduce_controls.reduce_scatter_group or mesh_info.shard_group).group_name,
         )
         if flags is None and len(group.params) == 1:  # the rows are the padded parameter: a view, no copy
             p = group.params[0]

@@ -252,6 +252,16 @@ def _controls(rank, world_size):
     with pytest.raises(TypeError, match="allocate"):
         ours.set_custom_all_gather(lambda *args: None)
 
+    # set_separate_reduce_scatter_group: reduce-scatters on a group of their own, same gradients.
+    ours, theirs = _pair()
+    for model in (ours, theirs):
+        model.set_separate_reduce_scatter_group()
+        _step(model, 0, rank)
+    _assert_same_grads(ours, theirs, what="separate reduce-scatter group")
+    rs_group = ours.blocks[0]._fsdp_state.group.reduce_controls.reduce_scatter_group
+    assert rs_group is not None and rs_group is ours._fsdp_state.group.reduce_controls.reduce_scatter_group
+    assert rs_group is not ours._fsdp_state.group.mesh_info.shard_group
+
     # CPUOffloadPolicy(pin_memory=True) needs a GPU to pin: both refuse it on a CPU-only machine.
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="pin_memory=False"):
@@ -354,3 +364,60 @@ def test_fully_shard_initialises_the_default_process_group():
     out = subprocess.run([sys.executable, "-c", _DEFAULT_GROUP_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "trained torch.Size([4, 4])" in out.stdout
+
+
+def _compiled(rank, world_size):
+    """Compiled steps (aot_eager): the fp16 split, a separate reduce-scatter group in the graph,
+    and an all-reduce hook on the eager hooks, each equal to the eager runtime bit for bit."""
+    import fsdp_graph
+    from _compile_helpers import train_compiled_and_compare
+    from _models import MLPStack
+
+    backend = fsdp_graph.backend(compiler="aot_eager")
+    x = torch.full((1, 4), 200.0 + 8 * rank)
+    grads = []
+    for compile_it in (False, True):
+        lin = nn.Linear(4, 4, bias=False)
+        fully_shard(lin, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16))
+        run = torch.compile(lin, backend=backend) if compile_it else lin
+        (run(x).float().sum() * 200).backward()
+        grads.append(lin.weight.grad.full_tensor())
+    assert torch.isfinite(grads[1]).all()
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+    def shard(model, control):
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        control(model)
+        return model
+
+    results = {}
+    for name, control in (
+        ("separate_rs_group", lambda m: m.set_separate_reduce_scatter_group()),
+        ("all_reduce_hook", lambda m: m.set_all_reduce_hook(lambda reduced: reduced.mul_(0.5))),
+    ):
+        torch.manual_seed(0)
+        model = MLPStack()
+        if name == "all_reduce_hook":
+            # The unsharded reference knows no hook: compare compiled with eager only.
+            eager = shard(copy.deepcopy(model), control)
+            compiled_module = shard(copy.deepcopy(model), control)
+            compiled = torch.compile(compiled_module, backend=backend)
+            gen = torch.Generator().manual_seed(rank)
+            inp = torch.randn(4, 13, generator=gen)
+            eager(inp).sum().backward()
+            compiled(inp).sum().backward()
+            _assert_same_grads(compiled_module, eager, rtol=0, atol=0, what=name)
+            results[name] = dict(compiled_module._fsdp_state.ctx.fallbacks)
+        else:
+            results[name] = train_compiled_and_compare(
+                model, lambda m: shard(m, control), backend, rank, world_size, steps=2
+            )["fallbacks"]
+    assert results["separate_rs_group"] == {}
+    assert results["all_reduce_hook"], results
+    return results
+
+
+def test_compiled_steps_honour_the_controls():
+    print(run_ranks(_compiled, 2))
