@@ -24,8 +24,9 @@ keeps parameters in `_parameters` and `__getattr__` is only a fallback, so the i
 and the module's forward reads the gathered tensor, while `named_parameters()`, the optimizer and
 `state_dict()` still see the DTensor. Post-forward deletes the shadows again.
 
-Differences from eager, by design: a parameter the forward does not use gets a zero gradient
-instead of None; an int `reshard_after_forward` re-gathers from the full shard group.
+Difference from eager, by design: an int `reshard_after_forward` re-gathers from the full shard
+group (same numbers). A parameter the forward does not use keeps `.grad` None as in eager mode: see
+[Note: Gradient flags in a graph].
 
 The all-gather and its gradient are one autograd.Function (`_AllGatherShards`) whose backward does
 what `collectives.reduce_scatter` does, in the same order: cast to the reduce dtype, reduce-scatter
