@@ -320,15 +320,11 @@ def fully_shard(
     _check_no_compile_regions(modules, owners)
     params = []
     for param, param_owners, fqn in owners:
-        if shard_placement_fn is not None:
-            placement = shard_placement_fn(param)
-            if placement is not None and placement != Shard(0):
-                raise ValueError(
-                    f"shard_placement_fn returned {placement} for '{fqn}'; fsdp_graph shards every "
-                    f"parameter on dim 0: return Shard(0) or None"
-                )
+        shard_dim = _shard_dim(shard_placement_fn, param, fqn)
         params.append(
-            ShardedParam(param, param_owners, fqn, modules, mesh_info, device, shard_device, mp_policy.param_dtype)
+            ShardedParam(
+                param, param_owners, fqn, modules, mesh_info, device, shard_device, mp_policy.param_dtype, shard_dim
+            )
         )
     group = ParamGroup(params, mesh_info, device, mp_policy, reshard_after_forward) if params else None
     for param, sharded in zip((o[0] for o in owners), params):
@@ -346,6 +342,25 @@ def fully_shard(
         m.__class__ = _fsdp_class(type(m))
     state.claim_root()
     return module
+
+
+def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:
+    """The dim `shard_placement_fn` shards `param` on (negative dims count from the end); 0 without one."""
+    placement = None if shard_placement_fn is None else shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(
+            f"shard_placement_fn returned {placement!r} for '{fqn}'; fsdp_graph shards every parameter: "
+            f"return Shard(dim) for a dim of the parameter, or None for Shard(0)"
+        )
+    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.ndim:
+        raise ValueError(
+            f"shard_placement_fn returned {placement} for '{fqn}', which has {param.ndim} dims; return "
+            f"Shard(dim) with -{param.ndim} <= dim < {param.ndim}"
+        )
+    return dim
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

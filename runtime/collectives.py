@@ -125,7 +125,7 @@ def _copy_in(params: list[ShardedParam], output: torch.Tensor, rank: int) -> tor
     offset = 0
     for p in params:
         num_valid = p.num_valid_rows * p.row_numel
-        flat[offset : offset + num_valid].copy_(p.local_shard.reshape(-1))
+        flat[offset : offset + num_valid].copy_(p.flat_local_shard())
         flat[offset + num_valid : offset + p.shard_numel].zero_()
         offset += p.shard_numel
     return flat
@@ -194,6 +194,8 @@ def copy_out(params: list[ShardedParam], work: AllGatherWork, world: int) -> Non
         torch.split_with_sizes_copy(
             work.output.view(world, -1), [p.shard_numel for p in params], dim=1, out=outputs
         )
+        for p in params:
+            p.finish_copy_out()
 
 
 def divide_factors(factor: float, dtype: torch.dtype) -> tuple[float, float]:

@@ -1,6 +1,8 @@
 """One sharded parameter: its DTensor shard, where it lives in the module tree, and its unsharded view.
 
-Layout, for a parameter of shape (dim0, *rest) on a shard group of `world` ranks:
+Layout, for a parameter sharded on dim k (`Shard(k)`, 0 by default) on a shard group of `world` ranks.
+Everything below is said of the parameter with dim k moved first, `param.movedim(k, 0)`, of shape
+(dim0, *rest); for k = 0 that is the parameter itself:
 
     padded_dim0 = ceil(dim0 / world)        rows each rank owns, padding included
     rank r owns rows [r * padded_dim0, (r + 1) * padded_dim0) clipped to dim0
@@ -8,6 +10,13 @@ Layout, for a parameter of shape (dim0, *rest) on a shard group of `world` ranks
 so a rank's valid rows are a prefix of its padded slot, possibly empty. This is `torch.chunk`'s split,
 which is also what DTensor's `Shard(0)` means for uneven sizes. In the all-gather buffer each rank
 contributes `shard_numel = padded_dim0 * prod(rest)` elements per parameter, padding as zeros.
+
+[Note: Sharding on another dim]
+For k > 0 the collectives still move whole rows of the moved layout: copy-in flattens
+`shard.movedim(k, 0)` (a copy), the gathered rows are the moved parameter, and copy-out copies them
+back with `movedim(0, k)` into a contiguous unsharded parameter, so the module computes on the same
+layout as the unsharded model; gradients are packed from `grad.movedim(k, 0)`. The DTensor shard is
+`Shard(k)`: rank r's slice of dim k, which is the same chunking moved back.
 """
 
 from __future__ import annotations
@@ -58,9 +67,8 @@ class MeshInfo:
     def replicate_size(self) -> int:
         return self.mesh.size(0) if self.is_hsdp else 1
 
-    @property
-    def placements(self) -> tuple:
-        return (Replicate(), Shard(0)) if self.is_hsdp else (Shard(0),)
+    def placements(self, shard_dim: int = 0) -> tuple:
+        return (Replicate(), Shard(shard_dim)) if self.is_hsdp else (Shard(shard_dim),)
 
 
 class ShardedParam:
@@ -82,6 +90,7 @@ class ShardedParam:
         device: torch.device,
         shard_device: torch.device,
         param_dtype: torch.dtype | None,
+        shard_dim: int = 0,
     ) -> None:
         self.owners = owners  # every (module, attribute) that holds this parameter (tied weights)
         self.fqn = fqn
@@ -94,9 +103,14 @@ class ShardedParam:
         self.unsharded_dtype = param_dtype or param.dtype
         self.requires_grad = param.requires_grad
 
+        self.shard_dim = shard_dim
+        self.placements = mesh_info.placements(shard_dim)
+        # The shape of the parameter with the shard dim first, the layout the collectives move.
+        self.moved_size = param.movedim(shard_dim, 0).size()
+
         world, rank = mesh_info.shard_size, mesh_info.shard_rank
-        dim0 = self.orig_size[0]
-        self.row_numel = math.prod(self.orig_size[1:])
+        dim0 = self.moved_size[0]
+        self.row_numel = math.prod(self.moved_size[1:])
         self.padded_dim0 = math.ceil(dim0 / world)
         self.shard_numel = self.padded_dim0 * self.row_numel
         self.row_start = min(rank * self.padded_dim0, dim0)  # this rank's first row of the full tensor
@@ -104,6 +118,7 @@ class ShardedParam:
 
         local = self.own_rows(param.detach())
         local = local.clone() if local.is_meta else local.to(shard_device, copy=True)
+        local = local.contiguous()
         self.sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
         # Whether `.grad` was None when the last compiled backward reached this parameter; see
         # [Note: Gradient flags in a graph] in runtime/traced.py.
@@ -130,7 +145,7 @@ class ShardedParam:
         return DTensor.from_local(
             local,
             self.mesh_info.mesh,
-            self.mesh_info.placements,
+            self.placements,
             run_check=False,
             shape=self.orig_size,
             stride=_contiguous_stride(self.orig_size),
@@ -138,8 +153,12 @@ class ShardedParam:
 
     @property
     def local_shard(self) -> torch.Tensor:
-        """This rank's valid rows of the sharded parameter (no padding)."""
+        """This rank's valid rows of the sharded parameter (no padding), in the parameter's layout."""
         return self.sharded_param.to_local()
+
+    def flat_local_shard(self) -> torch.Tensor:
+        """`local_shard` in the moved layout, flat: this rank's piece of the all-gather input."""
+        return self.local_shard.movedim(self.shard_dim, 0).reshape(-1)
 
     def adopt_current_param(self) -> None:
         """Take back the parameter the owner module holds now, if the user replaced it.
@@ -152,10 +171,10 @@ class ShardedParam:
         if current is None or current is self.sharded_param or current is self.unsharded_param:
             self._check_unchanged()
             return
-        if not isinstance(current, DTensor) or tuple(current.placements) != self.mesh_info.placements:
+        if not isinstance(current, DTensor) or tuple(current.placements) != self.placements:
             raise ValueError(
                 f"Parameter '{self.fqn}' was replaced by a tensor that is not a DTensor sharded with "
-                f"{self.mesh_info.placements}; load sharded state with model.load_state_dict(...) "
+                f"{self.placements}; load sharded state with model.load_state_dict(...) "
                 f"(without assign=True) or assign DTensors from distribute_tensor(...)"
             )
         if current.size() != self.orig_size:
@@ -209,8 +228,8 @@ class ShardedParam:
         param.register_hook(record)
 
     def own_rows(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's valid rows of a full (unsharded) tensor of this parameter's shape."""
-        return full[self.row_start : self.row_start + self.num_valid_rows]
+        """This rank's valid rows (on the shard dim) of a full tensor of this parameter's shape."""
+        return full.narrow(self.shard_dim, self.row_start, self.num_valid_rows)
 
     def install(self, sharded: bool) -> None:
         """Register the sharded or the unsharded parameter on every owner module."""
@@ -231,38 +250,59 @@ class ShardedParam:
             dist.broadcast(whole, src=src)
             local.copy_(self.own_rows(whole))
             return
-        rows = torch.empty((self.padded_dim0, *self.orig_size[1:]), dtype=self.orig_dtype, device=self.device)
+        rows = torch.empty((self.padded_dim0, *self.moved_size[1:]), dtype=self.orig_dtype, device=self.device)
         chunks = None
         if dist.get_rank() == src:
-            padded = full.new_zeros((world * self.padded_dim0, *self.orig_size[1:]), dtype=self.orig_dtype, device=self.device)
-            padded[: self.orig_size[0]].copy_(full)
+            padded = full.new_zeros((world * self.padded_dim0, *self.moved_size[1:]), dtype=self.orig_dtype, device=self.device)
+            padded[: self.moved_size[0]].copy_(full.movedim(self.shard_dim, 0))
             chunks = list(padded.chunk(world))
         dist.scatter(rows, chunks, src=src, group=group)
-        local.copy_(rows[: self.num_valid_rows])
+        local.copy_(rows[: self.num_valid_rows].movedim(0, self.shard_dim))
 
     # -- unsharded side ------------------------------------------------------------------------
 
     def alloc_unsharded(self, world: int) -> torch.Tensor:
-        """Allocate (or re-allocate) the unsharded storage; returns it viewed as (world, shard_numel)."""
+        """Allocate (or re-allocate) the unsharded storage; returns the padded rows the all-gather
+        output is copied into, viewed as (world, shard_numel). For a shard dim k > 0 they are a
+        staging buffer that `finish_copy_out` moves into the parameter ([Note: Sharding on another dim])."""
         if self._unsharded_padded is None:
             padded = torch.empty(
-                (world * self.padded_dim0, *self.orig_size[1:]),
+                (world * self.padded_dim0, *self.moved_size[1:]),
                 dtype=self.unsharded_dtype,
                 device=self.device,
             )
             self._unsharded_padded = padded
-            self.unsharded_param = nn.Parameter(padded[: self.orig_size[0]], self.requires_grad)
+            if self.shard_dim == 0:
+                unsharded = padded[: self.orig_size[0]]
+            else:
+                unsharded = torch.empty(self.orig_size, dtype=self.unsharded_dtype, device=self.device)
+            self.unsharded_param = nn.Parameter(unsharded, self.requires_grad)
         else:
-            storage = self._unsharded_padded.untyped_storage()
-            nbytes = self._unsharded_padded.numel() * self._unsharded_padded.element_size()
-            if storage.size() != nbytes:
-                storage.resize_(nbytes)
+            _refill(self._unsharded_padded)
+            if self.shard_dim != 0:
+                _refill(self.unsharded_param)
         return self._unsharded_padded.view(world, self.shard_numel)
+
+    def finish_copy_out(self) -> None:
+        """Shard dim k > 0: move the gathered rows into the parameter's layout, free the staging."""
+        if self.shard_dim != 0:
+            rows = self._unsharded_padded[: self.moved_size[0]]
+            self.unsharded_param.copy_(rows.movedim(0, self.shard_dim))
+            self._unsharded_padded.untyped_storage().resize_(0)
+
+    def gathered_rows(self, world: int) -> torch.Tensor:
+        """The unsharded parameter as the all-gather output holds it, (world, shard_numel)."""
+        rows = self.alloc_unsharded(world)
+        if self.shard_dim != 0:
+            self._unsharded_padded[self.moved_size[0] :].zero_()
+            self._unsharded_padded[: self.moved_size[0]].copy_(self.unsharded_param.movedim(self.shard_dim, 0))
+        return rows
 
     def free_unsharded(self) -> None:
         """Drop the unsharded storage; the parameter object (and any gradient on it) stays."""
         if self._unsharded_padded is not None:
             self._unsharded_padded.untyped_storage().resize_(0)
+            self.unsharded_param.untyped_storage().resize_(0)
 
     def pack_grad(self, grad: torch.Tensor, dest: torch.Tensor) -> None:
         """Write the unsharded `grad` into `dest` (world, shard_numel), casting, zero-padded.
@@ -271,13 +311,13 @@ class ShardedParam:
         """
         world = dest.shape[0]
         slots = dest.view(world, self.padded_dim0, self.row_numel)
-        rows = grad.reshape(self.orig_size[0], self.row_numel)
-        num_full = self.orig_size[0] // self.padded_dim0 if self.padded_dim0 else 0
+        rows = grad.movedim(self.shard_dim, 0).reshape(self.moved_size[0], self.row_numel)
+        num_full = self.moved_size[0] // self.padded_dim0 if self.padded_dim0 else 0
         if num_full:
             slots[:num_full].copy_(rows[: num_full * self.padded_dim0].view(num_full, self.padded_dim0, -1))
         if num_full < world:
             slots[num_full:].zero_()
-            remainder = self.orig_size[0] - num_full * self.padded_dim0
+            remainder = self.moved_size[0] - num_full * self.padded_dim0
             if remainder:
                 slots[num_full, :remainder].copy_(rows[num_full * self.padded_dim0 :])
 
@@ -310,13 +350,21 @@ class ShardedParam:
     def accumulate_sharded_grad(self, flat_shard: torch.Tensor) -> None:
         """Set or add this rank's reduced gradient (padded, flat) to the sharded parameter."""
         local = flat_shard[: self.num_valid_rows * self.row_numel].view(
-            self.num_valid_rows, *self.orig_size[1:]
+            self.num_valid_rows, *self.moved_size[1:]
         )
-        local = local.to(self.orig_dtype).to(self.shard_device)
+        local = local.movedim(0, self.shard_dim).to(self.orig_dtype).to(self.shard_device).contiguous()
         if self.sharded_param.grad is None:
             self.sharded_param.grad = self._to_dtensor(local)
         else:
             self.sharded_param.grad = self._to_dtensor(self.sharded_param.grad.to_local() + local)
+
+
+def _refill(tensor: torch.Tensor) -> None:
+    """Give a tensor whose storage was freed (resized to 0) its bytes back."""
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
 
 
 def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:

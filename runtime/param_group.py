@@ -196,7 +196,7 @@ class ParamGroup:
         mesh = self.post_forward_mesh
         rows = slice(mesh.position * self.world // mesh.size, (mesh.position + 1) * self.world // mesh.size)
         with torch.no_grad():
-            shard = torch.cat([p.alloc_unsharded(self.world)[rows] for p in self.params], dim=1)
+            shard = torch.cat([p.gathered_rows(self.world)[rows] for p in self.params], dim=1)
         self.reshard()
         self._post_forward_shard = shard.reshape(-1)
         self.state = ShardedState.SHARDED_POST_FORWARD

@@ -296,7 +296,7 @@ def unshard(group: "ParamGroup") -> list[torch.Tensor]:
         )
         if flags is None and len(group.params) == 1:  # the rows are the padded parameter: a view, no copy
             p = group.params[0]
-            return [gathered.view(world * p.padded_dim0, *p.orig_size[1:])[: p.orig_size[0]]]
+            return [_to_param_layout(p, gathered.view(world * p.padded_dim0, *p.moved_size[1:])[: p.moved_size[0]])]
         shard_numels = [group.params[i].shard_numel for i in trainable]
         numels = [group.params[i].orig_size.numel() for i in trainable]
         flags_at = -1
@@ -311,14 +311,20 @@ def unshard(group: "ParamGroup") -> list[torch.Tensor]:
             pieces = pieces[:flags_at] + pieces[flags_at + 1 :]
         unsharded: list = [None] * len(group.params)
         for i, piece in zip(trainable + frozen, pieces):
-            unsharded[i] = piece.view(group.params[i].orig_size)
+            unsharded[i] = _to_param_layout(group.params[i], piece.view(group.params[i].moved_size))
     return unsharded
+
+
+def _to_param_layout(p, rows: torch.Tensor) -> torch.Tensor:
+    """The gathered rows (shard dim first) as the parameter: for a shard dim k > 0 moved back and
+    made contiguous, as eager's copy-out does ([Note: Sharding on another dim] in runtime/param.py)."""
+    return rows if p.shard_dim == 0 else rows.movedim(0, p.shard_dim).contiguous()
 
 
 def _flat_shards(params: list, dtype: torch.dtype, flags: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's shards of `params`, each padded to its full shard size, then `flags` if given,
     as one flat tensor."""
-    pieces = [p.sharded_param.to_local().reshape(-1).to(dtype) for p in params]
+    pieces = [p.sharded_param.to_local().movedim(p.shard_dim, 0).reshape(-1).to(dtype) for p in params]
     shard_numels = [p.shard_numel for p in params]
     if flags is not None:
         pieces.append(flags)

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from _harness import fake_process_group
 from _models import MLPStack
@@ -96,8 +96,9 @@ def test_ignored_params_must_belong_to_module():
     _raises(TypeError, "set of nn.Parameter", fully_shard, nn.Linear(2, 2), ignored_params=nn.Parameter(torch.ones(2)))
 
 
-def test_shard_placement_other_than_dim0():
-    _raises(ValueError, "return Shard\\(0\\) or None", fully_shard, nn.Linear(2, 2), shard_placement_fn=lambda p: Shard(1))
+def test_shard_placement_not_shard_or_out_of_range():
+    _raises(ValueError, "return Shard\\(dim\\)", fully_shard, nn.Linear(2, 2), shard_placement_fn=lambda p: Replicate())
+    _raises(ValueError, "-2 <= dim < 2", fully_shard, nn.Linear(2, 2), shard_placement_fn=lambda p: Shard(2))
     _raises(TypeError, "must be callable", fully_shard, nn.Linear(2, 2), shard_placement_fn=3)
 
 
