@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "fsdp_graph"
 DUMP_ENV = "FSDP_GRAPH_DUMP"  # read when a backend with no dump_dir compiles a graph
+TRACE_ENV = "TORCH_TRACE"  # torch's structured trace (tlparse): the dump goes there too, see fsdp_graph/dump.py
 
 # Joint-graph passes, in order. Names are what `disabled_passes` accepts.
 JOINT_PASSES = (GraphPass("reshard_after_forward", tag_reshard_after_forward),)
@@ -55,7 +56,8 @@ class BackendConfig:
     Attributes:
         compiler: the inner compiler, a `Compiler` or its value ("inductor", "aot_eager").
         dump_dir: write every graph around every pass, and summary.json, here. None: use the
-            `FSDP_GRAPH_DUMP` environment variable if set, else dump nothing.
+            `FSDP_GRAPH_DUMP` environment variable if set, else dump nothing. Under `TORCH_TRACE`
+            the graphs and the summary also go into torch's structured trace (for tlparse).
         disabled_passes: names of passes to skip (see `JOINT_PASSES`), e.g. to compare graphs or
             numbers with and without one. Skipping "reshard_after_forward" keeps every group's
             unsharded parameters from forward to backward. The scheduling passes of the forward and
@@ -189,7 +191,10 @@ class FSDPGraphBackend:
 
     def _dump(self) -> Optional[GraphDump]:
         directory = self.config.dump_dir or os.environ.get(DUMP_ENV)
-        return GraphDump(directory) if directory else None
+        structured_trace = bool(os.environ.get(TRACE_ENV))
+        if not directory and not structured_trace:
+            return None
+        return GraphDump(directory or None, structured_trace)
 
     def __call__(self, gm: GraphModule, example_inputs: list) -> Callable:
         owners = _check_sharded(gm, example_inputs)
@@ -308,7 +313,7 @@ def _schedule(schedule: PassPipeline, graph_id: str, kind: str, gm: GraphModule,
     from .timeline import write_program
 
     gm = schedule(gm, f"{graph_id}.{kind}")
-    if dump is not None:
+    if dump is not None and dump.directory is not None:
         write_program(dump.directory, f"{graph_id}.{kind}", gm)
     return gm
 

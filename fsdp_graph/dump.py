@@ -9,6 +9,11 @@ A dump directory holds:
 
 `<graph>` is Dynamo's compile id (`frame_<frame>_<recompile>`), the same as in `TORCH_LOGS`.
 `python -m fsdp_graph.inspect DIR` prints the summary (`format_summary`).
+
+Under `TORCH_TRACE=dir` the same graphs go into torch's structured trace as artifacts, so that
+`tlparse` lists them beside Dynamo's and Inductor's under the graph's compile id:
+`fsdp_graph_<label>` (a graph as text, label as the file name above without `.txt`),
+`fsdp_graph_summary` (one graph's summary entry, JSON) and `fsdp_graph_fallbacks` (JSON).
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from torch._logging import trace_structured
 from torch.fx import GraphModule
 
 from .passes.nodes import gathered_from, group_of, is_collective, is_wait_tensor, tensor_bytes
@@ -27,7 +33,9 @@ SUMMARY_FILE = "summary.json"
 
 
 def collectives(gm: GraphModule) -> list[dict[str, Any]]:
-    """The collectives of `gm` in graph order: op, group, bytes of the output, node index."""
+    """The collectives of `gm` in graph order: op, group, node index, bytes of the output and of the
+    input. One rank's output and input: an all-gather's input is this rank's shard and its output
+    the bucket of all ranks; a reduce-scatter the other way round."""
     found = []
     for index, node in enumerate(gm.graph.nodes):
         if is_collective(node):
@@ -37,6 +45,7 @@ def collectives(gm: GraphModule) -> list[dict[str, Any]]:
                     "op": node.target.__name__.split(".")[0],
                     "group": group_of(node) or "?",
                     "bytes": tensor_bytes(node),
+                    "input_bytes": tensor_bytes(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else 0,
                 }
             )
     return found
@@ -113,24 +122,41 @@ def count_ops(gm: GraphModule) -> dict[str, int]:
     return counts
 
 
-class GraphDump:
-    """Writes graphs and the summary into one directory (created on first write)."""
+def _artifact(name: str, encoding: str, payload_fn, compile_id=None) -> None:
+    """One structured-trace artifact; `payload_fn` runs only when a trace is being written."""
+    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn,
+                     compile_id=compile_id)
 
-    def __init__(self, directory: str | os.PathLike) -> None:
-        self.directory = Path(directory)
+
+class GraphDump:
+    """Writes graphs and the summary into one directory (created on first write), and as
+    structured-trace artifacts when `structured_trace` (TORCH_TRACE is set)."""
+
+    def __init__(self, directory: Optional[str | os.PathLike], structured_trace: bool = False) -> None:
+        self.directory = Path(directory) if directory is not None else None
+        self.structured_trace = structured_trace
+        # Fallbacks are recorded after the compile, when torch no longer knows which graph runs.
+        self._compile_id = torch._guards.CompileContext.current_compile_id()
 
     def _path(self, name: str) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         return self.directory / name
 
     def write_graph(self, gm: GraphModule, label: str) -> None:
-        self._path(f"{label}.txt").write_text(format_graph(gm))
+        if self.directory is not None:
+            self._path(f"{label}.txt").write_text(format_graph(gm))
+        if self.structured_trace:
+            _artifact(f"fsdp_graph_{label}", "string", lambda: format_graph(gm))
 
     def _update_summary(self, update) -> None:
+        if self.directory is None:
+            return
         path = self._path(SUMMARY_FILE)
         summary = json.loads(path.read_text()) if path.exists() else {"graphs": {}, "fallbacks": {}}
         update(summary)
-        tmp = path.with_suffix(".tmp")
+        # Every rank of a torchrun job dumps into the same directory (the graphs are the same): each
+        # writes its own temporary file, so that one rank's rename never finds the other's gone.
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(summary, indent=1, sort_keys=True))
         tmp.replace(path)
 
@@ -140,9 +166,13 @@ class GraphDump:
         if kind == "forward":
             entry["saved_unsharded"] = saved_unsharded(gm)
         self._update_summary(lambda s: s["graphs"].setdefault(graph_id, {}).__setitem__(kind, entry))
+        if self.structured_trace:
+            _artifact("fsdp_graph_summary", "json", lambda: json.dumps({"graphs": {graph_id: {kind: entry}}}))
 
     def record_fallbacks(self, fallbacks: dict[str, str]) -> None:
         self._update_summary(lambda s: s["fallbacks"].update(fallbacks))
+        if self.structured_trace:
+            _artifact("fsdp_graph_fallbacks", "json", lambda: json.dumps({"fallbacks": fallbacks}), self._compile_id)
 
 
 def load_summary(directory: str | os.PathLike) -> dict[str, Any]:
@@ -152,10 +182,14 @@ def load_summary(directory: str | os.PathLike) -> dict[str, Any]:
             f"{directory} has no {SUMMARY_FILE}; dump graphs first with FSDP_GRAPH_DUMP={directory} or "
             f"torch.compile(model, backend=fsdp_graph.backend(dump_dir={str(directory)!r}))"
         )
-    return json.loads(path.read_text())
+    summary = json.loads(path.read_text())
+    for graphs in summary["graphs"].values():
+        if any("input_bytes" not in c for entry in graphs.values() for c in entry["collectives"]):
+            raise ValueError(f"{path} was written by an older fsdp_graph (no input bytes per collective); dump again")
+    return summary
 
 
-def _format_bytes(num: int) -> str:
+def format_bytes(num: int) -> str:
     if num < 0:
         return "? B (symbolic size)"
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -165,20 +199,36 @@ def _format_bytes(num: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _rank_and_bucket_bytes(collective: dict[str, Any]) -> tuple[int, int]:
+    """(bytes one rank sends or keeps, bytes of the whole bucket over all ranks): the smaller and the
+    larger of a collective's input and output (equal for an all-reduce)."""
+    sizes = (collective["bytes"], collective["input_bytes"])
+    return (-1, -1) if min(sizes) < 0 else (min(sizes), max(sizes))
+
+
+def _sum_bytes(sizes) -> int:
+    return -1 if min(sizes) < 0 else sum(sizes)
+
+
 def format_summary(summary: dict[str, Any]) -> str:
-    """Per graph: collectives in order with their group and bytes, totals per group; then fallbacks."""
+    """Per graph: collectives in order with their group and bytes (per rank: the shard one rank sends
+    or receives; all ranks: the unsharded bucket), totals per group; then fallbacks."""
     lines = []
     for graph_id in sorted(summary["graphs"]):
-        for kind, entry in sorted(summary["graphs"][graph_id].items()):
+        for kind, entry in sorted(summary["graphs"][graph_id].items(), key=lambda item: item[0] != "forward"):
             found = entry["collectives"]
             lines.append(f"{graph_id} {kind}: {len(found)} collectives, {entry['num_nodes']} nodes")
-            per_group: dict[tuple[str, str], list[int]] = {}
+            lines.append(f"  {'node':<6} {'op':<24} {'group':<20} {'per rank':>12} {'all ranks':>12}")
+            per_group: dict[tuple[str, str], list[tuple[int, int]]] = {}
             for c in found:
-                lines.append(f"  #{c['index']:<5} {c['op']:<24} {c['group']:<20} {_format_bytes(c['bytes'])}")
-                per_group.setdefault((c["group"], c["op"]), []).append(c["bytes"])
+                sizes = _rank_and_bucket_bytes(c)
+                lines.append(f"  #{c['index']:<5} {c['op']:<24} {c['group']:<20} "
+                             f"{format_bytes(sizes[0]):>12} {format_bytes(sizes[1]):>12}")
+                per_group.setdefault((c["group"], c["op"]), []).append(sizes)
             for (group, op), sizes in sorted(per_group.items()):
-                total = -1 if min(sizes) < 0 else sum(sizes)
-                lines.append(f"  total {op:<24} {group:<20} x{len(sizes)} {_format_bytes(total)}")
+                per_rank, all_ranks = (_sum_bytes(column) for column in zip(*sizes))
+                lines.append(f"  total {op:<24} {group:<20} x{len(sizes):<3} "
+                             f"{format_bytes(per_rank):>8} {format_bytes(all_ranks):>12}")
             if "saved_unsharded" in entry:
                 saved = ", ".join(f"{s['node']} ({s['group']})" for s in entry["saved_unsharded"]) or "none"
                 lines.append(f"  unsharded parameters saved for backward: {saved}")

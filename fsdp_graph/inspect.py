@@ -4,7 +4,9 @@ DIR is what `FSDP_GRAPH_DUMP=DIR` or `fsdp_graph.backend(dump_dir=DIR)` wrote: c
 graph in order, bytes per group, and the modules that fell back to the eager hooks; then each
 scheduled graph replayed on a hardware profile (`--profile h100-nvlink`): buckets, issue and wait
 positions, prefetch distance, predicted exposed communication and peak memory (fsdp_graph/timeline.py),
-and with `--timeline out.svg` (or .html) a picture of it.
+with `--timeline out.svg` (or .html) a picture of it, and with `--trace out.json` a Chrome trace
+(Perfetto, chrome://tracing) of it, beside a measured torch.profiler trace with `--measured`
+(fsdp_graph/chrome_trace.py).
 """
 
 from __future__ import annotations
@@ -20,23 +22,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", help="a dump directory (FSDP_GRAPH_DUMP=DIR)")
     parser.add_argument("--profile", default="cpu-gloo", help="hardware profile to replay the schedules on: cpu-gloo, h100-nvlink, h100-infiniband")
     parser.add_argument("--timeline", help="also write an SVG (or .html) timeline of the schedules here")
+    parser.add_argument("--trace", help="also write the predicted schedule as a Chrome trace (Perfetto) here")
+    parser.add_argument("--measured", help="a torch.profiler Chrome trace of the same step, shown beside the prediction in --trace")
     args = parser.parse_args(argv)
+    if args.measured and not args.trace:
+        parser.error("--measured needs --trace OUT.json: the measured trace is shown beside the predicted one there")
     try:
         summary = load_summary(args.directory)
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
     print(format_summary(summary))
+    from .chrome_trace import write_trace
     from .timeline import format_schedules, simulate_dump, write_timeline
 
     try:
-        sims = simulate_dump(args.directory, args.profile)
+        programs, sims = simulate_dump(args.directory, args.profile)
+        print(format_schedules(programs, sims))
+        if args.timeline:
+            print(f"timeline: {write_timeline(args.timeline, sims)}")
+        if args.trace:
+            print(f"trace: {write_trace(args.trace, sims, programs, args.measured)}")
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
-    print(format_schedules(sims))
-    if args.timeline:
-        print(f"timeline: {write_timeline(args.timeline, sims)}")
     return 0
 
 

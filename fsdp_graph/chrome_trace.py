@@ -1,0 +1,131 @@
+"""The predicted schedule as a Chrome trace (the JSON torch.profiler writes; Perfetto and
+chrome://tracing open it): `python -m fsdp_graph.inspect DIR --trace out.json`.
+
+Layout (trace-event format: times in microseconds, one "X" complete event per slice):
+    process "predicted on <profile>"
+        thread "compute"                          compute nodes, and "wait <collective>" where the
+                                                  compute stream stalls (exposed communication)
+        thread "collectives (<N> ranks)"          one per process-group size: the collectives issued
+                                                  on groups of N ranks, named "<op> <fsdp group>", with
+                                                  bytes (all ranks and per rank), the issue and wait
+                                                  nodes and the exposed time as args
+        counter "live memory (MiB)"               bytes the graph allocated, per rank
+The graphs of one step (forward, then backward) are laid end to end. With `measured=` (a
+torch.profiler trace of the same step, e.g. from an example's `--profile-dir`) the measured
+processes are added beside the predicted one, renumbered, named "measured: ...", and shifted so
+that both start at 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from .passes.simulator import Program, Simulation
+
+PREDICTED_PID = 1
+MEASURED_PID_BASE = 100  # measured processes get 100, 101, ... whatever their own pids were
+COMPUTE_TID = 1
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 3)
+
+
+def _metadata(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "ph": "M", "ts": 0, "pid": pid, "tid": tid, "args": args}
+
+
+def predicted_events(sims: dict[str, Simulation], programs: dict[str, Program]) -> list[dict[str, Any]]:
+    """Trace events of the simulated graphs (in step order, see `timeline.step_order`) laid end to
+    end. See the module docstring."""
+    profiles = sorted({sim.profile for sim in sims.values()})
+    events = [
+        _metadata("process_name", PREDICTED_PID, 0, {"name": f"predicted on {', '.join(profiles)}"}),
+        _metadata("process_sort_index", PREDICTED_PID, 0, {"sort_index": 0}),
+        _metadata("thread_name", PREDICTED_PID, COMPUTE_TID, {"name": "compute"}),
+        _metadata("thread_sort_index", PREDICTED_PID, COMPUTE_TID, {"sort_index": 0}),
+    ]
+    tid_of_world: dict[int, int] = {}
+    offset = 0.0
+    for label in sims:
+        sim = sims[label]
+        ops = {op.name: op for op in programs[label]}
+        for name, start, end in sim.compute_spans:
+            events.append({"name": ops[name].target, "cat": "compute", "ph": "X", "ts": _us(offset + start),
+                           "dur": _us(end - start), "pid": PREDICTED_PID, "tid": COMPUTE_TID,
+                           "args": {"node": name, "graph": label}})
+        for c in sim.collectives:
+            op = ops[c.name]
+            world = max(op.facts.world, 1)
+            if world not in tid_of_world:
+                tid = tid_of_world[world] = COMPUTE_TID + 1 + len(tid_of_world)
+                events.append(_metadata("thread_name", PREDICTED_PID, tid, {"name": f"collectives ({world} ranks)"}))
+                events.append(_metadata("thread_sort_index", PREDICTED_PID, tid, {"sort_index": tid}))
+            wait = programs[label][c.wait_index].name if c.wait_index >= 0 else None
+            args = {
+                "group": c.group, "graph": label, "bytes (all ranks)": c.num_bytes,
+                "bytes (per rank)": c.num_bytes if c.kind == "all_reduce" else c.num_bytes // world,
+                "issue node": c.name, "wait node": wait, "prefetch distance (compute nodes)": c.prefetch_distance,
+                "exposed (ms)": round(c.exposed_s * 1e3, 6),
+            }
+            events.append({"name": f"{c.kind} {c.group or '?'}", "cat": "collective", "ph": "X",
+                           "ts": _us(offset + c.start_s), "dur": _us(c.end_s - c.start_s),
+                           "pid": PREDICTED_PID, "tid": tid_of_world[world], "args": args})
+            if c.exposed_s > 0:
+                events.append({"name": f"wait {c.kind} {c.group or '?'}", "cat": "exposed communication", "ph": "X",
+                               "ts": _us(offset + c.end_s - c.exposed_s), "dur": _us(c.exposed_s),
+                               "pid": PREDICTED_PID, "tid": COMPUTE_TID, "args": {"wait node": wait, "graph": label}})
+        for t, live in sim.memory_points:
+            events.append({"name": "live memory (MiB, per rank)", "ph": "C", "ts": _us(offset + t),
+                           "pid": PREDICTED_PID, "tid": 0, "args": {"MiB": round(live / 2**20, 3)}})
+        offset += sim.total_s
+    return events
+
+
+def measured_events(trace: dict[str, Any] | list) -> list[dict[str, Any]]:
+    """The events of a torch.profiler Chrome trace, renumbered to pids from `MEASURED_PID_BASE`,
+    processes renamed "measured: <name>", and shifted so that the earliest event starts at 0."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    timed = [float(e["ts"]) for e in events if e.get("ph") != "M" and "ts" in e]
+    start = min(timed, default=0.0)
+    pids: dict[Any, int] = {}
+    out = []
+    for event in events:
+        if "pid" not in event or "ph" not in event:
+            continue
+        event = dict(event)
+        pid = pids.setdefault(event["pid"], MEASURED_PID_BASE + len(pids))
+        event["pid"] = pid
+        event.setdefault("tid", 0)
+        event.setdefault("name", "")
+        if event["ph"] == "M":
+            event["ts"] = 0
+            if event["name"] == "process_name":
+                event["args"] = {"name": f"measured: {event.get('args', {}).get('name', pid)}"}
+        elif "ts" in event:
+            event["ts"] = round(float(event["ts"]) - start, 3)
+        out.append(event)
+    for original, pid in pids.items():
+        if not any(e["ph"] == "M" and e["name"] == "process_name" and e["pid"] == pid for e in out):
+            out.append(_metadata("process_name", pid, 0, {"name": f"measured: process {original}"}))
+        out.append(_metadata("process_sort_index", pid, 0, {"sort_index": pid}))
+    return out
+
+
+def write_trace(path: str | os.PathLike, sims: dict[str, Simulation], programs: dict[str, Program],
+                measured: Optional[str | os.PathLike] = None) -> Path:
+    """Write the predicted schedule (and a measured torch.profiler trace beside it) to `path`."""
+    events = predicted_events(sims, programs)
+    if measured is not None:
+        try:
+            trace = json.loads(Path(measured).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"--measured {measured}: not a readable Chrome trace JSON ({error}); write one with "
+                             f"torch.profiler's export_chrome_trace or an example's --profile-dir") from error
+        events += measured_events(trace)
+    path = Path(path)
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return path
