@@ -12,8 +12,9 @@ whose seq x seq scores a GPU's flash attention would not store):
     python examples/benchmark_compile.py --predict-8b --profile h100-nvlink
 
 Timing rows: fsdp_graph compiled (Inductor) with the scheduling passes, the same without them,
-PyTorch's FSDP2 eager, FSDP2 + torch.compile, and our captured graph with Inductor's in-tree FX
-bucketing and comm reordering instead of our passes. Steps alternate between the rows. Per row:
+PyTorch's FSDP2 eager, FSDP2 + torch.compile, our captured graph with Inductor's in-tree FX
+bucketing and comm reordering instead of our passes, and the floor: the same model unsharded and
+compiled, each of the two processes on its own half batch at once, with no communication. Steps alternate between the rows. Per row:
 median step time, collectives per step (gloo's profiler events), peak heap of one step above its start
 (glibc's in-use bytes, sampled).
 The prediction compares, on the chosen profile, the unscheduled graph, our schedule, and Inductor's
@@ -166,6 +167,9 @@ def timings(args) -> None:
         Row("FSDP2 eager", model(torch_fully_shard)),
         Row("FSDP2 + compile", model(torch_fully_shard), "inductor"),
         Row("ours + Inductor passes", model(fully_shard), unscheduled, in_tree),
+        # The floor for any FSDP here: both ranks compute their own half batch at once, compiled,
+        # unsharded, with no collective at all (the optimizer steps on local parameters).
+        Row("floor: no sharding/comm", model(lambda module: module), "inductor"),
     ]
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen) for _ in range(4)]

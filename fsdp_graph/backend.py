@@ -10,6 +10,7 @@ partitioner (fsdp_graph/partition.py), and hands forward and backward to Inducto
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field, fields
@@ -22,12 +23,14 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule
 
+from .cache_key import cache_keys_across_ranks
 from .dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
 from .passes.nodes import fsdp_meta
 from .passes.cost_model import CostModel, Profile
 from .passes.pipeline import GraphPass, PassPipeline
 from .passes.reshard import tag_reshard_after_forward
+from .passes.unshard_selection import select_unsharded
 from .passes.scheduling import PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
 from .runtime.meta import GROUP_KEY
 from .runtime.param_group import ParamGroup
@@ -38,8 +41,8 @@ BACKEND_NAME = "fsdp_graph"
 DUMP_ENV = "FSDP_GRAPH_DUMP"  # read when a backend with no dump_dir compiles a graph
 TRACE_ENV = "TORCH_TRACE"  # torch's structured trace (tlparse): the dump goes there too, see fsdp_graph/dump.py
 
-# Joint-graph passes, in order. Names are what `disabled_passes` accepts.
-JOINT_PASSES = (GraphPass("reshard_after_forward", tag_reshard_after_forward),)
+# Joint-graph passes, in order (`BackendConfig.joint_passes`). Names are what `disabled_passes` accepts.
+JOINT_PASS_NAMES = ("unshard_selection", "reshard_after_forward")
 
 
 class Compiler(Enum):
@@ -58,7 +61,7 @@ class BackendConfig:
         dump_dir: write every graph around every pass, and summary.json, here. None: use the
             `FSDP_GRAPH_DUMP` environment variable if set, else dump nothing. Under `TORCH_TRACE`
             the graphs and the summary also go into torch's structured trace (for tlparse).
-        disabled_passes: names of passes to skip (see `JOINT_PASSES`), e.g. to compare graphs or
+        disabled_passes: names of passes to skip (see `JOINT_PASS_NAMES`), e.g. to compare graphs or
             numbers with and without one. Skipping "reshard_after_forward" keeps every group's
             unsharded parameters from forward to backward. The scheduling passes of the forward and
             backward graphs (passes/scheduling.py) are "bucket_by_group", "auto_bucket",
@@ -71,7 +74,9 @@ class BackendConfig:
         max_bytes_in_flight: the most collective bytes issued and not yet waited on; None: no limit.
         memory_budget_bytes: the predicted peak memory one graph may allocate (inputs excluded)
             when reordering; prefetch gets shallower to stay within it. None: the unscheduled
-            peak plus two of the largest buckets.
+            peak plus two of the largest buckets. Given explicitly, it is also the budget for
+            keeping groups unsharded from forward to backward ("unshard_selection",
+            passes/unshard_selection.py): it then overrides `reshard_after_forward=True`.
     """
 
     compiler: Compiler = Compiler.INDUCTOR
@@ -100,7 +105,7 @@ class BackendConfig:
                 f"e.g. disabled_passes={{'reshard_after_forward'}}"
             )
         else:
-            known = [p.name for p in JOINT_PASSES] + list(SCHEDULING_PASS_NAMES)
+            known = list(JOINT_PASS_NAMES) + list(SCHEDULING_PASS_NAMES)
             for name in self.disabled_passes:
                 if name not in known:
                     problems.append(f"disabled_passes names {name!r}, which is not a pass; passes: {known}")
@@ -128,6 +133,10 @@ class BackendConfig:
         if profile is None:
             profile = Profile.H100_NVLINK if torch.cuda.is_available() else Profile.CPU_GLOO
         return CostModel(profile)
+
+    def joint_passes(self) -> list[GraphPass]:
+        select = functools.partial(select_unsharded, memory_budget_bytes=self.memory_budget_bytes)
+        return [GraphPass("unshard_selection", select), GraphPass("reshard_after_forward", tag_reshard_after_forward)]
 
     def scheduling_passes(self) -> list[GraphPass]:
         return scheduling_passes(self.cost_model(), self.bucket_cap_bytes, self.max_bytes_in_flight, self.memory_budget_bytes)
@@ -200,7 +209,7 @@ class FSDPGraphBackend:
         owners = _check_sharded(gm, example_inputs)
         graph_id = _graph_id()
         dump = self._dump()
-        joint = PassPipeline("joint", list(JOINT_PASSES), self.config.disabled_passes, dump)
+        joint = PassPipeline("joint", self.config.joint_passes(), self.config.disabled_passes, dump)
         logger.debug("fsdp_graph::compile (%s) with %s", graph_id, self.config.compiler.value)
         if dump is not None:
             dump.write_graph(gm, f"{graph_id}.dynamo")
@@ -239,7 +248,7 @@ class FSDPGraphBackend:
         from torch._inductor.compile_fx import compile_fx
 
         patches: dict[str, Any] = {
-            "joint_custom_pre_pass": _InductorJointPass(joint, graph_id, dump is not None),
+            "joint_custom_pre_pass": _InductorJointPass(joint, graph_id, dump is not None, self.config.memory_budget_bytes),
             "custom_partitioner_fn": InductorPartitioner(),
         }
         # pin_order runs after the program is written for the inspector: its control_deps wrappers
@@ -248,7 +257,8 @@ class FSDPGraphBackend:
         schedule = PassPipeline("schedule", self.config.scheduling_passes(), disabled, dump)
         pin = PassPipeline("schedule", [PIN_ORDER], disabled, dump)
         patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump, schedule, pin, self.config)
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        with cache_keys_across_ranks():  # see [Note: Rank-independent cache keys]
+            return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def _log_graph(graph_id: str, kind: str, gm: GraphModule, dump: Optional[GraphDump]) -> None:
@@ -262,10 +272,11 @@ class _InductorJointPass(CustomGraphPass):
     """Runs the joint pipeline inside Inductor. A stable `uuid` keeps the FX graph cache usable; when
     dumping, None disables the cache so every graph is written."""
 
-    def __init__(self, pipeline: PassPipeline, graph_id: str, dumping: bool) -> None:
+    def __init__(self, pipeline: PassPipeline, graph_id: str, dumping: bool, memory_budget_bytes: Optional[int]) -> None:
         self.pipeline = pipeline
         self.graph_id = graph_id
         self.dumping = dumping
+        self.memory_budget_bytes = memory_budget_bytes  # unshard_selection's choices depend on it
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.pipeline(graph.owning_module, self.graph_id)
@@ -273,7 +284,8 @@ class _InductorJointPass(CustomGraphPass):
     def uuid(self) -> Optional[str]:
         if self.dumping:
             return None
-        return f"fsdp_graph.joint.v1:{','.join(self.pipeline.names)}:off={','.join(sorted(self.pipeline.disabled))}"
+        return (f"fsdp_graph.joint.v2:{','.join(self.pipeline.names)}:off={','.join(sorted(self.pipeline.disabled))}:"
+                f"{self.memory_budget_bytes}")
 
 
 class _InductorLogPass(CustomGraphPass):

@@ -27,7 +27,7 @@ import torch
 from torch._logging import trace_structured
 from torch.fx import GraphModule
 
-from .passes.nodes import gathered_from, group_of, is_collective, is_wait_tensor, tensor_bytes
+from .passes.nodes import KEPT_UNSHARDED_META, gathered_from, group_of, is_collective, is_wait_tensor, tensor_bytes
 
 SUMMARY_FILE = "summary.json"
 
@@ -61,6 +61,12 @@ def saved_unsharded(gm: GraphModule) -> list[dict[str, str]]:
         if gathered is not None:
             found.append({"node": value.name, "group": group_of(gathered) or "?"})
     return found
+
+
+def kept_by_budget(gm: GraphModule) -> dict[str, int]:
+    """Groups that passes/unshard_selection.py keeps unsharded until backward, with their unsharded
+    bytes: the memory each costs, and the all-gather bytes per step each saves."""
+    return {group_of(n) or "?": n.meta[KEPT_UNSHARDED_META] for n in gm.graph.nodes if KEPT_UNSHARDED_META in n.meta}
 
 
 def _short_target(node) -> str:
@@ -165,6 +171,7 @@ class GraphDump:
         entry = {"collectives": collectives(gm), "num_nodes": len(gm.graph.nodes)}
         if kind == "forward":
             entry["saved_unsharded"] = saved_unsharded(gm)
+            entry["kept_by_budget"] = kept_by_budget(gm)
         self._update_summary(lambda s: s["graphs"].setdefault(graph_id, {}).__setitem__(kind, entry))
         if self.structured_trace:
             _artifact("fsdp_graph_summary", "json", lambda: json.dumps({"graphs": {graph_id: {kind: entry}}}))
@@ -232,6 +239,9 @@ def format_summary(summary: dict[str, Any]) -> str:
             if "saved_unsharded" in entry:
                 saved = ", ".join(f"{s['node']} ({s['group']})" for s in entry["saved_unsharded"]) or "none"
                 lines.append(f"  unsharded parameters saved for backward: {saved}")
+            for group, num_bytes in sorted(entry.get("kept_by_budget", {}).items()):
+                lines.append(f"  kept unsharded by memory_budget_bytes: {group}: costs {_format_bytes(num_bytes)} "
+                             f"until backward, saves its {_format_bytes(num_bytes)} backward all-gather")
     fallbacks = summary.get("fallbacks", {})
     if fallbacks:
         lines.append(f"fell back to the eager hooks: {len(fallbacks)} module(s)")

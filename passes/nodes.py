@@ -20,6 +20,8 @@ _C10D = torch.ops._c10d_functional
 # Top-level `node.meta` keys the scheduling passes set (passes/bucketing.py, passes/reorder.py).
 BUCKET_META = "fsdp_graph_bucket"  # on a collective: tuple of the groups whose data it carries
 PASS_META = "fsdp_graph_pass"  # on a node a scheduling pass made or moved: that pass's name
+# Set by passes/unshard_selection.py on a kept group's forward all-gather: its unsharded bytes.
+KEPT_UNSHARDED_META = "fsdp_graph_kept_unsharded"
 
 
 def is_all_gather(node: Node) -> bool:

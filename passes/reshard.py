@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 _FIRST_REGION_ID = 10_000
 
 
-def _depends_on_tangents(gm: GraphModule) -> set[Node]:
+def depends_on_tangents(gm: GraphModule) -> set[Node]:
     """Nodes of a joint graph computed from a `tangents_*` input: the backward part."""
     backward: set[Node] = set()
     for node in gm.graph.nodes:
@@ -48,7 +48,7 @@ def tag_reshard_after_forward(gm: GraphModule) -> GraphModule:
     MUST_RECOMPUTE` and one `meta["ac_graph_id"]` per group, unless a user checkpoint region
     already tagged it. Backward nodes and other groups are untouched.
     """
-    backward = _depends_on_tangents(gm)
+    backward = depends_on_tangents(gm)
     region_ids: dict[str, int] = {}
     num_tagged = 0
     for node in gm.graph.nodes:

@@ -1,0 +1,64 @@
+"""Compile-cache keys that are the same on every rank and in every process (torch>=2.13,<2.14).
+
+[Note: Rank-independent cache keys]
+Dynamo hands our backend the sharded DTensor parameters as graph inputs, and AOTAutograd desugars
+each into its local tensor and its DeviceMesh, an opaque graph input. Inductor's FX graph cache and
+AOTAutogradCache hash their inputs by pickling them, and a DeviceMesh pickles its whole `__dict__`:
+this rank (`_rank`, `_coordinate_on_dim`), the creating thread's id and a lazily cached `hash()`
+of strings, which Python salts per process. So every rank and every restart computed a different
+key for the same graph and compiled it again (the example Llama's relaunch spent ~17-23 s in its
+first step instead of loading). And AOTAutogradCache refused our graphs outright, since the traced
+all-gather is a custom autograd.Function (`runtime/traced.py: _AllGatherShards`).
+
+While our backend compiles (`cache_keys_across_ranks()`), a DeviceMesh pickles without those
+fields, and AOTAutogradCache accepts custom autograd.Functions. Both are sound for our graphs: the
+mesh's layout, device and process group names (which the graph's collectives name) stay in the key,
+and the autograd.Function's forward and backward are traced subgraphs of the Dynamo graph, which
+is itself hashed. The pickled mesh still unpickles into a working mesh (the dropped fields are
+recomputed for the loading process), in case the cache stores one rather than only hashing it.
+The context patches `copyreg` for DeviceMesh, which the caches' picklers copy when they are made.
+Outside the context nothing changes.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+# What a DeviceMesh holds that differs between ranks or processes of the same job.
+_PER_PROCESS = ("_rank", "_coordinate_on_dim", "_thread_id", "_hash", "_pg_registry")
+
+
+def _reduce_mesh(mesh: DeviceMesh) -> tuple:
+    state = {name: value for name, value in mesh.__dict__.items() if name not in _PER_PROCESS}
+    return _rebuild_mesh, (state,)
+
+
+def _rebuild_mesh(state: dict[str, Any]) -> DeviceMesh:
+    mesh = DeviceMesh.__new__(DeviceMesh)
+    mesh.__setstate__(state)  # resolves the process groups by name
+    mesh._rank = dist.get_rank()
+    mesh._thread_id = threading.get_ident()
+    mesh._coordinate_on_dim = mesh._compute_coordinate_on_dim()
+    return mesh
+
+
+@contextmanager
+def cache_keys_across_ranks() -> Iterator[None]:
+    """Within: compile-cache keys of graphs over DTensors are the same on every rank and restart."""
+    previous = copyreg.dispatch_table.get(DeviceMesh)
+    copyreg.pickle(DeviceMesh, _reduce_mesh)
+    try:
+        with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True):
+            yield
+    finally:
+        if previous is None:
+            del copyreg.dispatch_table[DeviceMesh]
+        else:
+            copyreg.dispatch_table[DeviceMesh] = previous

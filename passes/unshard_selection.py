@@ -1,0 +1,107 @@
+"""Selective unsharding: under a memory budget, keep some groups unsharded from forward to backward.
+
+A group that reshards after forward gathers its parameters twice per step: in forward, and again
+in backward (passes/reshard.py). Keeping its unsharded parameters alive until backward instead
+removes the second all-gather and costs the group's unsharded bytes for that span. With an explicit
+`memory_budget_bytes`, this joint-graph pass (run before `reshard_after_forward`) chooses the groups
+to keep; for them the budget overrides `reshard_after_forward=True` (or an int). Without a budget
+nothing changes.
+
+Cost model. Keeping group g saves one all-gather of b_g bytes per step and costs b_g bytes of
+memory, so bytes saved per byte of memory is 1 for every group; what differs is how exposed the
+skipped re-gather is. The backward re-gathers groups in reverse forward order, and the first one
+(the last block's) has no compute before it to hide under, the next ones progressively more. So
+the candidates are taken last block first, back towards the first, and each is kept if the
+predicted peak still fits. The predicted peak of a choice K (groups kept) comes from the joint graph
+by liveness (passes/simulator.py), where every gathered parameter lives until its backward use:
+
+    peak(K) = peak(joint) - sum(b_g for g not in K) + max(b_g for g not in K)
+
+i.e. a resharded group's bytes leave the forward-to-backward span and come back one group at a
+time while it is re-gathered. When even peak({}) is over the budget the pass keeps nothing: today's
+schedule, never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from torch.fx import GraphModule
+
+from .nodes import GROUP_KEY, KEPT_UNSHARDED_META, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD, fsdp_meta, is_all_gather, tensor_bytes
+from .reshard import depends_on_tangents
+from .simulator import memory_profile, program_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UnshardChoice:
+    """One candidate group. Attributes: group; unsharded_bytes (the memory keeping it costs, and the
+    all-gather bytes per step it saves); kept; peak_bytes (the predicted peak after this decision)."""
+
+    group: str
+    unsharded_bytes: int
+    kept: bool
+    peak_bytes: int
+
+
+def plan_unsharded(gm: GraphModule, memory_budget_bytes: int) -> list[UnshardChoice]:
+    """The decision for each group that reshards after forward, in the order considered."""
+    backward = depends_on_tangents(gm)
+    sizes: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node in backward or not is_all_gather(node):
+            continue
+        if fsdp_meta(node, ROLE_KEY) == ROLE_UNSHARD and fsdp_meta(node, RESHARD_KEY):
+            sizes[fsdp_meta(node, GROUP_KEY)] = tensor_bytes(node)
+    if not sizes or min(sizes.values()) < 0:  # nothing to choose, or symbolic sizes
+        return []
+    peak_all_kept = memory_profile(program_of(gm)).peak_bytes
+
+    def peak(kept: set[str]) -> int:
+        resharded = [b for g, b in sizes.items() if g not in kept]
+        return peak_all_kept - sum(resharded) + max(resharded, default=0)
+
+    kept: set[str] = set()
+    choices = []
+    for group in reversed(sizes):  # last block first: see the module docstring
+        fits = peak(kept | {group}) <= memory_budget_bytes
+        if fits:
+            kept.add(group)
+        choices.append(UnshardChoice(group, sizes[group], fits, peak(kept)))
+    return choices
+
+
+def select_unsharded(gm: GraphModule, memory_budget_bytes: Optional[int]) -> GraphModule:
+    """Keep unsharded until backward the groups `plan_unsharded` chooses.
+
+    Assumes: a joint graph with the traced runtime's annotations, before `reshard_after_forward`.
+    Guarantees: the forward unshard nodes of each kept group are annotated as not resharding (so
+    `reshard_after_forward` leaves them out and the partitioner saves their outputs), and its
+    forward all-gather carries `meta[KEPT_UNSHARDED_META]` = its unsharded bytes, for the inspector.
+    No other node changes; with no budget, nothing does.
+    """
+    if memory_budget_bytes is None:
+        return gm
+    choices = plan_unsharded(gm, memory_budget_bytes)
+    kept = {c.group: c.unsharded_bytes for c in choices if c.kept}
+    for c in choices:
+        logger.info("fsdp_graph::unshard_selection %s %s: costs %d bytes, saves a %d-byte all-gather; "
+                    "predicted peak %d of budget %d", "keeps" if c.kept else "reshards", c.group,
+                    c.unsharded_bytes, c.unsharded_bytes, c.peak_bytes, memory_budget_bytes)
+    if not kept:
+        return gm
+    backward = depends_on_tangents(gm)
+    for node in gm.graph.nodes:
+        if node in backward or fsdp_meta(node, ROLE_KEY) != ROLE_UNSHARD:
+            continue
+        group = fsdp_meta(node, GROUP_KEY)
+        if group in kept:
+            # Annotations may share one dict between nodes: replace it, never mutate it.
+            node.meta["custom"] = {**node.meta["custom"], RESHARD_KEY: False}
+            if is_all_gather(node):
+                node.meta[KEPT_UNSHARDED_META] = kept[group]
+    return gm
