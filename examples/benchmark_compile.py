@@ -10,6 +10,7 @@ traced; shapes as Llama-3-8B except full multi-head attention instead of grouped
 4 sequences of 2048 tokens per rank, since on CPU scaled_dot_product_attention traces as the math kernel
 whose seq x seq scores a GPU's flash attention would not store):
     python examples/benchmark_compile.py --predict-8b --profile h100-nvlink
+    python examples/benchmark_compile.py --predict-8b --timeline 8b.svg --trace 8b.json   # our schedule, drawn
 
 Timing rows: fsdp_graph compiled (Inductor) with the scheduling passes, the same without them,
 PyTorch's FSDP2 eager, FSDP2 + torch.compile, our captured graph with Inductor's in-tree FX
@@ -57,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", default="h100-nvlink", help="hardware profile of the prediction")
     parser.add_argument("--predict-batch", type=int, default=4, help="sequences per rank in the prediction")
     parser.add_argument("--predict-seq-len", type=int, default=2048, help="tokens per sequence in the prediction")
+    parser.add_argument("--timeline", help="with --predict-8b: write our schedule's SVG timeline here (see fsdp_graph.inspect)")
+    parser.add_argument("--trace", help="with --predict-8b: write our schedule as a Chrome trace (Perfetto) here")
     return parser.parse_args()
 
 
@@ -226,7 +229,9 @@ def predict_8b(args) -> None:
     from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group
     from fsdp_graph.passes.cost_model import CostModel, op_facts
     from fsdp_graph.passes.reorder import reorder_for_overlap
-    from fsdp_graph.passes.simulator import simulate
+    from fsdp_graph.chrome_trace import write_trace
+    from fsdp_graph.passes.simulator import program_of, simulate
+    from fsdp_graph.timeline import write_timeline
 
     cost_model = CostModel(args.profile)
     cfg = LlamaConfig(vocab_size=128256, dim=4096, num_layers=32, num_heads=32, hidden_dim=14336, max_seq_len=args.predict_seq_len)
@@ -262,12 +267,16 @@ def predict_8b(args) -> None:
 
         schedules = {"unscheduled": lambda gm: gm, "fsdp_graph": ours, "Inductor in-tree": inductor}
         totals = {}
+        drawn = ({}, {})  # our schedule's programs and simulations, for --timeline and --trace
         for name, schedule in schedules.items():
             total = exposed = 0.0
             peaks = []
             for kind, gm in graphs.items():
                 try:
-                    sim = simulate(schedule(copy.deepcopy(gm)), cost_model)
+                    program = program_of(schedule(copy.deepcopy(gm)))
+                    sim = simulate(program, cost_model)
+                    if name == "fsdp_graph":
+                        drawn[0][f"llama3_8b.{kind}"], drawn[1][f"llama3_8b.{kind}"] = program, sim
                 except Exception as error:
                     print(f"  {name} {kind}: failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
                     break
@@ -284,6 +293,10 @@ def predict_8b(args) -> None:
         for name, (total, exposed, peaks) in totals.items():
             print(f"{name:18} step {total * 1e3:8.1f} ms, exposed comm {exposed * 1e3:7.2f} ms = {100 * exposed / total:.2f}% of the step, "
                   f"peak {' / '.join(f'{p / 2**30:.2f}' for p in peaks)} GiB")
+        if args.timeline:
+            print(f"timeline: {write_timeline(args.timeline, drawn[1])}")
+        if args.trace:
+            print(f"trace: {write_trace(args.trace, drawn[1], drawn[0])}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ CPU / gloo (the default without CUDA):
     torchrun --nproc-per-node 2 examples/train_llama.py --steps 50
 CUDA / NCCL (picked automatically when CUDA is present), compiled:
     torchrun --nproc-per-node 8 examples/train_llama.py --steps 200 --compile
+Inspect the compiled step: the graphs, the predicted schedule, and a measured one beside it:
+    FSDP_GRAPH_DUMP=dump torchrun --nproc-per-node 2 examples/train_llama.py --compile --steps 2 --profile-dir prof
+    python -m fsdp_graph.inspect dump --timeline timeline.svg --trace trace.json --measured prof/rank0.json
 
 The data is synthetic but learnable: each sequence follows t[i+1] = (a * t[i] + b) % vocab with a
 per-sequence (a, b), so the loss falls quickly once the model picks the rule up from the context.
@@ -12,15 +15,16 @@ per-sequence (a, b), so the loss falls quickly once the model picks the rule up 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from llama import Llama, LlamaConfig, shard_llama
+from progress import progress, write_profile
 
 from fsdp_graph import MixedPrecisionPolicy, fully_shard
 
@@ -35,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 reduction")
     parser.add_argument("--compile", action="store_true", help="torch.compile(backend='fsdp_graph')")
+    parser.add_argument("--profile-dir", help="write a torch.profiler Chrome trace of one step here, one file per rank")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -46,27 +51,6 @@ def synthetic_batch(cfg: LlamaConfig, batch: int, seq_len: int, gen: torch.Gener
     for _ in range(seq_len):
         tokens.append((a * tokens[-1] + b) % cfg.vocab_size)
     return torch.cat(tokens, dim=1).to(device)
-
-
-class ProgressBar:
-    """A one-line progress bar on rank 0; plain lines when stdout is not a terminal."""
-
-    def __init__(self, total: int, enabled: bool, width: int = 30) -> None:
-        self.total, self.enabled, self.width = total, enabled, width
-        self.tty = sys.stdout.isatty()
-        self.start = time.perf_counter()
-
-    def update(self, step: int, text: str) -> None:
-        if not self.enabled:
-            return
-        done = step + 1
-        filled = self.width * done // self.total
-        rate = done / (time.perf_counter() - self.start)
-        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} {text} ({rate:.1f} it/s)"
-        if self.tty:
-            print("\r" + line, end="\n" if done == self.total else "", flush=True)
-        elif done == 1 or done == self.total or done % max(1, self.total // 10) == 0:
-            print(line, flush=True)
 
 
 def main() -> None:
@@ -94,20 +78,23 @@ def main() -> None:
         print(f"fsdp_graph: {num_params / 1e6:.2f}M parameters, {world_size} ranks on "
               f"{'cuda/nccl' if use_cuda else 'cpu/gloo'}, compile={args.compile}", flush=True)
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own data
-    bar = ProgressBar(args.steps, enabled=rank == 0)
+    steps = progress(range(args.steps), enabled=rank == 0)
     first_loss = None
-    for step in range(args.steps):
+    for step in steps:
         tokens = synthetic_batch(cfg, args.batch_size, args.seq_len, gen, device)
-        logits = step_fn(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        # Profile the second step: the first compiles.
+        profiling = args.profile_dir is not None and step == min(1, args.steps - 1)
+        with write_profile(args.profile_dir, rank) if profiling else contextlib.nullcontext():
+            logits = step_fn(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         global_loss = global_loss.item() / world_size
         first_loss = global_loss if first_loss is None else first_loss
-        bar.update(step, f"loss {global_loss:.4f}")
+        steps.set_postfix_str(f"loss {global_loss:.4f}")
     if rank == 0:
         print(f"loss {first_loss:.4f} -> {global_loss:.4f} after {args.steps} steps", flush=True)
     dist.barrier()

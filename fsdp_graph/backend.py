@@ -23,7 +23,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule
 
-from .cache_key import cache_keys_across_ranks
+from .cache_key import local_shapes, stable_cache_keys
 from .dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
 from .passes.nodes import fsdp_meta
@@ -248,7 +248,9 @@ class FSDPGraphBackend:
         from torch._inductor.compile_fx import compile_fx
 
         patches: dict[str, Any] = {
-            "joint_custom_pre_pass": _InductorJointPass(joint, graph_id, dump is not None, self.config.memory_budget_bytes),
+            "joint_custom_pre_pass": _InductorJointPass(
+                joint, graph_id, dump is not None, self.config.memory_budget_bytes, local_shapes(example_inputs)
+            ),
             "custom_partitioner_fn": InductorPartitioner(),
         }
         # pin_order runs after the program is written for the inspector: its control_deps wrappers
@@ -257,7 +259,7 @@ class FSDPGraphBackend:
         schedule = PassPipeline("schedule", self.config.scheduling_passes(), disabled, dump)
         pin = PassPipeline("schedule", [PIN_ORDER], disabled, dump)
         patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump, schedule, pin, self.config)
-        with cache_keys_across_ranks():  # see [Note: Rank-independent cache keys]
+        with stable_cache_keys():  # see [Note: Rank-independent cache keys]
             return compile_fx(gm, example_inputs, config_patches=patches)
 
 
@@ -272,8 +274,11 @@ class _InductorJointPass(CustomGraphPass):
     """Runs the joint pipeline inside Inductor. A stable `uuid` keeps the FX graph cache usable; when
     dumping, None disables the cache so every graph is written."""
 
-    def __init__(self, pipeline: PassPipeline, graph_id: str, dumping: bool, memory_budget_bytes: Optional[int]) -> None:
+    def __init__(
+        self, pipeline: PassPipeline, graph_id: str, dumping: bool, memory_budget_bytes: Optional[int], shapes: str
+    ) -> None:
         self.pipeline = pipeline
+        self.shapes = shapes  # the local shard shapes; see [Note: Rank-independent cache keys]
         self.graph_id = graph_id
         self.dumping = dumping
         self.memory_budget_bytes = memory_budget_bytes  # unshard_selection's choices depend on it
@@ -285,7 +290,7 @@ class _InductorJointPass(CustomGraphPass):
         if self.dumping:
             return None
         return (f"fsdp_graph.joint.v2:{','.join(self.pipeline.names)}:off={','.join(sorted(self.pipeline.disabled))}:"
-                f"{self.memory_budget_bytes}")
+                f"{self.memory_budget_bytes}:{self.shapes}")
 
 
 class _InductorLogPass(CustomGraphPass):

@@ -10,12 +10,18 @@ key for the same graph and compiled it again (the example Llama's relaunch spent
 first step instead of loading). And AOTAutogradCache refused our graphs outright, since the traced
 all-gather is a custom autograd.Function (`runtime/traced.py: _AllGatherShards`).
 
-While our backend compiles (`cache_keys_across_ranks()`), a DeviceMesh pickles without those
-fields, and AOTAutogradCache accepts custom autograd.Functions. Both are sound for our graphs: the
-mesh's layout, device and process group names (which the graph's collectives name) stay in the key,
+While our backend compiles (`stable_cache_keys()`), a DeviceMesh pickles without those fields,
+and AOTAutogradCache accepts custom autograd.Functions. Both are sound for our graphs: the mesh's
+layout, device and process group names (which the graph's collectives name) stay in the key,
 and the autograd.Function's forward and backward are traced subgraphs of the Dynamo graph, which
 is itself hashed. The pickled mesh still unpickles into a working mesh (the dropped fields are
 recomputed for the loading process), in case the cache stores one rather than only hashing it.
+
+What differs between ranks and matters is the shape of each shard: AOTAutogradCache keys a DTensor
+input by its global shape, but with an uneven dim 0 rank 1's shard is a row shorter than rank 0's,
+and the compiled code checks the local shapes. So our passes' `uuid`s (part of both keys, as
+Inductor config) carry `local_shapes(example_inputs)`: ranks with equal shards share graphs, the
+others compile their own, and every restart loads its own.
 The context patches `copyreg` for DeviceMesh, which the caches' picklers copy when they are made.
 Outside the context nothing changes.
 """
@@ -30,8 +36,10 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-# What a DeviceMesh holds that differs between ranks or processes of the same job.
+# What a DeviceMesh holds that differs between ranks or processes of the same job (and the process
+# groups, which do not pickle).
 _PER_PROCESS = ("_rank", "_coordinate_on_dim", "_thread_id", "_hash", "_pg_registry")
 
 
@@ -49,9 +57,18 @@ def _rebuild_mesh(state: dict[str, Any]) -> DeviceMesh:
     return mesh
 
 
+def local_shapes(example_inputs) -> str:
+    """The local shard shapes of a graph's DTensor inputs, for our passes' cache `uuid`s: the caches
+    key a DTensor by its global shape, and the shard's shape is what the compiled code checks."""
+    return ";".join(
+        "x".join(map(str, t._local_tensor.shape)) for t in example_inputs if isinstance(t, DTensor)
+    )
+
+
 @contextmanager
-def cache_keys_across_ranks() -> Iterator[None]:
-    """Within: compile-cache keys of graphs over DTensors are the same on every rank and restart."""
+def stable_cache_keys() -> Iterator[None]:
+    """Within: compile-cache keys of graphs over DTensors are the same on every rank and restart
+    (for the shards' shapes, see `local_shapes`)."""
     previous = copyreg.dispatch_table.get(DeviceMesh)
     copyreg.pickle(DeviceMesh, _reduce_mesh)
     try:

@@ -170,7 +170,7 @@ def _graph_svg(label: str, sim: Simulation, y: float, width: int) -> tuple[list[
     scale = plot_w / max(sim.total_s, 1e-12)
     parts = [_text(_PAD, y + 13, f"{label} on {sim.profile}: step {_ms(sim.total_s)}, exposed communication "
                    f"{_ms(sim.exposed_comm_s)} ({100 * sim.exposed_fraction:.1f}%), peak memory "
-                   f"{_mib(sim.memory.peak_bytes)} per rank", font_weight="bold")]
+                   f"{format_bytes(sim.memory.peak_bytes)} per rank", font_weight="bold")]
     y += 20
     parts.append(_text(_PAD, y + 14, "compute"))
     for name, start, end in sim.compute_spans:
@@ -200,7 +200,7 @@ def _memory_lane(sim: Simulation, x0: float, y: float, scale: float) -> list[str
     """Live bytes as a step curve, with a scale (0 to a round number above the peak) in the margin."""
     peak = max(sim.memory.peak_bytes, 1)
     unit, size = _memory_unit(peak)
-    step = _nice_step(peak / size, 2)
+    step = _nice_step(peak / size, 3)
     top = math.ceil(peak / size / step) * step * size
     base = y + _MEMORY_H - 6
     height = _MEMORY_H - 12

@@ -30,7 +30,8 @@ from typing import Optional
 
 from torch.fx import GraphModule
 
-from .nodes import GROUP_KEY, KEPT_UNSHARDED_META, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD, fsdp_meta, is_all_gather, tensor_bytes
+from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
+from .nodes import KEPT_UNSHARDED_META, fsdp_meta, is_all_gather, tensor_bytes
 from .reshard import depends_on_tangents
 from .simulator import memory_profile, program_of
 

@@ -1,9 +1,11 @@
 """Warm restarts load compiled graphs from the caches: the FX graph cache and AOTAutogradCache.
 
-Two fresh processes share one Inductor cache directory, on a fake 2-rank process group: the first
-as rank 0 compiles (and saves), the second as rank 1 must load both graphs from the caches. Rank 1
-in a new process is both a restart and another rank: the DeviceMesh inputs differ in `_rank`,
-`_coordinate_on_dim`, thread id and hash salt (see fsdp_graph/cache_key.py).
+Fresh processes share one Inductor cache directory, on a fake 2-rank process group: rank 0
+compiles (and saves). Rank 1 in a new process is both a restart and another rank (the DeviceMesh
+inputs differ in `_rank`, `_coordinate_on_dim`, thread id and hash salt, see
+fsdp_graph/cache_key.py): with shards of the same shapes it must load both graphs from the caches;
+with shards one row shorter (uneven dim 0) it must compile its own, and train, and its own
+restart must load them.
 """
 
 import json
@@ -24,27 +26,36 @@ from fsdp_graph import fully_shard
 
 dist.init_process_group("fake", store=FakeStore(), rank={rank}, world_size=2)
 torch.manual_seed(0)
-model = MLPStack(num_blocks=1)
-for block in model.blocks:
+model = MLPStack(num_blocks=1) if {uneven} else torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+blocks = model.blocks if {uneven} else model[:1]
+for block in blocks:
     fully_shard(block)
 fully_shard(model)
-torch.compile(model, backend="fsdp_graph")(torch.randn(4, 13)).sum().backward()
+torch.compile(model, backend="fsdp_graph")(torch.randn(4, 13 if {uneven} else 16)).sum().backward()
 print(json.dumps({{**counters["inductor"], **counters["aot_autograd"]}}))
 """
 
 
-def _compile_in_fresh_process(rank: int, cache_dir: Path) -> dict:
+def _compile_in_fresh_process(rank: int, cache_dir: Path, uneven: bool) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
-    script = _SCRIPT.format(tests=str(Path(__file__).resolve().parent), rank=rank)
+    script = _SCRIPT.format(tests=str(Path(__file__).resolve().parent), rank=rank, uneven=uneven)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_restart_on_another_rank_hits_both_caches(tmp_path):
-    first = _compile_in_fresh_process(0, tmp_path)
+    first = _compile_in_fresh_process(0, tmp_path, uneven=False)
     assert first.get("fxgraph_cache_miss") == 2 and first.get("autograd_cache_saved") == 1, first
-    second = _compile_in_fresh_process(1, tmp_path)
+    second = _compile_in_fresh_process(1, tmp_path, uneven=False)
     # Forward and backward from the FX graph cache, the whole compiled pair from AOTAutogradCache.
     assert second.get("fxgraph_cache_hit") == 2 and "fxgraph_cache_miss" not in second, second
     assert second.get("autograd_cache_hit") == 1 and "autograd_cache_bypass" not in second, second
+
+
+def test_ranks_with_shorter_shards_compile_their_own(tmp_path):
+    _compile_in_fresh_process(0, tmp_path, uneven=True)
+    other_rank = _compile_in_fresh_process(1, tmp_path, uneven=True)  # rank 0's graphs would fail its shapes
+    assert "autograd_cache_hit" not in other_rank and other_rank.get("autograd_cache_saved") == 1, other_rank
+    restart = _compile_in_fresh_process(1, tmp_path, uneven=True)
+    assert restart.get("fxgraph_cache_hit") == 2 and restart.get("autograd_cache_hit") == 1, restart
