@@ -236,7 +236,8 @@ class _AllGatherShards(torch.autograd.Function):
 def track_gradient_flags(group: "ParamGroup") -> None:
     """Give `group` its flags leaf and the hooks that restore None gradients after compiled steps."""
     trainable = [p for p in group.params if p.requires_grad]
-    group.grad_flags = torch.zeros(len(trainable), device=group.params[0].shard_device, requires_grad=True)
+    # Where the shards are: `shard_device`, or meta for a model that was never materialised.
+    group.grad_flags = torch.zeros(len(trainable), device=group.params[0].local_shard.device, requires_grad=True)
     if not trainable:
         return
     for p in trainable:
@@ -250,8 +251,8 @@ def track_gradient_flags(group: "ParamGroup") -> None:
 
 def _restore_none_grads(group: "ParamGroup", trainable: list) -> None:
     flags, group.grad_flags.grad = group.grad_flags.grad, None
-    if not any(p.grad_was_none for p in trainable):
-        return
+    if flags.is_meta or not any(p.grad_was_none for p in trainable):
+        return  # meta: a model traced for its graphs only, with no values to read
     for p, flag in zip(trainable, flags.tolist()):
         if flag <= 0 and p.grad_was_none:
             p.sharded_param.grad = None
