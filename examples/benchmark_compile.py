@@ -99,6 +99,7 @@ class Row:
             self.step(tokens)
         peak_t = torch.tensor([heap.peak_bytes], dtype=torch.float64)
         dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+        self.peak_bytes = int(peak_t.item())
         self.peak = f"{peak_t.item() / 2**20:.1f}"
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             self.step(tokens)
@@ -176,17 +177,30 @@ def timings(args) -> None:
     ]
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen) for _ in range(4)]
-    for row in list(rows):
+    def warm_up(row: Row) -> bool:
         try:
             for i in range(args.warmup):
                 start = time.perf_counter()
                 row.step(batches[i % len(batches)])
                 if i == 0:  # includes the cold compile of compiled rows
                     row.first_step_s = time.perf_counter() - start
+            return True
         except Exception as error:
             if rank == 0:
                 print(f"{row.name}: failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
-            rows.remove(row)
+            return False
+
+    rows = [row for row in rows if warm_up(row)]
+    # Selective unsharding (passes/unshard_selection.py) with FSDP2 eager's measured peak heap as
+    # the memory budget: the groups that fit stay unsharded from forward to backward.
+    fsdp2 = next(r for r in rows if r.name == "FSDP2 eager")
+    fsdp2.measure(batches[0])
+    budget = fsdp2.peak_bytes
+    selective = Row("fsdp_graph selective", model(fully_shard), fsdp_graph.backend(compiler="inductor", memory_budget_bytes=budget))
+    if warm_up(selective):
+        rows.insert(1, selective)
+    if rank == 0:
+        print(f"selective unsharding budget: {budget / 2**20:.1f} MiB (FSDP2 eager's peak heap)")
     for i in range(args.rounds):
         for row in rows if i % 2 == 0 else reversed(rows):  # alternate who goes first
             row.timed_step(batches[i % len(batches)])

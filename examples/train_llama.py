@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -80,6 +81,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own data
     steps = progress(range(args.steps), enabled=rank == 0)
     first_loss = None
+    start = time.perf_counter()
     for step in steps:
         tokens = synthetic_batch(cfg, args.batch_size, args.seq_len, gen, device)
         # Profile the second step: the first compiles.
@@ -93,10 +95,12 @@ def main() -> None:
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         global_loss = global_loss.item() / world_size
-        first_loss = global_loss if first_loss is None else first_loss
+        if first_loss is None:
+            first_loss, first_step_s = global_loss, time.perf_counter() - start
         steps.set_postfix_str(f"loss {global_loss:.4f}")
     if rank == 0:
-        print(f"loss {first_loss:.4f} -> {global_loss:.4f} after {args.steps} steps", flush=True)
+        print(f"loss {first_loss:.4f} -> {global_loss:.4f} after {args.steps} steps; the first step "
+              f"(which compiles, or loads from the compile caches) took {first_step_s:.1f} s", flush=True)
     dist.barrier()
     if use_cuda:
         dist.destroy_process_group()
