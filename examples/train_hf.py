@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -84,7 +85,11 @@ def batch(args: argparse.Namespace, step: int, rank: int, device) -> torch.Tenso
 
 def save(checkpoint_dir: str, model, optimizer, step: int) -> None:
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint_dir)
+    # A resumed run replaces the checkpoint it started from (DCP warns about that even when asked to).
+    writer = dcp.FileSystemWriter(checkpoint_dir, overwrite=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+        dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer)
     if dist.get_rank() == 0:
         Path(checkpoint_dir, CHECKPOINT_STEP_FILE).write_text(str(step))
     dist.barrier()
