@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import types
 import warnings
 from typing import Callable, Optional, Union
@@ -64,10 +65,13 @@ class FSDPModule:
     def _apply(self, *args, **kwargs):
         # `.to()`, `.float()`, ...: convert the shards, never a gathered copy that the next
         # reshard would throw away (as FSDP2 does).
-        for state in self._states(recurse=True):
-            if state.group is not None:
-                state.group.reshard()
-        return super()._apply(*args, **kwargs)
+        states = [state for state in self._states(recurse=True) if state.group is not None]
+        for state in states:
+            state.group.reshard()
+        result = super()._apply(*args, **kwargs)
+        for state in states:
+            state.group.follow_moved_shards()
+        return result
 
     def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
         """All-gather this module's group (not recursive). With `async_op`, returns a handle to wait
@@ -247,6 +251,28 @@ class FSDPModule:
         """The next all-gathers wait for `event` (recorded after the optimizer step) instead of the
         whole current stream; once, so pass a new event every step. No effect without streams (CPU)."""
         self._fsdp_state.ctx.comm.post_optim_event = event
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """FSDP2: allocate the collectives' staging buffers from the process group's own allocator
+        (NCCL's, for zero-copy transfers). fsdp_graph allocates them from the caching allocator;
+        `False` is that and accepted, `True` raises a ValueError saying so."""
+        _check_bool("enable", enable)
+        if enable:
+            raise ValueError(
+                "set_allocate_memory_from_process_group_for_comm(True): fsdp_graph allocates communication "
+                "buffers from the caching allocator and does not support a process group's allocator (NCCL "
+                "zero-copy) yet; leave it unset, or call it with False"
+            )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """FSDP2: all-gather staging buffers in NCCL symmetric memory. Not supported by fsdp_graph:
+        raises a ValueError (on a machine without CUDA and NCCL, FSDP2 cannot do it either)."""
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a string such as 'NCCL', got {type(backend).__name__}")
+        raise ValueError(
+            f"set_symm_mem_for_comm({backend!r}): fsdp_graph does not gather into symmetric memory yet; "
+            f"its all-gathers use buffers from the caching allocator. Remove the call"
+        )
 
     def _states(self, recurse: bool) -> list[FSDPState]:
         if not recurse:
@@ -476,7 +502,13 @@ def _check_mesh(mesh: Optional[DeviceMesh]) -> DeviceMesh:
                 "torch.distributed.init_process_group(...) before building the mesh"
             )
         # As FSDP2: the default process group from the environment (torchrun's RANK, WORLD_SIZE,
-        # MASTER_ADDR, MASTER_PORT); without them init_process_group raises, naming the variable.
+        # MASTER_ADDR, MASTER_PORT).
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise ValueError(
+                f"fully_shard needs a process group: none exists and the environment lacks {missing} to "
+                f"make one; launch with torchrun, or call torch.distributed.init_process_group(...) first"
+            )
         dist.init_process_group()
     if mesh is None:
         device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"

@@ -158,7 +158,8 @@ class ShardedParam:
 
     def flat_local_shard(self) -> torch.Tensor:
         """`local_shard` in the moved layout, flat: this rank's piece of the all-gather input."""
-        return self.local_shard.movedim(self.shard_dim, 0).reshape(-1)
+        local = self.local_shard
+        return (local if self.shard_dim == 0 else local.movedim(self.shard_dim, 0)).reshape(-1)
 
     def adopt_current_param(self) -> None:
         """Take back the parameter the owner module holds now, if the user replaced it.

@@ -153,6 +153,12 @@ class ParamGroup:
                     self.comm, async_op, comm=self.custom_all_gather,
                 )
 
+    def follow_moved_shards(self) -> None:
+        """After `_apply` (`to_empty()`, `.to()`): the compiled steps' gradient-flags leaf goes
+        to the shards' new device."""
+        if self.grad_flags.device != self.params[0].local_shard.device:
+            traced.new_flags_leaf(self)
+
     def wait_for_unshard(self) -> None:
         """Wait for the issued all-gather, copy out, and register the unsharded parameters."""
         work = self._all_gather

@@ -236,12 +236,18 @@ class _AllGatherShards(torch.autograd.Function):
 def track_gradient_flags(group: "ParamGroup") -> None:
     """Give `group` its flags leaf and the hooks that restore None gradients after compiled steps."""
     trainable = [p for p in group.params if p.requires_grad]
-    # Where the shards are: `shard_device`, or meta for a model that was never materialised.
+    for p in trainable:
+        p.watch_grad_before_backward()
+    new_flags_leaf(group)
+
+
+def new_flags_leaf(group: "ParamGroup") -> None:
+    """(Re)make `group.grad_flags` where the shards are now: `shard_device`, meta for a model that
+    was never materialised, and again after `to_empty()` or `.to()` moved them."""
+    trainable = [p for p in group.params if p.requires_grad]
     group.grad_flags = torch.zeros(len(trainable), device=group.params[0].local_shard.device, requires_grad=True)
     if not trainable:
         return
-    for p in trainable:
-        p.watch_grad_before_backward()
 
     def flags_ready(_flags: torch.Tensor) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _restore_none_grads(group, trainable))
@@ -325,7 +331,7 @@ def _to_param_layout(p, rows: torch.Tensor) -> torch.Tensor:
 def _flat_shards(params: list, dtype: torch.dtype, flags: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's shards of `params`, each padded to its full shard size, then `flags` if given,
     as one flat tensor."""
-    pieces = [p.sharded_param.to_local().movedim(p.shard_dim, 0).reshape(-1).to(dtype) for p in params]
+    pieces = [p.flat_local_shard().to(dtype) for p in params]
     shard_numels = [p.shard_numel for p in params]
     if flags is not None:
         pieces.append(flags)

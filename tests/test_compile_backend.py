@@ -69,7 +69,7 @@ def test_inspect_shows_the_schedule_of_an_inductor_dump(tmp_path, capsys):
     rows = [line.split() for line in out.splitlines() if line.lstrip().startswith(("all_gather_into_tensor_", "reduce_scatter_tensor_"))]
     # Auto-bucketing merges these tiny groups: one gather in forward; one gather, one reduce in backward.
     assert sorted(r[0].split("_tensor")[0] for r in rows) == ["all_gather_into", "all_gather_into", "reduce_scatter"], out
-    issue_and_wait = [(int(r[3]), int(r[4])) for r in rows]
+    issue_and_wait = [(int(r[-5]), int(r[-4])) for r in rows]  # ... issue wait prefetch exposed ms
     assert all(0 <= issue < wait for issue, wait in issue_and_wait), out
 
 
@@ -119,7 +119,7 @@ def test_backend_on_a_model_never_sharded_names_fully_shard():
     "kwargs, exc, match",
     [
         ({"compiler": "tvm"}, ValueError, r"compiler='tvm' is not one of \['inductor', 'aot_eager'\]"),
-        ({"disabled_passes": {"bucketing"}}, ValueError, r"'bucketing', which is not a pass; passes: \['reshard_after_forward', 'bucket_by_group', 'auto_bucket', 'reorder_for_overlap', 'pin_order'\]"),
+        ({"disabled_passes": {"bucketing"}}, ValueError, r"'bucketing', which is not a pass; passes: \['unshard_selection', 'reshard_after_forward', 'bucket_by_group', 'auto_bucket', 'reorder_for_overlap', 'pin_order'\]"),
         ({"disabled_passes": "reshard_after_forward"}, ValueError, "collection of pass names"),
         ({"dump_dir": 3}, ValueError, "dump_dir must be a path"),
         ({"compile": "inductor"}, ValueError, r"Unknown fsdp_graph backend option\(s\) \['compile'\]"),

@@ -421,3 +421,22 @@ def _compiled(rank, world_size):
 
 def test_compiled_steps_honour_the_controls():
     print(run_ranks(_compiled, 2))
+
+
+def test_every_fsdp2_method_exists_and_the_unsupported_ones_say_so():
+    """Every public method of torch's FSDPModule is callable on ours; the two we do not support
+    raise a ValueError naming the call (never an AttributeError)."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from _harness import fake_process_group
+    from fsdp_graph import FSDPModule
+
+    public = {n for n in dir(TorchFSDPModule) if not n.startswith("_") and callable(getattr(TorchFSDPModule, n))}
+    assert public - set(dir(FSDPModule)) == set()
+    with fake_process_group(2):
+        model = fully_shard(nn.Linear(4, 4))
+        model.set_allocate_memory_from_process_group_for_comm(False)
+        with pytest.raises(ValueError, match="set_allocate_memory_from_process_group_for_comm\\(True\\)"):
+            model.set_allocate_memory_from_process_group_for_comm(True)
+        with pytest.raises(ValueError, match="set_symm_mem_for_comm\\('NCCL'\\)"):
+            model.set_symm_mem_for_comm("NCCL")

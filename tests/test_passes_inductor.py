@@ -27,9 +27,11 @@ def _calls(code: str) -> list[str]:
 
 def test_inductor_generated_code_keeps_prefetch_and_late_waits():
     # Auto-bucketing off, so that each group keeps its own all-gather and the order is visible.
-    # An unreachable memory budget: the schedule overlap alone decides, as in test_passes_schedule.
+    # A budget that never binds: the schedule overlap alone decides, as in test_passes_schedule
+    # (and no group is kept unsharded by it: unshard_selection off, so backward re-gathers).
     backend = fsdp_graph.backend(
-        compiler="inductor", hardware_profile=FIXED.profile, disabled_passes={"auto_bucket"}, memory_budget_bytes=1 << 50
+        compiler="inductor", hardware_profile=FIXED.profile, disabled_passes={"auto_bucket", "unshard_selection"},
+        memory_budget_bytes=1 << 50,
     )
     with fake_process_group(8):
         torch._dynamo.reset()
