@@ -17,6 +17,20 @@ For k > 0 the collectives still move whole rows of the moved layout: copy-in fla
 back with `movedim(0, k)` into a contiguous unsharded parameter, so the module computes on the same
 layout as the unsharded model; gradients are packed from `grad.movedim(k, 0)`. The DTensor shard is
 `Shard(k)`: rank r's slice of dim k, which is the same chunking moved back.
+
+[Note: All-gather extensions]
+FSDP2's contract for tensor subclasses: when the local shard's class defines `fsdp_pre_all_gather`
+and `fsdp_post_all_gather`, the all-gather carries what the pre-hook returns instead of the shard,
+
+    (inputs, metadata) = shard.fsdp_pre_all_gather(mesh, orig_size, orig_stride, module, mp_policy)
+    (tensor, to_free)  = shard.fsdp_post_all_gather(outputs, metadata, param_dtype)        # first time
+    shard.fsdp_post_all_gather(outputs, metadata, param_dtype, out=unsharded_param)         # later
+
+where `outputs[i]` is `inputs[i]` gathered over the shard group on dim 0 (e.g. float8 data, 1 byte
+per element instead of 4) and the unsharded parameter is `tensor`'s first rows. The shard passed to
+the pre-hook is padded to `padded_dim0` rows, so every rank's inputs have the same sizes. A group
+with such a parameter gathers one byte bucket (every input viewed as uint8). Gradients are the
+unsharded parameter's, reduce-scattered as usual.
 """
 
 from __future__ import annotations
@@ -91,6 +105,7 @@ class ShardedParam:
         shard_device: torch.device,
         param_dtype: torch.dtype | None,
         shard_dim: int = 0,
+        mp_policy=None,
     ) -> None:
         self.owners = owners  # every (module, attribute) that holds this parameter (tied weights)
         self.fqn = fqn
@@ -120,6 +135,22 @@ class ShardedParam:
         local = local.clone() if local.is_meta else local.to(shard_device, copy=True)
         local = local.contiguous()
         self.sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
+        # [Note: All-gather extensions]
+        self.gather_hooks = hasattr(type(local), "fsdp_pre_all_gather")
+        if self.gather_hooks != hasattr(type(local), "fsdp_post_all_gather"):
+            raise ValueError(
+                f"Parameter '{fqn}' is a {type(local).__name__}, which defines only one of "
+                f"fsdp_pre_all_gather and fsdp_post_all_gather; define both or neither"
+            )
+        if self.gather_hooks and shard_dim != 0:
+            raise ValueError(
+                f"Parameter '{fqn}' has fsdp_pre_all_gather, which fsdp_graph supports on dim 0 only; "
+                f"return Shard(0) or None from shard_placement_fn for it"
+            )
+        self.mp_policy = mp_policy
+        self._gather_metadata = None
+        self._gather_outputs: list[torch.Tensor] = []  # one per pre-hook input, (world * rows, ...)
+        self._to_free: tuple[torch.Tensor, ...] = ()  # what the post-hook asked to free on reshard
         # Whether `.grad` was None when the last compiled backward reached this parameter; see
         # [Note: Gradient flags in a graph] in runtime/traced.py.
         self.grad_was_none = True
@@ -283,6 +314,52 @@ class ShardedParam:
                 _refill(self.unsharded_param)
         return self._unsharded_padded.view(world, self.shard_numel)
 
+    def pre_all_gather(self) -> list[torch.Tensor]:
+        """The pre-hook's all-gather inputs for this rank, each flat as bytes ([Note: All-gather extensions])."""
+        local = self.local_shard
+        if self.num_valid_rows != self.padded_dim0:
+            padded = local.new_zeros((self.padded_dim0, *self.orig_size[1:]))
+            padded[: self.num_valid_rows].copy_(local)
+            local = padded
+        module = self.owners[0][0]
+        inputs, self._gather_metadata = local.fsdp_pre_all_gather(
+            self.mesh_info.mesh, self.orig_size, _contiguous_stride(self.orig_size), module, self.mp_policy
+        )
+        if not self._gather_outputs:
+            self._gather_outputs = [
+                torch.empty((self.mesh_info.shard_size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=self.device)
+                for t in inputs
+            ]
+        sizes = [(t.shape[0] * self.mesh_info.shard_size, *t.shape[1:]) for t in inputs]
+        if sizes != [tuple(t.shape) for t in self._gather_outputs]:
+            raise ValueError(
+                f"fsdp_pre_all_gather of '{self.fqn}' returned inputs of shapes {[tuple(t.shape) for t in inputs]}, "
+                f"which changed since the first all-gather; return the same shapes each time (the padded shard's rows)"
+            )
+        return [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
+
+    def alloc_gather_outputs(self, world: int) -> list[torch.Tensor]:
+        """The pre-hook inputs' gathered outputs as (world, bytes per rank) views to copy out into."""
+        for t in self._gather_outputs:
+            _refill(t)
+        return [t.view(world, -1).view(torch.uint8) for t in self._gather_outputs]
+
+    def post_all_gather(self) -> None:
+        """Rebuild the unsharded parameter from the gathered inputs ([Note: All-gather extensions])."""
+        local = self.local_shard
+        if self.unsharded_param is None:
+            tensor, self._to_free = local.fsdp_post_all_gather(
+                tuple(self._gather_outputs), self._gather_metadata, self.unsharded_dtype
+            )
+            self.unsharded_param = nn.Parameter(tensor[: self.orig_size[0]], self.requires_grad)
+        else:
+            for t in self._to_free:
+                _refill(t)
+            local.fsdp_post_all_gather(
+                tuple(self._gather_outputs), self._gather_metadata, self.unsharded_dtype, out=self.unsharded_param
+            )
+        self._gather_metadata = None
+
     def finish_copy_out(self) -> None:
         """Shard dim k > 0: move the gathered rows into the parameter's layout, free the staging."""
         if self.shard_dim != 0:
@@ -303,6 +380,8 @@ class ShardedParam:
         if self._unsharded_padded is not None:
             self._unsharded_padded.untyped_storage().resize_(0)
             self.unsharded_param.untyped_storage().resize_(0)
+        for t in (*self._gather_outputs, *self._to_free):
+            t.untyped_storage().resize_(0)
 
     def pack_grad(self, grad: torch.Tensor, dest: torch.Tensor) -> None:
         """Write the unsharded `grad` into `dest` (world, shard_numel), casting, zero-padded.
