@@ -56,13 +56,17 @@ class Fp8AllGatherWeight(torch.Tensor):
         if func._schema.is_mutable:  # in place (optimizer steps, copy_): the wrapper is the result
             return args[0]
         if func in _KEEP:
-            return tree_map(lambda t: Fp8AllGatherWeight(t, scale) if isinstance(t, torch.Tensor) else t, out)
+            return tree_map(lambda t: cls(t, scale) if isinstance(t, torch.Tensor) else t, out)
         return out
 
     # FSDP2's all-gather extension (the signature torch 2.13 calls with five arguments)
+    # FSDP2 hands the pre-hook this rank's unpadded shard: a rank with fewer rows pads its inputs.
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        data = (self._data / self._scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        return (data.view(torch.uint8),), self._scale
+        data = (self._data / self._scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+        padded_rows = -(-outer_size[0] // mesh.size())
+        if data.shape[0] < padded_rows:
+            data = torch.cat([data, data.new_zeros((padded_rows - data.shape[0], *data.shape[1:]))])
+        return (data,), self._scale
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (data,) = all_gather_outputs
@@ -71,7 +75,7 @@ class Fp8AllGatherWeight(torch.Tensor):
             # Refilling the parameter autograd saved for backward is not a change it should see
             # (the values are the ones forward used); torch's fully_shard leaves that to the hook.
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-                out.copy_(full)
+                out.copy_(full[: out.shape[0]])  # `out` is the parameter: the padded rows dropped
             return
         return full, (full,)
 

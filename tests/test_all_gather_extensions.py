@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_graph
@@ -52,7 +53,7 @@ class _AllGatherBytes(TorchDispatchMode):
 
 
 def _fp8_mlp() -> nn.Sequential:
-    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4, bias=False))
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3, bias=False))
     for layer in model[0::2]:
         layer.weight = nn.Parameter(Fp8AllGatherWeight.wrap(layer.weight))
     return model
@@ -103,14 +104,15 @@ def test_fp8_all_gather_same_as_torch_fully_shard(reshard_after_forward):
     ours, theirs, max_err = run_ranks(_against_torch, 2, reshard_after_forward)
     assert ours == theirs  # same collectives, each of the same dtype and size
     # Per step: the three layers once in forward (+ again in backward when resharding); every
-    # weight element is one byte, the middle layer's fp32 bias four.
+    # weight element is one byte, the middle layer's fp32 bias four. The last weight's 3 rows are
+    # padded to 2 per rank, as torch pads them.
     weights, bias = 8 * 16 + 16 * 16 + 16 * 4, 16
     forward = [(torch.uint8, 8 * 16), (torch.uint8, 16 * 16 + 4 * bias), (torch.uint8, 16 * 4)]
     for step in ours:
         assert sorted(step[:3], key=str) == sorted(forward, key=str)
         assert sum(n for _, n in step[:3]) == weights + 4 * bias
     print(f"max abs gradient error vs torch fully_shard: {max_err}; forward all-gather bytes "
-          f"{sum(n for _, n in ours[0][:3])} for {weights} weight + {bias} bias elements")
+          f"{sum(n for _, n in ours[0][:3])} for {weights} (padded) weight + {bias} bias elements")
 
 
 def _compiled_against_torch(rank, world_size):
@@ -159,3 +161,41 @@ def test_fp8_all_gather_compiled_same_as_torch_fully_shard():
     assert all(dtype == torch.uint8 for step in ours for dtype, _ in step), ours
     print(f"compiled: max abs gradient error vs torch fully_shard: {max_err}; all-gather bytes per step "
           f"{[sum(n for _, n in step) for step in ours]}")
+
+
+class _OnlyPre(torch.Tensor):
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self,), None
+
+
+class _BadArity(Fp8AllGatherWeight):
+    def fsdp_pre_all_gather(self, mesh, outer_size):
+        return super().fsdp_pre_all_gather(mesh, outer_size, None, None, None)
+
+
+class _BadResult(Fp8AllGatherWeight):
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return self._data  # not (inputs, metadata)
+
+
+def test_all_gather_extension_misuse():
+    from _harness import fake_process_group
+
+    with fake_process_group(2):
+        only_pre = nn.Linear(4, 4)
+        only_pre.weight = nn.Parameter(only_pre.weight.detach().as_subclass(_OnlyPre))
+        with pytest.raises(ValueError, match="defines only one of fsdp_pre_all_gather and fsdp_post_all_gather"):
+            fully_shard(only_pre)
+        bad_arity = nn.Linear(4, 4)
+        bad_arity.weight = nn.Parameter(_BadArity.wrap(bad_arity.weight))
+        with pytest.raises(TypeError, match=r"takes 2 arguments; FSDP2's contract is \(mesh, orig_size"):
+            fully_shard(bad_arity)
+        dim1 = nn.Linear(4, 4)
+        dim1.weight = nn.Parameter(Fp8AllGatherWeight.wrap(dim1.weight))
+        with pytest.raises(ValueError, match=r"dim 0 only; return Shard\(0\)"):
+            fully_shard(dim1, shard_placement_fn=lambda p: Shard(1))
+        bad_result = nn.Linear(4, 4)
+        bad_result.weight = nn.Parameter(_BadResult.wrap(bad_result.weight))
+        fully_shard(bad_result)
+        with pytest.raises(TypeError, match=r"return \(all_gather_inputs, metadata\)"):
+            bad_result.unshard()
