@@ -35,7 +35,9 @@ counter (FSDP2 leaves that to the hook too). A group with such a parameter gathe
 (every input, and the other parameters' padded shards, viewed as uint8) and reshards fully after
 forward (an int `reshard_after_forward` would re-gather from bytes the post-hook already consumed).
 Gradients are the unsharded parameter's, reduce-scattered as usual. Compiled steps run such groups
-on the eager hooks (`ParamGroup.eager_only_reason`): the traced unshard gathers plain shards.
+on the eager hooks (`ParamGroup.eager_only_reason`): the traced unshard gathers plain shards. (For
+whoever traces them: Dynamo inlines a hook called through the class, `type(shard).fsdp_pre_all_gather(
+shard, ...)`; called as a tensor method it tries to put the call in the graph and gives up.)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ scale fixed when the weight is wrapped (static scaling, so every rank scales ali
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -50,7 +50,7 @@ class Fp8AllGatherWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        scale = next(a._scale for a in _flat(args) if isinstance(a, Fp8AllGatherWeight))
+        scale = next(a._scale for a in tree_leaves(args) if isinstance(a, Fp8AllGatherWeight))
         unwrap = lambda t: t._data if isinstance(t, Fp8AllGatherWeight) else t
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
         if func._schema.is_mutable:  # in place (optimizer steps, copy_): the wrapper is the result
@@ -78,9 +78,3 @@ class Fp8AllGatherWeight(torch.Tensor):
                 out.copy_(full[: out.shape[0]])  # `out` is the parameter: the padded rows dropped
             return
         return full, (full,)
-
-
-def _flat(args):
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves(args)
