@@ -349,7 +349,8 @@ def fully_shard(
         shard_dim = _shard_dim(shard_placement_fn, param, fqn)
         params.append(
             ShardedParam(
-                param, param_owners, fqn, modules, mesh_info, device, shard_device, mp_policy.param_dtype, shard_dim
+                param, param_owners, fqn, modules, mesh_info, device, shard_device, mp_policy.param_dtype, shard_dim,
+                mp_policy=mp_policy,
             )
         )
     group = ParamGroup(params, mesh_info, device, mp_policy, reshard_after_forward) if params else None

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .comms import AllGather, Comm, ReduceScatter
 from .param import MeshInfo, ShardedParam
@@ -151,6 +152,8 @@ def all_gather(
     """Gather `params` as one bucket. `input` replaces the copy-in (a post-forward shard); `comm`
     replaces `all_gather_single` and its buffer (`set_custom_all_gather`)."""
     device = ctx.device
+    if input is None and any(p.gather_hooks for p in params):
+        input, dtype = _copy_in_bytes(params, dtype), torch.uint8
     total = input.numel() if input is not None else sum(p.shard_numel for p in params)
     rank = dist.get_rank(group)
     if not ctx.uses_streams:
@@ -183,8 +186,24 @@ def all_gather(
     return work
 
 
+def _copy_in_bytes(params: list[ShardedParam], dtype: torch.dtype) -> torch.Tensor:
+    """This rank's row of a byte bucket: the pre-hooks' inputs of parameters with all-gather
+    extensions, the padded shards (cast to `dtype`) of the others. See [Note: All-gather extensions]."""
+    pieces = []
+    for p in params:
+        if p.gather_hooks:
+            pieces += p.pre_all_gather()
+        else:
+            shard = p.flat_local_shard().to(dtype)
+            pieces.append(F.pad(shard, (0, p.shard_numel - shard.numel())).view(torch.uint8))
+    return torch.cat(pieces)
+
+
 def copy_out(params: list[ShardedParam], work: AllGatherWork, world: int) -> None:
     """Split the all-gather output into each parameter's unsharded storage."""
+    if work.output.dtype == torch.uint8 and any(p.gather_hooks for p in params):
+        _copy_out_bytes(params, work, world)
+        return
     outputs = [p.alloc_unsharded(world) for p in params]
     # Refilling storage autograd saved is not a modification it should see: the values are the
     # ones forward used. Keep the version counters so saved-tensor checks still pass.
@@ -196,6 +215,21 @@ def copy_out(params: list[ShardedParam], work: AllGatherWork, world: int) -> Non
         )
         for p in params:
             p.finish_copy_out()
+
+
+def _copy_out_bytes(params: list[ShardedParam], work: AllGatherWork, world: int) -> None:
+    """`copy_out` of a byte bucket: then the post-hooks rebuild their parameters."""
+    outputs = []
+    for p in params:
+        outputs += p.alloc_gather_outputs(world) if p.gather_hooks else [p.alloc_unsharded(world).view(torch.uint8)]
+    unsharded = tuple(p.unsharded_param for p in params if p.unsharded_param is not None)
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unsharded):
+        torch.split_with_sizes_copy(work.output.view(world, -1), [o.shape[1] for o in outputs], dim=1, out=outputs)
+        for p in params:
+            if p.gather_hooks:
+                p.post_all_gather()
+            else:
+                p.finish_copy_out()
 
 
 def divide_factors(factor: float, dtype: torch.dtype) -> tuple[float, float]:

@@ -17,10 +17,32 @@ For k > 0 the collectives still move whole rows of the moved layout: copy-in fla
 back with `movedim(0, k)` into a contiguous unsharded parameter, so the module computes on the same
 layout as the unsharded model; gradients are packed from `grad.movedim(k, 0)`. The DTensor shard is
 `Shard(k)`: rank r's slice of dim k, which is the same chunking moved back.
+
+[Note: All-gather extensions]
+FSDP2's contract for tensor subclasses: when the local shard's class defines `fsdp_pre_all_gather`
+and `fsdp_post_all_gather`, the all-gather carries what the pre-hook returns instead of the shard,
+
+    (inputs, metadata) = shard.fsdp_pre_all_gather(mesh, orig_size, orig_stride, module, mp_policy)
+    (tensor, to_free)  = shard.fsdp_post_all_gather(outputs, metadata, param_dtype)        # first time
+    shard.fsdp_post_all_gather(outputs, metadata, param_dtype, out=unsharded_param)         # later
+
+where `outputs[i]` is `inputs[i]` gathered over the shard group on dim 0 (e.g. float8 data, 1 byte
+per element instead of 4) and the unsharded parameter is `tensor`'s first rows. As in FSDP2 the
+pre-hook gets this rank's unpadded shard and the shard axis' 1-D mesh; a rank holding fewer than
+`padded_dim0` rows must return inputs of the padded shard size, so every rank's inputs match. The
+post-hook's `out=` call refills the parameter autograd may have saved: it must not bump its version
+counter (FSDP2 leaves that to the hook too). A group with such a parameter gathers one byte bucket
+(every input, and the other parameters' padded shards, viewed as uint8) and reshards fully after
+forward (an int `reshard_after_forward` would re-gather from bytes the post-hook already consumed).
+Gradients are the unsharded parameter's, reduce-scattered as usual. Compiled steps run such groups
+on the eager hooks (`ParamGroup.eager_only_reason`): the traced unshard gathers plain shards. (For
+whoever traces them: Dynamo inlines a hook called through the class, `type(shard).fsdp_pre_all_gather(
+shard, ...)`; called as a tensor method it tries to put the call in the graph and gives up.)
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -28,6 +50,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+
+from .policies import MixedPrecisionPolicy
 
 
 @dataclass(frozen=True)
@@ -91,6 +115,7 @@ class ShardedParam:
         shard_device: torch.device,
         param_dtype: torch.dtype | None,
         shard_dim: int = 0,
+        mp_policy: MixedPrecisionPolicy | None = None,
     ) -> None:
         self.owners = owners  # every (module, attribute) that holds this parameter (tied weights)
         self.fqn = fqn
@@ -120,6 +145,31 @@ class ShardedParam:
         local = local.clone() if local.is_meta else local.to(shard_device, copy=True)
         local = local.contiguous()
         self.sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
+        # [Note: All-gather extensions]
+        self.gather_hooks = hasattr(type(local), "fsdp_pre_all_gather")
+        if self.gather_hooks != hasattr(type(local), "fsdp_post_all_gather"):
+            raise ValueError(
+                f"Parameter '{fqn}' is a {type(local).__name__}, which defines only one of "
+                f"fsdp_pre_all_gather and fsdp_post_all_gather; define both or neither"
+            )
+        if self.gather_hooks and shard_dim != 0:
+            raise ValueError(
+                f"Parameter '{fqn}' has fsdp_pre_all_gather, which fsdp_graph supports on dim 0 only; "
+                f"return Shard(0) or None from shard_placement_fn for it"
+            )
+        self.mp_policy = mp_policy  # passed to fsdp_pre_all_gather
+        if self.gather_hooks:
+            self._shard_mesh = self._hook_mesh()
+            self._pre_all_gather_num_args = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
+            if self._pre_all_gather_num_args not in (1, 5):
+                raise TypeError(
+                    f"fsdp_pre_all_gather of '{fqn}' ({type(local).__name__}) takes "
+                    f"{self._pre_all_gather_num_args} arguments; FSDP2's contract is "
+                    f"(mesh, orig_size, orig_stride, module, mp_policy), or (mesh) in its older form"
+                )
+        self._gather_metadata = None  # the pre-hook's metadata, until the post-hook takes it
+        self._gather_outputs: list[torch.Tensor] = []  # one per pre-hook input, (world * rows, ...)
+        self._to_free: tuple[torch.Tensor, ...] = ()  # what the post-hook asked to free on reshard
         # Whether `.grad` was None when the last compiled backward reached this parameter; see
         # [Note: Gradient flags in a graph] in runtime/traced.py.
         self.grad_was_none = True
@@ -284,6 +334,97 @@ class ShardedParam:
                 _refill(self.unsharded_param)
         return self._unsharded_padded.view(world, self.shard_numel)
 
+    def pre_all_gather(self) -> list[torch.Tensor]:
+        """The pre-hook's all-gather inputs for this rank, each flat as bytes ([Note: All-gather extensions])."""
+        local = self.local_shard.to(self.device)  # an offloaded shard is gathered from the device
+        if self._pre_all_gather_num_args == 1:  # FSDP2's older signature: the mesh only
+            result = local.fsdp_pre_all_gather(self._shard_mesh)
+        else:
+            result = local.fsdp_pre_all_gather(
+                self._shard_mesh, self.orig_size, _contiguous_stride(self.orig_size), self.owners[0][0], self.mp_policy
+            )
+        inputs = self._check_pre_all_gather_result(result)
+        padded_size = (self.padded_dim0, *self.orig_size[1:])
+        if self.num_valid_rows != self.padded_dim0 and any(tuple(t.shape) != padded_size for t in inputs):
+            # Only the ranks with padding can tell: the others' inputs have the right size.
+            raise ValueError(
+                f"'{self.fqn}' is sharded unevenly ({self.orig_size[0]} rows over {self.mesh_info.shard_size} "
+                f"ranks; this rank holds {self.num_valid_rows}), and its fsdp_pre_all_gather returned inputs of "
+                f"sizes {[tuple(t.shape) for t in inputs]}; pad each input to the padded shard size {padded_size} "
+                f"(rows ceil(orig_size[0] / mesh.size())), as FSDP2 requires"
+            )
+        self._gather_metadata = result[1]
+        world = self.mesh_info.shard_size
+        sizes = [(world * t.shape[0], *t.shape[1:]) for t in inputs]
+        if not self._gather_outputs:
+            self._gather_outputs = [
+                torch.empty(size, dtype=t.dtype, device=self.device) for size, t in zip(sizes, inputs)
+            ]
+        expected = [(tuple(t.shape), t.dtype) for t in self._gather_outputs]
+        if [(size, t.dtype) for size, t in zip(sizes, inputs)] != expected:
+            raise ValueError(
+                f"fsdp_pre_all_gather of '{self.fqn}' returned inputs of shapes and dtypes "
+                f"{[(tuple(t.shape), t.dtype) for t in inputs]}, which changed since the first all-gather "
+                f"(gathered: {expected}); return the same shapes and dtypes every time"
+            )
+        return [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
+
+    def _hook_mesh(self) -> DeviceMesh:
+        """The mesh the pre-hook is given: the shard axis' (FSDP2's `shard_mesh`), 1-D under HSDP too."""
+        mesh = self.mesh_info.mesh
+        if mesh.ndim == 1:
+            return mesh
+        if mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"Parameter '{self.fqn}' has fsdp_pre_all_gather, which is given the shard axis' mesh, but the "
+                f"{mesh.ndim}-D mesh has no dim names to slice it by; build it with "
+                f"init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
+            )
+        return mesh[mesh.mesh_dim_names[self.mesh_info.shard_axis]]
+
+    def _check_pre_all_gather_result(self, result) -> list[torch.Tensor]:
+        """The all-gather inputs of a pre-hook's `(inputs, metadata)`, or a TypeError naming the fix."""
+        inputs = result[0] if isinstance(result, tuple) and len(result) == 2 else None
+        if not isinstance(inputs, (tuple, list)) or not inputs or not all(
+            isinstance(t, torch.Tensor) and t.ndim >= 1 for t in inputs
+        ):
+            raise TypeError(
+                f"fsdp_pre_all_gather of '{self.fqn}' returned {type(result).__name__} {result!r:.200}; "
+                f"return (all_gather_inputs, metadata) where all_gather_inputs is a non-empty tuple of tensors "
+                f"with at least one dim (each is gathered on dim 0)"
+            )
+        return list(inputs)
+
+    def alloc_gather_outputs(self, world: int) -> list[torch.Tensor]:
+        """The pre-hook inputs' gathered outputs as (world, bytes per rank) views to copy out into."""
+        for t in self._gather_outputs:
+            _refill(t)
+        return [t.view(world, -1).view(torch.uint8) for t in self._gather_outputs]
+
+    def post_all_gather(self) -> None:
+        """Rebuild the unsharded parameter from the gathered inputs ([Note: All-gather extensions])."""
+        local = self.local_shard
+        if self.unsharded_param is None:
+            result = local.fsdp_post_all_gather(tuple(self._gather_outputs), self._gather_metadata, self.unsharded_dtype)
+            tensor = result[0] if isinstance(result, tuple) and len(result) == 2 else None
+            if not isinstance(tensor, torch.Tensor) or tensor.shape[0] < self.orig_size[0] or (
+                tensor.shape[1:] != self.orig_size[1:]
+            ):
+                raise TypeError(
+                    f"fsdp_post_all_gather of '{self.fqn}' returned {type(result).__name__} {result!r:.200}; "
+                    f"return (unsharded, tensors_to_free) where unsharded has the gathered rows "
+                    f"(at least {self.orig_size[0]}) and the parameter's trailing dims {tuple(self.orig_size[1:])}"
+                )
+            self._to_free = tuple(result[1])
+            self.unsharded_param = nn.Parameter(tensor[: self.orig_size[0]], self.requires_grad)
+        else:
+            for t in self._to_free:
+                _refill(t)
+            local.fsdp_post_all_gather(
+                tuple(self._gather_outputs), self._gather_metadata, self.unsharded_dtype, out=self.unsharded_param
+            )
+        self._gather_metadata = None
+
     def finish_copy_out(self) -> None:
         """Shard dim k > 0: move the gathered rows into the parameter's layout, free the staging."""
         if self.shard_dim != 0:
@@ -304,6 +445,8 @@ class ShardedParam:
         if self._unsharded_padded is not None:
             self._unsharded_padded.untyped_storage().resize_(0)
             self.unsharded_param.untyped_storage().resize_(0)
+        for t in (*self._gather_outputs, *self._to_free):
+            t.untyped_storage().resize_(0)
 
     def pack_grad(self, grad: torch.Tensor, dest: torch.Tensor) -> None:
         """Write the unsharded `grad` into `dest` (world, shard_numel), casting, zero-padded.

@@ -196,7 +196,9 @@ class ParamGroup:
         """Reshard as `reshard_after_forward` says: fully, to the smaller group, or not at all."""
         if self.state is not ShardedState.UNSHARDED or self.reshard_after_forward is False:
             return
-        if self.reshard_after_forward is True:
+        if self.reshard_after_forward is True or any(p.gather_hooks for p in self.params):
+            # A smaller group's re-gather reuses the gathered bytes; all-gather extensions rebuild
+            # their parameters from the pre-hook's inputs instead, so such groups reshard fully.
             self.reshard()
             return
         mesh = self.post_forward_mesh
@@ -280,6 +282,8 @@ class ParamGroup:
             return "a custom all-gather or reduce-scatter is set; custom comms run on the eager runtime"
         if not self.unshard_in_backward:
             return "set_unshard_in_backward(False): the graph's backward reads the gathered parameters"
+        if any(p.gather_hooks for p in self.params):
+            return "a parameter has fsdp_pre_all_gather/fsdp_post_all_gather, which only the eager runtime calls"
         return None
 
     def reset_backward_state(self) -> None:

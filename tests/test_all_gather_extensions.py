@@ -1,0 +1,201 @@
+"""FSDP2's all-gather extension: a parameter whose class defines `fsdp_pre_all_gather` and
+`fsdp_post_all_gather` is gathered as what the pre-hook returns and rebuilt by the post-hook.
+
+The subclass (tests/_fp8_weight.py) gathers float8 bytes with a per-tensor scale. Against torch's
+`fully_shard` with the same subclass: losses, every gradient, final parameters, and the bytes each
+all-gather moves (1 per weight element, 4 per fp32 bias element).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fsdp_graph
+from _fp8_weight import Fp8AllGatherWeight
+from _harness import run_ranks
+from _models import global_mean
+from fsdp_graph import fully_shard
+
+
+class _AllGatherBytes(TorchDispatchMode):
+    """Records (dtype, bytes) of every all-gather collective's output.
+
+    Only the collectives count: c10d's `_allgather_base_` (eager, output first), `allgather_`
+    (eager, a list of per-rank output lists) and the functional `all_gather_into_tensor` (its
+    result). Helper ops with "all_gather" in their name, such as FSDP2's `fsdp.all_gather_copy_in`,
+    move nothing and are not recorded.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.gathers = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        namespace, name = func.namespace, func._schema.name.split("::")[-1]
+        if namespace == "c10d" and name == "_allgather_base_":
+            self._record([args[0]])
+        elif namespace == "c10d" and name == "allgather_":
+            self._record([t for per_rank in args[0] for t in per_rank])
+        elif namespace == "_c10d_functional" and name.startswith("all_gather_into_tensor"):
+            self._record(out if isinstance(out, (list, tuple)) else [out])
+        return out
+
+    def _record(self, outputs):
+        dtypes = {t.dtype for t in outputs}
+        assert len(dtypes) == 1, f"one all-gather moved several dtypes: {dtypes}"
+        self.gathers.append((dtypes.pop(), sum(t.numel() * t.element_size() for t in outputs)))
+
+
+def _fp8_mlp() -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3, bias=False))
+    for layer in model[0::2]:
+        layer.weight = nn.Parameter(Fp8AllGatherWeight.wrap(layer.weight))
+    return model
+
+
+def _shard(model, shard, **kwargs):
+    for layer in model[0::2]:
+        shard(layer, **kwargs)
+    shard(model, **kwargs)
+    return model
+
+
+def _against_torch(rank, world_size, reshard_after_forward):
+    torch.manual_seed(0)
+    model = _fp8_mlp()
+    ours = _shard(copy.deepcopy(model), fully_shard, reshard_after_forward=reshard_after_forward)
+    theirs = _shard(copy.deepcopy(model), torch_fully_shard, reshard_after_forward=reshard_after_forward)
+    assert type(ours[0].weight.to_local()) is Fp8AllGatherWeight
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    gathered, max_err = [], 0.0
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 8, generator=gen)[rank * 4 : (rank + 1) * 4]
+        losses = []
+        for net in (ours, theirs):
+            with _AllGatherBytes() as mode:
+                loss = net(x).pow(2).mean()
+                loss.backward()
+            gathered.append(mode.gathers)
+            losses.append(global_mean(loss))
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            err = (p.grad.to_local() - q.grad.to_local()).abs().max().item()
+            max_err = max(max_err, err)
+            torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert type(p.to_local()) is Fp8AllGatherWeight or p.ndim == 1, name
+        torch.testing.assert_close(p.to_local()._data if p.ndim == 2 else p.to_local(),
+                                   q.to_local()._data if q.ndim == 2 else q.to_local(), rtol=1e-5, atol=1e-6)
+    return gathered[0::2], gathered[1::2], max_err
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_fp8_all_gather_same_as_torch_fully_shard(reshard_after_forward):
+    ours, theirs, max_err = run_ranks(_against_torch, 2, reshard_after_forward)
+    assert ours == theirs  # same collectives, each of the same dtype and size
+    # Per step: the three layers once in forward (+ again in backward when resharding); every
+    # weight element is one byte, the middle layer's fp32 bias four. The last weight's 3 rows are
+    # padded to 2 per rank, as torch pads them.
+    weights, bias = 8 * 16 + 16 * 16 + 16 * 4, 16
+    forward = [(torch.uint8, 8 * 16), (torch.uint8, 16 * 16 + 4 * bias), (torch.uint8, 16 * 4)]
+    for step in ours:
+        assert sorted(step[:3], key=str) == sorted(forward, key=str)
+        assert sum(n for _, n in step[:3]) == weights + 4 * bias
+    print(f"max abs gradient error vs torch fully_shard: {max_err}; forward all-gather bytes "
+          f"{sum(n for _, n in ours[0][:3])} for {weights} (padded) weight + {bias} bias elements")
+
+
+def _compiled_against_torch(rank, world_size):
+    """`torch.compile(backend=fsdp_graph.backend(compiler="aot_eager"))` of the sharded model against
+    torch's eager `fully_shard`: same losses, gradients, parameters and all-gather bytes."""
+    torch.manual_seed(0)
+    model = _fp8_mlp()
+    sharded = _shard(copy.deepcopy(model), fully_shard)
+    theirs = _shard(copy.deepcopy(model), torch_fully_shard)
+    compiled = torch.compile(sharded, backend=fsdp_graph.backend(compiler="aot_eager"))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (sharded, theirs)]
+    gathered, max_err = [], 0.0
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 8, generator=gen)[rank * 4 : (rank + 1) * 4]
+        losses = []
+        for net in (compiled, theirs):
+            with _AllGatherBytes() as mode:
+                loss = net(x).pow(2).mean()
+                loss.backward()
+            gathered.append(mode.gathers)
+            losses.append(global_mean(loss))
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+        for (name, p), q in zip(sharded.named_parameters(), theirs.parameters()):
+            err = (p.grad.to_local() - q.grad.to_local()).abs().max().item()
+            max_err = max(max_err, err)
+            torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(sharded.named_parameters(), theirs.parameters()):
+        local, expected = p.to_local(), q.to_local()
+        if p.ndim == 2:
+            assert type(local) is Fp8AllGatherWeight, name
+            local, expected = local._data, expected._data
+        torch.testing.assert_close(local, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    return gathered[0::2], gathered[1::2], max_err, dict(sharded._fsdp_state.ctx.fallbacks)
+
+
+def test_fp8_all_gather_compiled_same_as_torch_fully_shard():
+    ours, theirs, max_err, fallbacks = run_ranks(_compiled_against_torch, 2)
+    # The groups run on the eager hooks, each logged with the reason (see ParamGroup.eager_only_reason).
+    assert sorted(fallbacks) == ["0", "2", "4", "<root>"], fallbacks
+    assert all("fsdp_pre_all_gather" in why for why in fallbacks.values()), fallbacks
+    assert ours == theirs  # the fp8 bytes are still what moves: 1 per weight element
+    assert all(dtype == torch.uint8 for step in ours for dtype, _ in step), ours
+    print(f"compiled: max abs gradient error vs torch fully_shard: {max_err}; all-gather bytes per step "
+          f"{[sum(n for _, n in step) for step in ours]}")
+
+
+class _OnlyPre(torch.Tensor):
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self,), None
+
+
+class _BadArity(Fp8AllGatherWeight):
+    def fsdp_pre_all_gather(self, mesh, outer_size):
+        return super().fsdp_pre_all_gather(mesh, outer_size, None, None, None)
+
+
+class _BadResult(Fp8AllGatherWeight):
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return self._data  # not (inputs, metadata)
+
+
+def test_all_gather_extension_misuse():
+    from _harness import fake_process_group
+
+    with fake_process_group(2):
+        only_pre = nn.Linear(4, 4)
+        only_pre.weight = nn.Parameter(only_pre.weight.detach().as_subclass(_OnlyPre))
+        with pytest.raises(ValueError, match="defines only one of fsdp_pre_all_gather and fsdp_post_all_gather"):
+            fully_shard(only_pre)
+        bad_arity = nn.Linear(4, 4)
+        bad_arity.weight = nn.Parameter(_BadArity.wrap(bad_arity.weight))
+        with pytest.raises(TypeError, match=r"takes 2 arguments; FSDP2's contract is \(mesh, orig_size"):
+            fully_shard(bad_arity)
+        dim1 = nn.Linear(4, 4)
+        dim1.weight = nn.Parameter(Fp8AllGatherWeight.wrap(dim1.weight))
+        with pytest.raises(ValueError, match=r"dim 0 only; return Shard\(0\)"):
+            fully_shard(dim1, shard_placement_fn=lambda p: Shard(1))
+        bad_result = nn.Linear(4, 4)
+        bad_result.weight = nn.Parameter(_BadResult.wrap(bad_result.weight))
+        fully_shard(bad_result)
+        with pytest.raises(TypeError, match=r"return \(all_gather_inputs, metadata\)"):
+            bad_result.unshard()
