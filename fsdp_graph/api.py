@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch._dynamo.eval_frame import OptimizedModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -316,7 +316,7 @@ def fully_shard(
         )
     owners = _collect_params(modules, ignored)
     _check_devices(owners)
-    _check_shardable(owners)
+    _check_shardable(owners, mesh)
     _check_no_compile_regions(modules, owners)
     params = []
     for param, param_owners, fqn in owners:
@@ -590,8 +590,8 @@ def _check_devices(owners) -> None:
         )
 
 
-def _check_shardable(owners) -> None:
-    """Every parameter can be sharded on dim 0 as a plain tensor; raise once listing those that cannot."""
+def _check_shardable(owners, mesh: DeviceMesh) -> None:
+    """Every parameter can be sharded on dim 0 over `mesh`; raise once listing those that cannot."""
     problems = []
     for param, _, fqn in owners:
         if param.dim() == 0:
@@ -600,13 +600,48 @@ def _check_shardable(owners) -> None:
                 f"with ignored_params={{...}} or give it shape (1,)"
             )
         elif isinstance(param, DTensor):
-            problems.append(
-                f"'{fqn}' is already a DTensor with placements {param.placements}; fsdp_graph shards "
-                f"plain tensors only (no tensor parallelism yet): pass it in ignored_params or "
-                f"apply fully_shard to plain parameters"
-            )
+            problem = _tensor_parallel_problem(param, mesh)
+            if problem is not None:
+                problems.append(f"'{fqn}' {problem}")
     if problems:
         raise ValueError("fully_shard cannot shard these parameters:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _tensor_parallel_problem(param: DTensor, mesh: DeviceMesh) -> Optional[str]:
+    """Why a DTensor parameter (tensor parallel) cannot be sharded over the data-parallel `mesh`,
+    or None. See [Note: Sharding a tensor-parallel parameter] in runtime/param.py."""
+    tp_mesh, placements = param.device_mesh, tuple(param.placements)
+    fix = (
+        "apply parallelize_module(model, mesh['tp'], plan) with the tp axis of the same mesh "
+        "whose dp axis you pass: fully_shard(block, mesh=mesh['dp'])"
+    )
+    if tp_mesh.ndim != 1:
+        return (
+            f"is a DTensor on a {tp_mesh.ndim}-D mesh {tp_mesh}; fsdp_graph composes with 1-D tensor "
+            f"parallelism only: {fix}"
+        )
+    if mesh.ndim != 1:
+        return (
+            f"is a tensor-parallel DTensor, which fsdp_graph does not combine with HSDP (a 2-D data-"
+            f"parallel mesh) yet; pass a 1-D data-parallel mesh: fully_shard(block, mesh=mesh['dp'])"
+        )
+    for placement in placements:
+        if not (type(placement) is Shard or isinstance(placement, Replicate)):
+            return (
+                f"is a DTensor with placements {placements}; a tensor-parallel parameter must be "
+                f"Shard(dim) or Replicate() on its mesh (as ColwiseParallel / RowwiseParallel leave it)"
+            )
+    if tp_mesh.device_type != mesh.device_type:
+        return f"is a DTensor on a {tp_mesh.device_type} mesh, but fully_shard's mesh is {mesh.device_type}; {fix}"
+    try:
+        DeviceMesh._concatenate([mesh, tp_mesh])
+    except Exception as error:  # torch raises RuntimeError, or fails on unnamed meshes
+        return (
+            f"is a DTensor on mesh {tp_mesh}, which cannot be combined with fully_shard's mesh {mesh} "
+            f"into one (dp, tp) mesh ({type(error).__name__}: {error}); both must be disjoint named "
+            f"axes of one init_device_mesh(...): {fix}"
+        )
+    return None
 
 
 def _check_no_compile_regions(modules: list[nn.Module], owners) -> None:
