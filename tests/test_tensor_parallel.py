@@ -1,0 +1,297 @@
+"""FSDP composed with tensor parallelism on a 2x2 (dp, tp) mesh of 4 gloo ranks.
+
+`parallelize_module` first (colwise/rowwise), then `fully_shard` over mesh["dp"]. References: the
+unsharded model on the global batch (dp ranks see different data, the tp ranks of a dp rank the same),
+and torch's own `fully_shard` composed the same way.
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from _harness import fake_process_group, run_ranks
+from _models import global_mean
+import fsdp_graph
+from fsdp_graph import fully_shard
+
+VOCAB, DIM, HEADS, HIDDEN, SEQ = 30, 16, 4, 36, 6  # vocab 30: tp-local 15 rows, uneven over dp
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = DIM // HEADS
+        self.wq = nn.Linear(DIM, DIM)
+        self.wk = nn.Linear(DIM, DIM, bias=False)
+        self.wv = nn.Linear(DIM, DIM, bias=False)
+        self.wo = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank computes its own heads
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.attention = Attention()
+        self.norm2 = nn.LayerNorm(DIM)
+        self.mlp = MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, num_blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(num_blocks))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+BLOCK_PLAN = {
+    "attention.wq": ColwiseParallel(),
+    "attention.wk": ColwiseParallel(),
+    "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(),
+    "mlp.up": ColwiseParallel(),
+    "mlp.down": RowwiseParallel(),
+}
+
+
+def parallelize(model: Transformer, mesh, shard=fully_shard, **kwargs) -> Transformer:
+    """The composition users write: tensor parallel first, then fully_shard per block and the root."""
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], BLOCK_PLAN)
+    parallelize_module(model, mesh["tp"], {"head": ColwiseParallel(output_layouts=Replicate())})
+    for block in model.blocks:
+        shard(block, mesh=mesh["dp"], **kwargs)
+    shard(model, mesh=mesh["dp"], **kwargs)
+    return model
+
+
+def batch(step: int, mesh):
+    """(global tokens, global targets, this dp rank's slice of both); tp ranks share a slice."""
+    gen = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=gen)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    local = slice(dp_rank * 8 // dp_size, (dp_rank + 1) * 8 // dp_size)
+    return x, y, x[local], y[local]
+
+
+def loss_of(model, x, y) -> torch.Tensor:
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def mesh_2x2():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _against_unsharded(rank, world_size, steps=3):
+    mesh = mesh_2x2()
+    torch.manual_seed(0)
+    reference = Transformer()
+    model = parallelize(copy.deepcopy(reference), mesh)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
+    losses, max_grad_diff = [], 0.0
+    ref_params = dict(reference.named_parameters())
+    for step in range(steps):
+        x, y, lx, ly = batch(step, mesh)
+        ref_loss = loss_of(reference, x, y)
+        ref_loss.backward()
+        loss = loss_of(model, lx, ly)
+        loss.backward()
+        got = global_mean(loss)
+        torch.testing.assert_close(got, ref_loss.item(), rtol=1e-5, atol=1e-6)
+        losses.append((got, ref_loss.item()))
+        for name, p in model.named_parameters():
+            assert tuple(p.grad.placements) == tuple(p.placements), name
+            grad = full(p.grad)
+            torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            max_grad_diff = max(max_grad_diff, (grad - ref_params[name].grad).abs().max().item())
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full(p.detach()), ref_params[name].detach(), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+    return placements, losses, max_grad_diff
+
+
+def test_same_training_as_unsharded_model():
+    placements, losses, max_grad_diff = run_ranks(_against_unsharded, 4)
+    strided = (_StridedShard(0, split_factor=2), Shard(0))
+    assert placements["blocks.0.attention.wq.weight"] == strided
+    assert placements["blocks.0.attention.wq.bias"] == strided
+    assert placements["blocks.0.mlp.down.weight"] == (Shard(0), Shard(1))
+    assert placements["blocks.0.mlp.down.bias"] == (Shard(0), Replicate())
+    assert placements["head.weight"] == strided
+    assert placements["blocks.1.norm1.weight"] == (Shard(0),)  # plain parameters: dp only
+    assert placements["embed.weight"] == (Shard(0),)
+    print("losses (ours, unsharded):", losses, "max |grad diff|:", max_grad_diff)
+
+
+def _against_torch_fully_shard(rank, world_size, steps=3):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = mesh_2x2()
+    torch.manual_seed(0)
+    model = Transformer()
+    ours = parallelize(copy.deepcopy(model), mesh)
+    theirs = parallelize(copy.deepcopy(model), mesh, shard=torch_fully_shard)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    theirs_params = dict(theirs.named_parameters())
+    max_diff = 0.0
+    for step in range(steps):
+        _, _, x, y = batch(step, mesh)
+        losses = []
+        for m in (ours, theirs):
+            loss = loss_of(m, x, y)
+            loss.backward()
+            losses.append(global_mean(loss))
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+        for name, p in ours.named_parameters():
+            q = theirs_params[name]
+            assert p.placements == q.placements and p.device_mesh == q.device_mesh, name
+            assert p.grad.placements == q.grad.placements, name
+            torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            max_diff = max(max_diff, (p.grad.to_local() - q.grad.to_local()).abs().max().item())
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.to_local(), theirs_params[name].to_local(), rtol=1e-5, atol=1e-6)
+    return max_diff
+
+
+def test_same_training_as_torch_fully_shard():
+    max_diff = run_ranks(_against_torch_fully_shard, 4)
+    print("max |grad diff| against torch's fully_shard:", max_diff)
+
+
+def _state_dict_round_trip(rank, world_size):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = mesh_2x2()
+    torch.manual_seed(0)
+    reference = Transformer()
+    model = parallelize(copy.deepcopy(reference), mesh)
+    state = model.state_dict()
+    ref_state = reference.state_dict()
+    assert state.keys() == ref_state.keys()
+    for key, value in state.items():
+        assert isinstance(value, DTensor), key
+        torch.testing.assert_close(value.full_tensor(), ref_state[key], rtol=0, atol=0)
+    num_2d = sum(v.device_mesh.ndim == 2 for v in state.values())
+
+    # Train torch's fully_shard (same composition) a step, then load its state dict into ours.
+    theirs = parallelize(copy.deepcopy(reference), mesh, shard=torch_fully_shard)
+    opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    _, _, x, y = batch(0, mesh)
+    loss_of(theirs, x, y).backward()
+    opt.step()
+    model.load_state_dict(theirs.state_dict())
+    theirs_params = dict(theirs.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.to_local(), theirs_params[name].to_local(), rtol=0, atol=0)
+    # and the loaded model trains on: same loss as theirs on the next batch
+    _, _, x, y = batch(1, mesh)
+    with torch.no_grad():
+        torch.testing.assert_close(global_mean(loss_of(model, x, y)), global_mean(loss_of(theirs, x, y)), rtol=1e-6, atol=0)
+    return num_2d
+
+
+def test_state_dict_round_trip_and_load_from_torch_fully_shard():
+    num_2d = run_ranks(_state_dict_round_trip, 4)
+    assert num_2d == 2 * 10 + 2  # per block: wq (w, b), wk, wv, wo (w, b), up (w, b), down (w, b); head (w, b)
+
+
+def _compiled(rank, world_size):
+    mesh = mesh_2x2()
+    torch.manual_seed(0)
+    model = Transformer()
+    eager = parallelize(copy.deepcopy(model), mesh)
+    compiled = torch.compile(parallelize(copy.deepcopy(model), mesh), backend=fsdp_graph.backend(compiler="aot_eager"))
+    warnings = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    handler = Capture(level=logging.WARNING)
+    logging.getLogger("fsdp_graph").addHandler(handler)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, compiled)]
+    for step in range(2):
+        _, _, x, y = batch(step, mesh)
+        losses = []
+        for m in (eager, compiled):
+            loss = loss_of(m, x, y)
+            loss.backward()
+            losses.append(loss.item())
+        assert losses[0] == losses[1], (step, losses)
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            assert torch.equal(p.grad.to_local(), q.grad.to_local()), name
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    logging.getLogger("fsdp_graph").removeHandler(handler)
+    return warnings
+
+
+def test_compiled_runs_tensor_parallel_groups_on_the_eager_hooks():
+    warnings = run_ranks(_compiled, 4)
+    assert any("fallback" in w and "tensor-parallel" in w for w in warnings), warnings
+
+
+def test_unsupported_tensor_parallel_layouts_raise_value_errors():
+    with fake_process_group(8):
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "dp", "tp"))
+        with pytest.raises(ValueError, match=r"HSDP.*mesh=mesh\['dp'\]"):
+            fully_shard(parallelize_module(MLP(), mesh["tp"], {"up": ColwiseParallel()}), mesh=mesh["rep", "dp"])
+        with pytest.raises(ValueError, match=r"2-D mesh.*1-D tensor parallelism"):
+            mlp = MLP()
+            mlp.up.weight = nn.Parameter(torch.distributed.tensor.distribute_tensor(
+                mlp.up.weight.detach(), mesh["dp", "tp"], (Shard(0), Shard(1))))
+            fully_shard(mlp, mesh=mesh["rep"])
+        with pytest.raises(ValueError, match=r"cannot be combined with fully_shard's mesh"):
+            fully_shard(parallelize_module(MLP(), mesh["tp"], {"up": ColwiseParallel()}), mesh=mesh["tp"])
