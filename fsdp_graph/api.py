@@ -612,8 +612,8 @@ def _tensor_parallel_problem(param: DTensor, mesh: DeviceMesh) -> Optional[str]:
     or None. See [Note: Sharding a tensor-parallel parameter] in runtime/param.py."""
     tp_mesh, placements = param.device_mesh, tuple(param.placements)
     fix = (
-        "apply parallelize_module(model, mesh['tp'], plan) with the tp axis of the same mesh "
-        "whose dp axis you pass: fully_shard(block, mesh=mesh['dp'])"
+        "build one mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=('dp', 'tp')), "
+        "apply parallelize_module(model, mesh['tp'], plan), then fully_shard(block, mesh=mesh['dp'])"
     )
     if tp_mesh.ndim != 1:
         return (
@@ -633,13 +633,17 @@ def _tensor_parallel_problem(param: DTensor, mesh: DeviceMesh) -> Optional[str]:
             )
     if tp_mesh.device_type != mesh.device_type:
         return f"is a DTensor on a {tp_mesh.device_type} mesh, but fully_shard's mesh is {mesh.device_type}; {fix}"
+    if tp_mesh.mesh_dim_names is None or mesh.mesh_dim_names is None:
+        return (
+            f"is a DTensor on mesh {tp_mesh} and fully_shard's mesh is {mesh}; combining tensor "
+            f"parallelism with fully_shard needs both to be named axes of one mesh: {fix}"
+        )
     try:
         DeviceMesh._concatenate([mesh, tp_mesh])
-    except Exception as error:  # torch raises RuntimeError, or fails on unnamed meshes
+    except RuntimeError as error:  # other root meshes, or overlapping axes
         return (
             f"is a DTensor on mesh {tp_mesh}, which cannot be combined with fully_shard's mesh {mesh} "
-            f"into one (dp, tp) mesh ({type(error).__name__}: {error}); both must be disjoint named "
-            f"axes of one init_device_mesh(...): {fix}"
+            f"into one (dp, tp) mesh ({error}); both must be disjoint axes of one mesh: {fix}"
         )
     return None
 
