@@ -307,9 +307,10 @@ class ShardedParam:
         world = self.mesh_info.shard_size
         local = self.local_shard
         group = self.mesh_info.shard_group
-        if self.mesh_info.is_hsdp or self.tp is not None or src not in dist.get_process_group_ranks(group):
-            # The source is not in this shard group (or holds other tp pieces): every rank receives
-            # the whole parameter.
+        if self.tp is not None or dist.get_world_size(group) != dist.get_world_size():
+            # The shard group is not every rank (HSDP, a dp axis beside tp or pp), so the source is
+            # not in every rank's shard group: every rank receives the whole parameter. The test
+            # must read the same on every rank, or some would scatter while others broadcast.
             whole = full.to(self.device, self.orig_dtype) if dist.get_rank() == src else torch.empty(
                 self.orig_size, dtype=self.orig_dtype, device=self.device
             )

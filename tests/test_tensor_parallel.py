@@ -21,6 +21,7 @@ from _harness import fake_process_group, run_ranks
 from _models import global_mean
 import fsdp_graph
 from fsdp_graph import fully_shard
+from fsdp_graph.full_params import full_state_dict, load_full_state_dict, summon_full_params
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ = 30, 16, 4, 36, 6  # vocab 30: tp-local 15 rows, uneven over dp
 
@@ -238,6 +239,17 @@ def _state_dict_round_trip(rank, world_size):
     _, _, x, y = batch(1, mesh)
     with torch.no_grad():
         torch.testing.assert_close(global_mean(loss_of(model, x, y)), global_mean(loss_of(theirs, x, y)), rtol=1e-6, atol=0)
+
+    # The FSDP1 conveniences: a full state dict out, one scattered from rank 0 in, writeback.
+    trained = full_state_dict(model, rank0_only=False)
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(trained[key], value.full_tensor(), rtol=0, atol=0)
+    load_full_state_dict(model, ref_state if rank == 0 else None)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value.full_tensor(), ref_state[key], rtol=0, atol=0)
+    with summon_full_params(model, writeback=True), torch.no_grad():
+        model.blocks[0].mlp.up.weight.mul_(2.0)
+    torch.testing.assert_close(model.blocks[0].mlp.up.weight.full_tensor(), 2.0 * ref_state["blocks.0.mlp.up.weight"])
     return num_2d
 
 
