@@ -102,12 +102,12 @@ def parallelize(model: Transformer, mesh, shard=fully_shard, **kwargs) -> Transf
     return model
 
 
-def batch(step: int, mesh):
+def batch(step: int, dp_mesh):
     """(global tokens, global targets, this dp rank's slice of both); tp ranks share a slice."""
     gen = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     local = slice(dp_rank * 8 // dp_size, (dp_rank + 1) * 8 // dp_size)
     return x, y, x[local], y[local]
 
@@ -135,7 +135,7 @@ def _against_unsharded(rank, world_size, steps=3):
     losses, max_grad_diff = [], 0.0
     ref_params = dict(reference.named_parameters())
     for step in range(steps):
-        x, y, lx, ly = batch(step, mesh)
+        x, y, lx, ly = batch(step, mesh["dp"])
         ref_loss = loss_of(reference, x, y)
         ref_loss.backward()
         loss = loss_of(model, lx, ly)
@@ -183,7 +183,7 @@ def _against_torch_fully_shard(rank, world_size, steps=3):
     theirs_params = dict(theirs.named_parameters())
     max_diff = 0.0
     for step in range(steps):
-        _, _, x, y = batch(step, mesh)
+        _, _, x, y = batch(step, mesh["dp"])
         losses = []
         for m in (ours, theirs):
             loss = loss_of(m, x, y)
@@ -228,7 +228,7 @@ def _state_dict_round_trip(rank, world_size):
     # Train torch's fully_shard (same composition) a step, then load its state dict into ours.
     theirs = parallelize(copy.deepcopy(reference), mesh, shard=torch_fully_shard)
     opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
-    _, _, x, y = batch(0, mesh)
+    _, _, x, y = batch(0, mesh["dp"])
     loss_of(theirs, x, y).backward()
     opt.step()
     model.load_state_dict(theirs.state_dict())
@@ -236,7 +236,7 @@ def _state_dict_round_trip(rank, world_size):
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.to_local(), theirs_params[name].to_local(), rtol=0, atol=0)
     # and the loaded model trains on: same loss as theirs on the next batch
-    _, _, x, y = batch(1, mesh)
+    _, _, x, y = batch(1, mesh["dp"])
     with torch.no_grad():
         torch.testing.assert_close(global_mean(loss_of(model, x, y)), global_mean(loss_of(theirs, x, y)), rtol=1e-6, atol=0)
 
@@ -258,6 +258,46 @@ def test_state_dict_round_trip_and_load_from_torch_fully_shard():
     assert num_2d == 2 * 10 + 2  # per block: wq (w, b), wk, wv, wo (w, b), up (w, b), down (w, b); head (w, b)
 
 
+def _checkpoint_2x2_into_dp4(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+
+    mesh = mesh_2x2()
+    torch.manual_seed(0)
+    model = parallelize(Transformer(), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _, _, x, y = batch(0, mesh["dp"])
+    loss_of(model, x, y).backward()
+    opt.step()
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    saved = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    _, _, x, y = batch(1, mesh["dp"])
+    with torch.no_grad():
+        loss_2x2 = global_mean(loss_of(model, x, y))
+
+    torch.manual_seed(1)  # other initial values, overwritten by the load
+    other = Transformer()
+    dp4 = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    for block in other.blocks:
+        fully_shard(block, mesh=dp4)
+    fully_shard(other, mesh=dp4)
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    other.load_state_dict(state)
+    for key, value in other.state_dict().items():
+        assert value.placements == (Shard(0),), key
+        torch.testing.assert_close(value.full_tensor(), saved[key], rtol=0, atol=0)
+    _, _, x, y = batch(1, dp4)
+    with torch.no_grad():
+        loss_dp4 = global_mean(loss_of(other, x, y))
+    torch.testing.assert_close(loss_dp4, loss_2x2, rtol=1e-6, atol=0)
+    return loss_2x2, loss_dp4
+
+
+def test_checkpoint_from_2x2_loads_into_dp4(tmp_path):
+    losses = run_ranks(_checkpoint_2x2_into_dp4, 4, str(tmp_path / "ckpt"))
+    print("loss on the next batch (2x2, dp=4 after load):", losses)
+
+
 def _compiled(rank, world_size):
     mesh = mesh_2x2()
     torch.manual_seed(0)
@@ -274,7 +314,7 @@ def _compiled(rank, world_size):
     logging.getLogger("fsdp_graph").addHandler(handler)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, compiled)]
     for step in range(2):
-        _, _, x, y = batch(step, mesh)
+        _, _, x, y = batch(step, mesh["dp"])
         losses = []
         for m in (eager, compiled):
             loss = loss_of(m, x, y)
