@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from _harness import fake_process_group, run_ranks
 from _models import global_mean
 import fsdp_graph
-from fsdp_graph import fully_shard
+from fsdp_graph import MixedPrecisionPolicy, fully_shard
 from fsdp_graph.full_params import full_state_dict, load_full_state_dict, summon_full_params
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ = 30, 16, 4, 36, 6  # vocab 30: tp-local 15 rows, uneven over dp
@@ -171,14 +171,16 @@ def test_same_training_as_unsharded_model():
     print("losses (ours, unsharded):", losses, "max |grad diff|:", max_grad_diff)
 
 
-def _against_torch_fully_shard(rank, world_size, steps=3):
+def _against_torch_fully_shard(rank, world_size, bf16, steps=3):
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     mesh = mesh_2x2()
     torch.manual_seed(0)
     model = Transformer()
-    ours = parallelize(copy.deepcopy(model), mesh)
-    theirs = parallelize(copy.deepcopy(model), mesh, shard=torch_fully_shard)
+    mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
+    ours = parallelize(copy.deepcopy(model), mesh, mp_policy=MixedPrecisionPolicy(**mp))
+    theirs = parallelize(copy.deepcopy(model), mesh, shard=torch_fully_shard, mp_policy=TorchMixedPrecisionPolicy(**mp))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
     theirs_params = dict(theirs.named_parameters())
     max_diff = 0.0
@@ -205,8 +207,9 @@ def _against_torch_fully_shard(rank, world_size, steps=3):
     return max_diff
 
 
-def test_same_training_as_torch_fully_shard():
-    max_diff = run_ranks(_against_torch_fully_shard, 4)
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16_params"])
+def test_same_training_as_torch_fully_shard(bf16):
+    max_diff = run_ranks(_against_torch_fully_shard, 4, bf16)
     print("max |grad diff| against torch's fully_shard:", max_diff)
 
 
