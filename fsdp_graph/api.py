@@ -283,8 +283,9 @@ def fully_shard(
     """Shard `module`'s parameters (those not already in a nested group) as one communication group.
 
     Parameters become DTensors sharded on dim 0 over `mesh` (1-D, or 2-D for HSDP: replicate on
-    axis 0, shard on axis 1), under unchanged names. The module's class becomes `FSDP<Cls>`. Call it
-    bottom-up: blocks first, then the root.
+    axis 0, shard on axis 1), under unchanged names. Parameters tensor parallelism already made
+    DTensors (on the tp axis of the same mesh) become DTensors over (dp, tp); see README, Tensor
+    parallel. The module's class becomes `FSDP<Cls>`. Call it bottom-up: blocks first, then the root.
     """
     modules = _check_modules(module)
     mesh = _check_mesh(mesh)
