@@ -14,7 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+)
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from _harness import fake_process_group, run_ranks
@@ -91,11 +93,29 @@ BLOCK_PLAN = {
 }
 
 
-def parallelize(model: Transformer, mesh, shard=fully_shard, **kwargs) -> Transformer:
+# Sequence parallel (as torchtitan): norms and residuals on sequence shards, the embedding rowwise.
+SEQUENCE_PARALLEL_BLOCK_PLAN = {
+    **BLOCK_PLAN,
+    "norm1": SequenceParallel(),
+    "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    "norm2": SequenceParallel(),
+    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+}
+SEQUENCE_PARALLEL_ROOT_PLAN = {
+    "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "norm": SequenceParallel(),
+    "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+}
+
+
+def parallelize(model: Transformer, mesh, shard=fully_shard, sequence_parallel=False, **kwargs) -> Transformer:
     """The composition users write: tensor parallel first, then fully_shard per block and the root."""
     for block in model.blocks:
-        parallelize_module(block, mesh["tp"], BLOCK_PLAN)
-    parallelize_module(model, mesh["tp"], {"head": ColwiseParallel(output_layouts=Replicate())})
+        parallelize_module(block, mesh["tp"], SEQUENCE_PARALLEL_BLOCK_PLAN if sequence_parallel else BLOCK_PLAN)
+    root_plan = SEQUENCE_PARALLEL_ROOT_PLAN if sequence_parallel else {"head": ColwiseParallel(output_layouts=Replicate())}
+    parallelize_module(model, mesh["tp"], root_plan)
     for block in model.blocks:
         shard(block, mesh=mesh["dp"], **kwargs)
     shard(model, mesh=mesh["dp"], **kwargs)
@@ -299,6 +319,54 @@ def _checkpoint_2x2_into_dp4(rank, world_size, path):
 def test_checkpoint_from_2x2_loads_into_dp4(tmp_path):
     losses = run_ranks(_checkpoint_2x2_into_dp4, 4, str(tmp_path / "ckpt"))
     print("loss on the next batch (2x2, dp=4 after load):", losses)
+
+
+def _sequence_parallel(rank, world_size, steps=3):
+    """Unsharded reference, ours and torch's fully_shard, all trained side by side."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = mesh_2x2()
+    torch.manual_seed(0)
+    reference = Transformer()
+    ours = parallelize(copy.deepcopy(reference), mesh, sequence_parallel=True)
+    theirs = parallelize(copy.deepcopy(reference), mesh, shard=torch_fully_shard, sequence_parallel=True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, ours, theirs)]
+    ref_params, theirs_params = dict(reference.named_parameters()), dict(theirs.named_parameters())
+    max_diff = 0.0
+    for step in range(steps):
+        x, y, lx, ly = batch(step, mesh["dp"])
+        ref_loss = loss_of(reference, x, y)
+        ref_loss.backward()
+        losses = []
+        for m in (ours, theirs):
+            loss = loss_of(m, lx, ly)
+            loss.backward()
+            losses.append(global_mean(loss))
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+        torch.testing.assert_close(losses[0], ref_loss.item(), rtol=1e-5, atol=1e-6)
+        for name, p in ours.named_parameters():
+            q = theirs_params[name]
+            assert p.placements == q.placements and p.grad.placements == q.grad.placements, name
+            torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            grad = p.grad.full_tensor()
+            torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            max_diff = max(max_diff, (grad - ref_params[name].grad).abs().max().item())
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.to_local(), theirs_params[name].to_local(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.detach().full_tensor(), ref_params[name].detach(), rtol=1e-5, atol=1e-5)
+    return {n: tuple(p.placements) for n, p in ours.named_parameters()}, max_diff
+
+
+def test_sequence_parallel_matches_unsharded_and_torch_fully_shard():
+    placements, max_diff = run_ranks(_sequence_parallel, 4)
+    assert placements["blocks.0.norm1.weight"] == (Shard(0), Replicate())  # SequenceParallel: Replicate on tp
+    assert placements["embed.weight"] == (_StridedShard(0, split_factor=2), Shard(0))
+    print("sequence parallel, max |grad diff| against unsharded:", max_diff)
 
 
 def _compiled(rank, world_size):
