@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch._dynamo.eval_frame import OptimizedModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -309,8 +309,9 @@ def fully_shard(
     """Shard `module`'s parameters (those not already in a nested group) as one communication group.
 
     Parameters become DTensors sharded on dim 0 over `mesh` (1-D, or 2-D for HSDP: replicate on
-    axis 0, shard on axis 1), under unchanged names. The module's class becomes `FSDP<Cls>`. Call it
-    bottom-up: blocks first, then the root.
+    axis 0, shard on axis 1), under unchanged names. Parameters tensor parallelism already made
+    DTensors (on the tp axis of the same mesh) become DTensors over (dp, tp); see README, Tensor
+    parallel. The module's class becomes `FSDP<Cls>`. Call it bottom-up: blocks first, then the root.
     """
     modules = _check_modules(module)
     mesh = _check_mesh(mesh)
@@ -342,7 +343,7 @@ def fully_shard(
         )
     owners = _collect_params(modules, ignored)
     _check_devices(owners)
-    _check_shardable(owners)
+    _check_shardable(owners, mesh)
     _check_no_compile_regions(modules, owners)
     params = []
     for param, param_owners, fqn in owners:
@@ -623,8 +624,8 @@ def _check_devices(owners) -> None:
         )
 
 
-def _check_shardable(owners) -> None:
-    """Every parameter can be sharded on dim 0 as a plain tensor; raise once listing those that cannot."""
+def _check_shardable(owners, mesh: DeviceMesh) -> None:
+    """Every parameter can be sharded on dim 0 over `mesh`; raise once listing those that cannot."""
     problems = []
     for param, _, fqn in owners:
         if param.dim() == 0:
@@ -633,13 +634,52 @@ def _check_shardable(owners) -> None:
                 f"with ignored_params={{...}} or give it shape (1,)"
             )
         elif isinstance(param, DTensor):
-            problems.append(
-                f"'{fqn}' is already a DTensor with placements {param.placements}; fsdp_graph shards "
-                f"plain tensors only (no tensor parallelism yet): pass it in ignored_params or "
-                f"apply fully_shard to plain parameters"
-            )
+            problem = _tensor_parallel_problem(param, mesh)
+            if problem is not None:
+                problems.append(f"'{fqn}' {problem}")
     if problems:
         raise ValueError("fully_shard cannot shard these parameters:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _tensor_parallel_problem(param: DTensor, mesh: DeviceMesh) -> Optional[str]:
+    """Why a DTensor parameter (tensor parallel) cannot be sharded over the data-parallel `mesh`,
+    or None. See [Note: Sharding a tensor-parallel parameter] in runtime/param.py."""
+    tp_mesh, placements = param.device_mesh, tuple(param.placements)
+    fix = (
+        "build one mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=('dp', 'tp')), "
+        "apply parallelize_module(model, mesh['tp'], plan), then fully_shard(block, mesh=mesh['dp'])"
+    )
+    if tp_mesh.ndim != 1:
+        return (
+            f"is a DTensor on a {tp_mesh.ndim}-D mesh {tp_mesh}; fsdp_graph composes with 1-D tensor "
+            f"parallelism only: {fix}"
+        )
+    if mesh.ndim != 1:
+        return (
+            f"is a tensor-parallel DTensor, which fsdp_graph does not combine with HSDP (a 2-D data-"
+            f"parallel mesh) yet; pass a 1-D data-parallel mesh: fully_shard(block, mesh=mesh['dp'])"
+        )
+    for placement in placements:
+        if not (type(placement) is Shard or isinstance(placement, Replicate)):
+            return (
+                f"is a DTensor with placements {placements}; a tensor-parallel parameter must be "
+                f"Shard(dim) or Replicate() on its mesh (as ColwiseParallel / RowwiseParallel leave it)"
+            )
+    if tp_mesh.device_type != mesh.device_type:
+        return f"is a DTensor on a {tp_mesh.device_type} mesh, but fully_shard's mesh is {mesh.device_type}; {fix}"
+    if tp_mesh.mesh_dim_names is None or mesh.mesh_dim_names is None:
+        return (
+            f"is a DTensor on mesh {tp_mesh} and fully_shard's mesh is {mesh}; combining tensor "
+            f"parallelism with fully_shard needs both to be named axes of one mesh: {fix}"
+        )
+    try:
+        DeviceMesh._concatenate([mesh, tp_mesh])
+    except RuntimeError as error:  # other root meshes, or overlapping axes
+        return (
+            f"is a DTensor on mesh {tp_mesh}, which cannot be combined with fully_shard's mesh {mesh} "
+            f"into one (dp, tp) mesh ({error}); both must be disjoint axes of one mesh: {fix}"
+        )
+    return None
 
 
 def _check_no_compile_regions(modules: list[nn.Module], owners) -> None:

@@ -88,7 +88,7 @@ def summon_full_params(
         with torch.no_grad():
             for p, full in summoned:
                 if writeback:
-                    p.local_shard.copy_(p.own_rows(full.detach()))
+                    p.local_shard.copy_(p.own_rows(p.tp_local(full.detach())))
                 p.install(sharded=True)
 
 

@@ -208,7 +208,7 @@ def copy_out(params: list[ShardedParam], work: AllGatherWork, world: int) -> Non
     # Refilling storage autograd saved is not a modification it should see: the values are the
     # ones forward used. Keep the version counters so saved-tensor checks still pass.
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(
-        tuple(p.unsharded_param for p in params)
+        tuple(t for p in params for t in p.unsharded_tensors())
     ):
         torch.split_with_sizes_copy(
             work.output.view(world, -1), [p.shard_numel for p in params], dim=1, out=outputs

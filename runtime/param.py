@@ -38,6 +38,19 @@ Gradients are the unsharded parameter's, reduce-scattered as usual. Compiled ste
 on the eager hooks (`ParamGroup.eager_only_reason`): the traced unshard gathers plain shards. (For
 whoever traces them: Dynamo inlines a hook called through the class, `type(shard).fsdp_pre_all_gather(
 shard, ...)`; called as a tensor method it tries to put the call in the graph and gives up.)
+
+[Note: Sharding a tensor-parallel parameter]
+A parameter that tensor parallelism already made a DTensor (`parallelize_module` on a `tp` mesh) is
+sharded as its tp-local tensor: everything above is said of `param.to_local()`, so the all-gather
+over the data-parallel ranks rebuilds exactly the tensor this tp rank computes with, and the
+unsharded parameter is that tensor wrapped again as a DTensor with the tp placements, as
+`parallelize_module` left it. Gradients arrive as tp DTensors; their local tensors (after moving
+them to the parameter's tp placements, e.g. Partial to Replicate) are reduce-scattered over the
+data-parallel ranks only. The sharded parameter is a DTensor over the mesh (dp..., tp) with
+placements (dp placements..., tp placement). When tp already splits the sharded dim into n pieces,
+the dp shard is a chunk of a tp chunk, not a chunk of the global tensor: DTensor spells that
+`_StridedShard(dim, split_factor=n)` on the dp axis, and torch's `fully_shard` writes the same,
+so state dicts and checkpoints of both interoperate.
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .policies import MixedPrecisionPolicy
 
@@ -95,6 +109,37 @@ class MeshInfo:
         return (Replicate(), Shard(shard_dim)) if self.is_hsdp else (Shard(shard_dim),)
 
 
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """How tensor parallelism split a parameter before `fully_shard` took it.
+
+    Attributes:
+        mesh: the 1-D tensor-parallel mesh the parameter is a DTensor on.
+        placements: its placements there (`Shard(d)` or `Replicate()`).
+    """
+
+    mesh: DeviceMesh
+    placements: tuple
+
+    def num_shards(self, dim: int) -> int:
+        """Into how many pieces tensor parallelism splits dim `dim`."""
+        return math.prod(
+            self.mesh.size(axis) for axis, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim
+        )
+
+
+def sharded_layout(
+    mesh_info: MeshInfo, shard_dim: int, tp: TensorParallelLayout | None
+) -> tuple[DeviceMesh, tuple]:
+    """The mesh and placements of a sharded parameter. See [Note: Sharding a tensor-parallel parameter]."""
+    if tp is None:
+        return mesh_info.mesh, mesh_info.placements(shard_dim)
+    split = tp.num_shards(shard_dim)
+    dp_shard = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+    dp_placements = (Replicate(), dp_shard) if mesh_info.is_hsdp else (dp_shard,)
+    return DeviceMesh._concatenate([mesh_info.mesh, tp.mesh]), (*dp_placements, *tp.placements)
+
+
 class ShardedParam:
     """Owns one parameter of a group from `fully_shard` until the module dies.
 
@@ -123,13 +168,18 @@ class ShardedParam:
         self.mesh_info = mesh_info
         self.device = device  # where unsharded parameters live
         self.shard_device = shard_device  # where the shard lives: `device`, or CPU when offloading
-        self.orig_size = param.size()
+        self.orig_size = param.size()  # the global shape, for a tensor-parallel parameter too
         self.orig_dtype = param.dtype
         self.unsharded_dtype = param_dtype or param.dtype
         self.requires_grad = param.requires_grad
 
+        # See [Note: Sharding a tensor-parallel parameter]: below, `param` is the tp-local tensor.
+        self.tp = TensorParallelLayout(param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
+        if self.tp is not None:
+            param = param.to_local()
+        self.local_size = param.size()  # the shape the module computes with on this rank
         self.shard_dim = shard_dim
-        self.placements = mesh_info.placements(shard_dim)
+        self.sharded_mesh, self.placements = sharded_layout(mesh_info, shard_dim, self.tp)
         # The shape of the parameter with the shard dim first, the layout the collectives move.
         self.moved_size = param.movedim(shard_dim, 0).size()
 
@@ -157,6 +207,12 @@ class ShardedParam:
                 f"Parameter '{fqn}' has fsdp_pre_all_gather, which fsdp_graph supports on dim 0 only; "
                 f"return Shard(0) or None from shard_placement_fn for it"
             )
+        if self.gather_hooks and self.tp is not None:
+            raise ValueError(
+                f"Parameter '{fqn}' has fsdp_pre_all_gather and is a tensor-parallel DTensor; fsdp_graph "
+                f"supports all-gather extensions on plain parameters only: apply the subclass to a model "
+                f"without tensor parallelism, or use a plain parameter here"
+            )
         self.mp_policy = mp_policy  # passed to fsdp_pre_all_gather
         if self.gather_hooks:
             self._shard_mesh = self._hook_mesh()
@@ -179,6 +235,9 @@ class ShardedParam:
         # in one `split_with_sizes_copy`; the parameter autograd sees is a view of its first dim0
         # rows. Its storage is empty whenever the group is sharded.
         self._unsharded_padded: torch.Tensor | None = None
+        # The unsharded tensor this rank computes with (plain); `unsharded_param` is it, or, for a
+        # tensor-parallel parameter, a tp DTensor around it. Both live from the first gather on.
+        self._unsharded_local: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
         # Gradients accumulated without sync, upcast to reduce_dtype: see `accumulate_unreduced_grad`.
         self.unreduced_grad: torch.Tensor | None = None
@@ -194,7 +253,7 @@ class ShardedParam:
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(
             local,
-            self.mesh_info.mesh,
+            self.sharded_mesh,
             self.placements,
             run_check=False,
             shape=self.orig_size,
@@ -279,8 +338,20 @@ class ShardedParam:
         param.register_hook(record)
 
     def own_rows(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's valid rows (on the shard dim) of a full tensor of this parameter's shape."""
+        """This rank's valid rows (on the shard dim) of a full tensor of this parameter's (tp-local) shape."""
         return full.narrow(self.shard_dim, self.row_start, self.num_valid_rows)
+
+    def tp_local(self, full: torch.Tensor) -> torch.Tensor:
+        """This tp rank's piece of a global tensor of this parameter's shape (the tensor itself
+        without tensor parallelism): DTensor's chunking, as `distribute_tensor` cuts it."""
+        if self.tp is None:
+            return full
+        for axis, placement in enumerate(self.tp.placements):
+            if isinstance(placement, Shard):
+                pieces = torch.chunk(full, self.tp.mesh.size(axis), dim=placement.dim)
+                rank = self.tp.mesh.get_local_rank(axis)
+                full = pieces[rank] if rank < len(pieces) else full.narrow(placement.dim, 0, 0)
+        return full
 
     def install(self, sharded: bool) -> None:
         """Register the sharded or the unsharded parameter on every owner module."""
@@ -293,13 +364,15 @@ class ShardedParam:
         world = self.mesh_info.shard_size
         local = self.local_shard
         group = self.mesh_info.shard_group
-        if self.mesh_info.is_hsdp or src not in dist.get_process_group_ranks(group):
-            # The source is not in this shard group: every rank receives the whole parameter.
+        if self.tp is not None or dist.get_world_size(group) != dist.get_world_size():
+            # The shard group is not every rank (HSDP, a dp axis beside tp or pp), so the source is
+            # not in every rank's shard group: every rank receives the whole parameter. The test
+            # must read the same on every rank, or some would scatter while others broadcast.
             whole = full.to(self.device, self.orig_dtype) if dist.get_rank() == src else torch.empty(
                 self.orig_size, dtype=self.orig_dtype, device=self.device
             )
             dist.broadcast(whole, src=src)
-            local.copy_(self.own_rows(whole))
+            local.copy_(self.own_rows(self.tp_local(whole)))
             return
         rows = torch.empty((self.padded_dim0, *self.moved_size[1:]), dtype=self.orig_dtype, device=self.device)
         chunks = None
@@ -324,14 +397,15 @@ class ShardedParam:
             )
             self._unsharded_padded = padded
             if self.shard_dim == 0:
-                unsharded = padded[: self.orig_size[0]]
+                unsharded = padded[: self.local_size[0]]
             else:
-                unsharded = torch.empty(self.orig_size, dtype=self.unsharded_dtype, device=self.device)
-            self.unsharded_param = nn.Parameter(unsharded, self.requires_grad)
+                unsharded = torch.empty(self.local_size, dtype=self.unsharded_dtype, device=self.device)
+            self._unsharded_local = unsharded
+            self.unsharded_param = nn.Parameter(self._wrap_tp(unsharded), self.requires_grad)
         else:
             _refill(self._unsharded_padded)
             if self.shard_dim != 0:
-                _refill(self.unsharded_param)
+                _refill(self._unsharded_local)
         return self._unsharded_padded.view(world, self.shard_numel)
 
     def pre_all_gather(self) -> list[torch.Tensor]:
@@ -425,11 +499,35 @@ class ShardedParam:
             )
         self._gather_metadata = None
 
+    def _wrap_tp(self, local: torch.Tensor) -> torch.Tensor:
+        """`local` as the module computes with it: itself, or a tp DTensor sharing its storage."""
+        if self.tp is None:
+            return local
+        with torch.no_grad():  # a leaf: the parameter, not a function of `local`
+            return DTensor.from_local(
+                local, self.tp.mesh, self.tp.placements, run_check=False,
+                shape=self.orig_size, stride=_contiguous_stride(self.orig_size),
+            )
+
+    def unsharded_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The unsharded parameter and, for a tp DTensor, its local tensor (whose versions copy-out keeps)."""
+        if self.tp is None:
+            return (self.unsharded_param,)
+        return (self.unsharded_param, self._unsharded_local)
+
+    def _local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient of the unsharded parameter as the local tensor the reduce-scatter packs."""
+        if not isinstance(grad, DTensor):
+            return grad
+        if tuple(grad.placements) != self.tp.placements:  # e.g. Partial where the parameter is Replicate
+            grad = grad.redistribute(placements=self.tp.placements)
+        return grad.to_local()
+
     def finish_copy_out(self) -> None:
         """Shard dim k > 0: move the gathered rows into the parameter's layout, free the staging."""
         if self.shard_dim != 0:
             rows = self._unsharded_padded[: self.moved_size[0]]
-            self.unsharded_param.copy_(rows.movedim(0, self.shard_dim))
+            self._unsharded_local.copy_(rows.movedim(0, self.shard_dim))
             self._unsharded_padded.untyped_storage().resize_(0)
 
     def gathered_rows(self, world: int) -> torch.Tensor:
@@ -437,14 +535,14 @@ class ShardedParam:
         rows = self.alloc_unsharded(world)
         if self.shard_dim != 0:
             self._unsharded_padded[self.moved_size[0] :].zero_()
-            self._unsharded_padded[: self.moved_size[0]].copy_(self.unsharded_param.movedim(self.shard_dim, 0))
+            self._unsharded_padded[: self.moved_size[0]].copy_(self._unsharded_local.movedim(self.shard_dim, 0))
         return rows
 
     def free_unsharded(self) -> None:
         """Drop the unsharded storage; the parameter object (and any gradient on it) stays."""
         if self._unsharded_padded is not None:
             self._unsharded_padded.untyped_storage().resize_(0)
-            self.unsharded_param.untyped_storage().resize_(0)
+            self._unsharded_local.untyped_storage().resize_(0)
         for t in (*self._gather_outputs, *self._to_free):
             t.untyped_storage().resize_(0)
 
@@ -472,11 +570,11 @@ class ShardedParam:
         if grad is None:
             return
         if self.unreduced_grad is not None:
-            self.unreduced_grad += grad
+            self.unreduced_grad += self._local_grad(grad)
             self.unsharded_param.grad = None
-        elif reduce_dtype is not None and grad.dtype != reduce_dtype:
-            # `.grad` must have the parameter's dtype, so the upcast copy lives here instead.
-            self.unreduced_grad = grad.to(reduce_dtype)
+        elif self.tp is not None or (reduce_dtype is not None and grad.dtype != reduce_dtype):
+            # `.grad` must have the parameter's dtype (and type), so the kept copy lives here instead.
+            self.unreduced_grad = self._local_grad(grad).to(reduce_dtype or grad.dtype)
             self.unsharded_param.grad = None
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
@@ -484,6 +582,8 @@ class ShardedParam:
         grad = None
         if self.unsharded_param is not None:
             grad, self.unsharded_param.grad = self.unsharded_param.grad, None
+            if grad is not None:
+                grad = self._local_grad(grad)
         if self.unreduced_grad is not None:
             accumulated, self.unreduced_grad = self.unreduced_grad, None
             if grad is not None:

@@ -284,6 +284,8 @@ class ParamGroup:
             return "set_unshard_in_backward(False): the graph's backward reads the gathered parameters"
         if any(p.gather_hooks for p in self.params):
             return "a parameter has fsdp_pre_all_gather/fsdp_post_all_gather, which only the eager runtime calls"
+        if any(p.tp is not None for p in self.params):
+            return "tensor-parallel (DTensor) parameters: the traced unshard gathers plain tensors only"
         return None
 
     def reset_backward_state(self) -> None:

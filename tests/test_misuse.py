@@ -116,7 +116,8 @@ def test_scalar_and_dtensor_parameters_are_listed_together():
     mesh = init_device_mesh("cpu", (4,))
     m.weight = nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Shard(1)]))
     err = _raises(ValueError, "'temperature' is a 0-dim .* ignored_params", fully_shard, m)
-    assert "'weight' is already a DTensor with placements (Shard(dim=1),)" in str(err)
+    assert "'weight' is a DTensor on mesh DeviceMesh((4,)" in str(err)
+    assert "needs both to be named axes of one mesh" in str(err)
 
 
 def test_requires_grad_changed_after_fully_shard():

@@ -1,0 +1,420 @@
+"""FSDP composed with tensor parallelism on a 2x2 (dp, tp) mesh of 4 gloo ranks.
+
+`parallelize_module` first (colwise/rowwise), then `fully_shard` over mesh["dp"]. References: the
+unsharded model on the global batch (dp ranks see different data, the tp ranks of a dp rank the same),
+and torch's own `fully_shard` composed the same way.
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from _harness import fake_process_group, run_ranks
+from _models import global_mean
+import fsdp_graph
+from fsdp_graph import MixedPrecisionPolicy, fully_shard
+from fsdp_graph.full_params import full_state_dict, load_full_state_dict, summon_full_params
+
+VOCAB, DIM, HEADS, HIDDEN, SEQ = 30, 16, 4, 36, 6  # vocab 30: tp-local 15 rows, uneven over dp
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = DIM // HEADS
+        self.wq = nn.Linear(DIM, DIM)
+        self.wk = nn.Linear(DIM, DIM, bias=False)
+        self.wv = nn.Linear(DIM, DIM, bias=False)
+        self.wo = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank computes its own heads
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.attention = Attention()
+        self.norm2 = nn.LayerNorm(DIM)
+        self.mlp = MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, num_blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(num_blocks))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+BLOCK_PLAN = {
+    "attention.wq": ColwiseParallel(),
+    "attention.wk": ColwiseParallel(),
+    "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(),
+    "mlp.up": ColwiseParallel(),
+    "mlp.down": RowwiseParallel(),
+}
+
+
+# Sequence parallel (as torchtitan): norms and residuals on sequence shards, the embedding rowwise.
+SEQUENCE_PARALLEL_BLOCK_PLAN = {
+    **BLOCK_PLAN,
+    "norm1": SequenceParallel(),
+    "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    "norm2": SequenceParallel(),
+    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+}
+SEQUENCE_PARALLEL_ROOT_PLAN = {
+    "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "norm": SequenceParallel(),
+    "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+}
+
+
+def parallelize(model: Transformer, mesh, shard=fully_shard, sequence_parallel=False, **kwargs) -> Transformer:
+    """The composition users write: tensor parallel first, then fully_shard per block and the root."""
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], SEQUENCE_PARALLEL_BLOCK_PLAN if sequence_parallel else BLOCK_PLAN)
+    root_plan = SEQUENCE_PARALLEL_ROOT_PLAN if sequence_parallel else {"head": ColwiseParallel(output_layouts=Replicate())}
+    parallelize_module(model, mesh["tp"], root_plan)
+    for block in model.blocks:
+        shard(block, mesh=mesh["dp"], **kwargs)
+    shard(model, mesh=mesh["dp"], **kwargs)
+    return model
+
+
+def batch(step: int, dp_mesh):
+    """(global tokens, global targets, this dp rank's slice of both); tp ranks share a slice."""
+    gen = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=gen)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    local = slice(dp_rank * 8 // dp_size, (dp_rank + 1) * 8 // dp_size)
+    return x, y, x[local], y[local]
+
+
+def loss_of(model, x, y) -> torch.Tensor:
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def mesh_2x2():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _against_unsharded(rank, world_size, steps=3):
+    mesh = mesh_2x2()
+    torch.manual_seed(0)
+    reference = Transformer()
+    model = parallelize(copy.deepcopy(reference), mesh)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
+    losses, max_grad_diff = [], 0.0
+    ref_params = dict(reference.named_parameters())
+    for step in range(steps):
+        x, y, lx, ly = batch(step, mesh["dp"])
+        ref_loss = loss_of(reference, x, y)
+        ref_loss.backward()
+        loss = loss_of(model, lx, ly)
+        loss.backward()
+        got = global_mean(loss)
+        torch.testing.assert_close(got, ref_loss.item(), rtol=1e-5, atol=1e-6)
+        losses.append((got, ref_loss.item()))
+        for name, p in model.named_parameters():
+            assert tuple(p.grad.placements) == tuple(p.placements), name
+            grad = full(p.grad)
+            torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            max_grad_diff = max(max_grad_diff, (grad - ref_params[name].grad).abs().max().item())
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full(p.detach()), ref_params[name].detach(), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+    return placements, losses, max_grad_diff
+
+
+def test_same_training_as_unsharded_model():
+    placements, losses, max_grad_diff = run_ranks(_against_unsharded, 4)
+    strided = (_StridedShard(0, split_factor=2), Shard(0))
+    assert placements["blocks.0.attention.wq.weight"] == strided
+    assert placements["blocks.0.attention.wq.bias"] == strided
+    assert placements["blocks.0.mlp.down.weight"] == (Shard(0), Shard(1))
+    assert placements["blocks.0.mlp.down.bias"] == (Shard(0), Replicate())
+    assert placements["head.weight"] == strided
+    assert placements["blocks.1.norm1.weight"] == (Shard(0),)  # plain parameters: dp only
+    assert placements["embed.weight"] == (Shard(0),)
+    print("losses (ours, unsharded):", losses, "max |grad diff|:", max_grad_diff)
+
+
+def _against_torch_fully_shard(rank, world_size, bf16, steps=3):
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = mesh_2x2()
+    torch.manual_seed(0)
+    model = Transformer()
+    mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
+    ours = parallelize(copy.deepcopy(model), mesh, mp_policy=MixedPrecisionPolicy(**mp))
+    theirs = parallelize(copy.deepcopy(model), mesh, shard=torch_fully_shard, mp_policy=TorchMixedPrecisionPolicy(**mp))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    theirs_params = dict(theirs.named_parameters())
+    max_diff = 0.0
+    for step in range(steps):
+        _, _, x, y = batch(step, mesh["dp"])
+        losses = []
+        for m in (ours, theirs):
+            loss = loss_of(m, x, y)
+            loss.backward()
+            losses.append(global_mean(loss))
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+        for name, p in ours.named_parameters():
+            q = theirs_params[name]
+            assert p.placements == q.placements and p.device_mesh == q.device_mesh, name
+            assert p.grad.placements == q.grad.placements, name
+            torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            max_diff = max(max_diff, (p.grad.to_local() - q.grad.to_local()).abs().max().item())
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.to_local(), theirs_params[name].to_local(), rtol=1e-5, atol=1e-6)
+    return max_diff
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16_params"])
+def test_same_training_as_torch_fully_shard(bf16):
+    max_diff = run_ranks(_against_torch_fully_shard, 4, bf16)
+    print("max |grad diff| against torch's fully_shard:", max_diff)
+
+
+def _state_dict_round_trip(rank, world_size):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = mesh_2x2()
+    torch.manual_seed(0)
+    reference = Transformer()
+    model = parallelize(copy.deepcopy(reference), mesh)
+    state = model.state_dict()
+    ref_state = reference.state_dict()
+    assert state.keys() == ref_state.keys()
+    for key, value in state.items():
+        assert isinstance(value, DTensor), key
+        torch.testing.assert_close(value.full_tensor(), ref_state[key], rtol=0, atol=0)
+    num_2d = sum(v.device_mesh.ndim == 2 for v in state.values())
+
+    # Train torch's fully_shard (same composition) a step, then load its state dict into ours.
+    theirs = parallelize(copy.deepcopy(reference), mesh, shard=torch_fully_shard)
+    opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    _, _, x, y = batch(0, mesh["dp"])
+    loss_of(theirs, x, y).backward()
+    opt.step()
+    model.load_state_dict(theirs.state_dict())
+    theirs_params = dict(theirs.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.to_local(), theirs_params[name].to_local(), rtol=0, atol=0)
+    # and the loaded model trains on: same loss as theirs on the next batch
+    _, _, x, y = batch(1, mesh["dp"])
+    with torch.no_grad():
+        torch.testing.assert_close(global_mean(loss_of(model, x, y)), global_mean(loss_of(theirs, x, y)), rtol=1e-6, atol=0)
+
+    # The FSDP1 conveniences: a full state dict out, one scattered from rank 0 in, writeback.
+    trained = full_state_dict(model, rank0_only=False)
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(trained[key], value.full_tensor(), rtol=0, atol=0)
+    load_full_state_dict(model, ref_state if rank == 0 else None)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value.full_tensor(), ref_state[key], rtol=0, atol=0)
+    with summon_full_params(model, writeback=True), torch.no_grad():
+        model.blocks[0].mlp.up.weight.mul_(2.0)
+    torch.testing.assert_close(model.blocks[0].mlp.up.weight.full_tensor(), 2.0 * ref_state["blocks.0.mlp.up.weight"])
+    return num_2d
+
+
+def test_state_dict_round_trip_and_load_from_torch_fully_shard():
+    num_2d = run_ranks(_state_dict_round_trip, 4)
+    assert num_2d == 2 * 10 + 2  # per block: wq (w, b), wk, wv, wo (w, b), up (w, b), down (w, b); head (w, b)
+
+
+def _checkpoint_2x2_into_dp4(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+
+    mesh = mesh_2x2()
+    torch.manual_seed(0)
+    model = parallelize(Transformer(), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _, _, x, y = batch(0, mesh["dp"])
+    loss_of(model, x, y).backward()
+    opt.step()
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    saved = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    _, _, x, y = batch(1, mesh["dp"])
+    with torch.no_grad():
+        loss_2x2 = global_mean(loss_of(model, x, y))
+
+    torch.manual_seed(1)  # other initial values, overwritten by the load
+    other = Transformer()
+    dp4 = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    for block in other.blocks:
+        fully_shard(block, mesh=dp4)
+    fully_shard(other, mesh=dp4)
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    other.load_state_dict(state)
+    for key, value in other.state_dict().items():
+        assert value.placements == (Shard(0),), key
+        torch.testing.assert_close(value.full_tensor(), saved[key], rtol=0, atol=0)
+    _, _, x, y = batch(1, dp4)
+    with torch.no_grad():
+        loss_dp4 = global_mean(loss_of(other, x, y))
+    torch.testing.assert_close(loss_dp4, loss_2x2, rtol=1e-6, atol=0)
+    return loss_2x2, loss_dp4
+
+
+def test_checkpoint_from_2x2_loads_into_dp4(tmp_path):
+    losses = run_ranks(_checkpoint_2x2_into_dp4, 4, str(tmp_path / "ckpt"))
+    print("loss on the next batch (2x2, dp=4 after load):", losses)
+
+
+def _sequence_parallel(rank, world_size, steps=3):
+    """Unsharded reference, ours and torch's fully_shard, all trained side by side."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = mesh_2x2()
+    torch.manual_seed(0)
+    reference = Transformer()
+    ours = parallelize(copy.deepcopy(reference), mesh, sequence_parallel=True)
+    theirs = parallelize(copy.deepcopy(reference), mesh, shard=torch_fully_shard, sequence_parallel=True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, ours, theirs)]
+    ref_params, theirs_params = dict(reference.named_parameters()), dict(theirs.named_parameters())
+    max_diff = 0.0
+    for step in range(steps):
+        x, y, lx, ly = batch(step, mesh["dp"])
+        ref_loss = loss_of(reference, x, y)
+        ref_loss.backward()
+        losses = []
+        for m in (ours, theirs):
+            loss = loss_of(m, lx, ly)
+            loss.backward()
+            losses.append(global_mean(loss))
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+        torch.testing.assert_close(losses[0], ref_loss.item(), rtol=1e-5, atol=1e-6)
+        for name, p in ours.named_parameters():
+            q = theirs_params[name]
+            assert p.placements == q.placements and p.grad.placements == q.grad.placements, name
+            torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            grad = p.grad.full_tensor()
+            torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            max_diff = max(max_diff, (grad - ref_params[name].grad).abs().max().item())
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.to_local(), theirs_params[name].to_local(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.detach().full_tensor(), ref_params[name].detach(), rtol=1e-5, atol=1e-5)
+    return {n: tuple(p.placements) for n, p in ours.named_parameters()}, max_diff
+
+
+def test_sequence_parallel_matches_unsharded_and_torch_fully_shard():
+    placements, max_diff = run_ranks(_sequence_parallel, 4)
+    assert placements["blocks.0.norm1.weight"] == (Shard(0), Replicate())  # SequenceParallel: Replicate on tp
+    assert placements["embed.weight"] == (_StridedShard(0, split_factor=2), Shard(0))
+    print("sequence parallel, max |grad diff| against unsharded:", max_diff)
+
+
+def _compiled(rank, world_size):
+    mesh = mesh_2x2()
+    torch.manual_seed(0)
+    model = Transformer()
+    eager = parallelize(copy.deepcopy(model), mesh)
+    compiled = torch.compile(parallelize(copy.deepcopy(model), mesh), backend=fsdp_graph.backend(compiler="aot_eager"))
+    warnings = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    handler = Capture(level=logging.WARNING)
+    logging.getLogger("fsdp_graph").addHandler(handler)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, compiled)]
+    for step in range(2):
+        _, _, x, y = batch(step, mesh["dp"])
+        losses = []
+        for m in (eager, compiled):
+            loss = loss_of(m, x, y)
+            loss.backward()
+            losses.append(loss.item())
+        assert losses[0] == losses[1], (step, losses)
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            assert torch.equal(p.grad.to_local(), q.grad.to_local()), name
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    logging.getLogger("fsdp_graph").removeHandler(handler)
+    return warnings
+
+
+def test_compiled_runs_tensor_parallel_groups_on_the_eager_hooks():
+    warnings = run_ranks(_compiled, 4)
+    assert any("fallback" in w and "tensor-parallel" in w for w in warnings), warnings
+
+
+def test_unsupported_tensor_parallel_layouts_raise_value_errors():
+    with fake_process_group(8):
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "dp", "tp"))
+        with pytest.raises(ValueError, match=r"HSDP.*mesh=mesh\['dp'\]"):
+            fully_shard(parallelize_module(MLP(), mesh["tp"], {"up": ColwiseParallel()}), mesh=mesh["rep", "dp"])
+        with pytest.raises(ValueError, match=r"2-D mesh.*1-D tensor parallelism"):
+            mlp = MLP()
+            mlp.up.weight = nn.Parameter(torch.distributed.tensor.distribute_tensor(
+                mlp.up.weight.detach(), mesh["dp", "tp"], (Shard(0), Shard(1))))
+            fully_shard(mlp, mesh=mesh["rep"])
+        with pytest.raises(ValueError, match=r"cannot be combined with fully_shard's mesh"):
+            fully_shard(parallelize_module(MLP(), mesh["tp"], {"up": ColwiseParallel()}), mesh=mesh["tp"])
