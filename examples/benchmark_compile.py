@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import statistics
 import sys
@@ -77,6 +78,7 @@ class Row:
         self.first_step_s = 0.0  # the first warm-up step: compiles, for compiled rows
         self.peak = "n/a"
         self.collectives = "n/a"
+        self.gathered_mib = "n/a"
 
     def step(self, tokens: torch.Tensor) -> float:
         patch = torch._inductor.config.patch(self.patches) if self.patches else nullcontext()
@@ -101,14 +103,20 @@ class Row:
         dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
         self.peak_bytes = int(peak_t.item())
         self.peak = f"{peak_t.item() / 2**20:.1f}"
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             self.step(tokens)
         # Gloo names what it runs ("gloo:all_gather", ...); its reduce-scatter may run as another op.
         counts: dict[str, int] = {}
+        gathered = 0  # elements all-gathered per step (the gathered size), from the c10d ops' shapes
         for event in prof.events():
             if event.name.startswith("gloo:"):
                 counts[event.name[5:]] = counts.get(event.name[5:], 0) + 1
+            elif event.name == "c10d::_allgather_base_":  # eager: (output, input)
+                gathered += math.prod(event.input_shapes[0])
+            elif event.name == "_c10d_functional::all_gather_into_tensor":  # traced: (input, ...)
+                gathered += math.prod(event.input_shapes[0]) * dist.get_world_size()
         self.collectives = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        self.gathered_mib = f"{gathered * 4 / 2**20:.1f}"  # fp32 parameters
 
 
 class HeapPeak:
@@ -210,11 +218,14 @@ def timings(args) -> None:
         row.measure(batches[0])
     if rank == 0:
         eager = statistics.median(next(r for r in rows if r.name == "FSDP2 eager").times)
-        print(f"{'':26}{'step ms':>10}{'vs FSDP2 eager':>16}{'first step s':>14}{'peak MiB':>11}  collectives per step")
+        floor = next((statistics.median(r.times) for r in rows if r.name.startswith("floor")), None)
+        print(f"{'':26}{'step ms':>10}{'vs FSDP2 eager':>16}{'vs floor':>10}{'first step s':>14}{'peak MiB':>11}"
+              f"{'gathered MiB':>14}  collectives per step")
         for row in rows:
             median = statistics.median(row.times)
-            print(f"{row.name:26}{median * 1e3:>10.1f}{median / eager:>16.3f}{row.first_step_s:>14.1f}"
-                  f"{row.peak:>11}  {row.collectives}")
+            vs_floor = f"{median / floor:.3f}" if floor else "n/a"
+            print(f"{row.name:26}{median * 1e3:>10.1f}{median / eager:>16.3f}{vs_floor:>10}{row.first_step_s:>14.1f}"
+                  f"{row.peak:>11}{row.gathered_mib:>14}  {row.collectives}")
     dist.barrier()
     os._exit(0)  # see train_llama.py: torch 2.13's gloo teardown can abort
 
