@@ -1,7 +1,7 @@
 """What the example scripts share for watching a run: a progress display and a profiled step.
 
-`progress` is tqdm's bar when tqdm is installed (the `progress` extra) and rank 0 asks for one,
-else a plain line every tenth of the run. `write_profile` records one step with torch.profiler and
+`progress` is tqdm's bar when tqdm is installed (the `progress` extra), rank 0 asks for one and
+prints to a terminal, else a plain line every tenth of the run. `write_profile` records one step with torch.profiler and
 writes its Chrome trace, which `python -m fsdp_graph.inspect DUMP --trace out.json --measured
 <that file>` shows beside the predicted schedule.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from typing import Iterable, Optional
 
@@ -43,7 +44,7 @@ class _Lines:
 
 def progress(iterable: Iterable, enabled: bool, initial: int = 0, total: Optional[int] = None):
     total = total if total is not None else initial + len(iterable)
-    if tqdm is not None and enabled:
+    if tqdm is not None and enabled and sys.stderr.isatty():  # a log file gets plain lines
         return tqdm(iterable, initial=initial, total=total, unit="step", dynamic_ncols=True)
     return _Lines(iterable, enabled, initial, total)
 
