@@ -1,8 +1,8 @@
 """What the example scripts share for watching a run: a progress display and a profiled step.
 
 `progress` is tqdm's bar when tqdm is installed (the `progress` extra), rank 0 asks for one and
-prints to a terminal, else a plain line every tenth of the run. `write_profile` records one step with torch.profiler and
-writes its Chrome trace, which `python -m fsdp_graph.inspect DUMP --trace out.json --measured
+prints to a terminal, else a plain line every tenth of the run. `write_profile` records one step
+with torch.profiler and writes its Chrome trace, which `python -m fsdp_graph.inspect DUMP --trace out.json --measured
 <that file>` shows beside the predicted schedule.
 """
 
