@@ -2,8 +2,8 @@
 
 `progress` is tqdm's bar when tqdm is installed (the `progress` extra), rank 0 asks for one and
 prints to a terminal, else a plain line every tenth of the run. `write_profile` records one step
-with torch.profiler and writes its Chrome trace, which `python -m fsdp_graph.inspect DUMP --trace out.json --measured
-<that file>` shows beside the predicted schedule.
+with torch.profiler and writes its Chrome trace, which `python -m fsdp_graph.inspect DUMP --trace
+out.json --measured <that file>` shows beside the predicted schedule.
 """
 
 from __future__ import annotations
