@@ -59,6 +59,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", default="h100-nvlink", help="hardware profile of the prediction")
     parser.add_argument("--predict-batch", type=int, default=4, help="sequences per rank in the prediction")
     parser.add_argument("--predict-seq-len", type=int, default=2048, help="tokens per sequence in the prediction")
+    parser.add_argument("--budget-gib", type=float, help="with --predict-8b: memory_budget_bytes for selective unsharding")
     parser.add_argument("--timeline", help="with --predict-8b: write our schedule's SVG timeline here (see fsdp_graph.inspect)")
     parser.add_argument("--trace", help="with --predict-8b: write our schedule as a Chrome trace (Perfetto) here")
     return parser.parse_args()
@@ -255,6 +256,7 @@ def predict_8b(args) -> None:
     from fsdp_graph.passes.cost_model import CostModel, op_facts
     from fsdp_graph.passes.reorder import reorder_for_overlap
     from fsdp_graph.chrome_trace import write_trace
+    from fsdp_graph.passes.nodes import is_all_gather, tensor_bytes
     from fsdp_graph.passes.simulator import program_of, simulate
     from fsdp_graph.timeline import write_timeline
 
@@ -267,9 +269,15 @@ def predict_8b(args) -> None:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         shard_llama(model, lambda m: fully_shard(m, mp_policy=policy))
         start = time.perf_counter()
-        graphs = capture_graphs(model, torch.randint(0, cfg.vocab_size, (args.predict_batch, args.predict_seq_len), device="meta"))
+        budget = int(args.budget_gib * 2**30) if args.budget_gib is not None else None
+        tokens = torch.randint(0, cfg.vocab_size, (args.predict_batch, args.predict_seq_len), device="meta")
+        graphs = capture_graphs(model, tokens, memory_budget_bytes=budget)
         print(f"Llama-3-8B shape ({num_params / 1e9:.2f}B params), {args.predict_batch}x{args.predict_seq_len} tokens/rank, bf16 params, fp32 "
               f"reduce, world 8, traced in {time.perf_counter() - start:.0f} s; profile {args.profile}")
+        gathered = {kind: sum(tensor_bytes(n) for n in gm.graph.nodes if is_all_gather(n)) for kind, gm in graphs.items()}
+        print(f"all-gathered per step and rank: {sum(gathered.values()) / 2**30:.2f} GiB "
+              f"({', '.join(f'{k} {v / 2**30:.2f}' for k, v in gathered.items())}); "
+              f"selective unsharding budget: {args.budget_gib if budget else 'none'} GiB")
 
         def ours(gm):
             gm = bucket_by_group(gm)

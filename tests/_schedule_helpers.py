@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 from torch._dynamo.backends.common import aot_autograd
@@ -77,11 +79,17 @@ def sharded_embed_stack() -> EmbedStack:
     return model
 
 
-def capture_graphs(model: nn.Module, x: torch.Tensor) -> dict[str, torch.fx.GraphModule]:
-    """The forward and backward graphs as the backend's passes get them (joint pass applied)."""
+def capture_graphs(
+    model: nn.Module, x: torch.Tensor, memory_budget_bytes: Optional[int] = None
+) -> dict[str, torch.fx.GraphModule]:
+    """The forward and backward graphs as the backend's passes get them (joint passes applied:
+    with `memory_budget_bytes`, selective unsharding first)."""
+    from fsdp_graph.passes.unshard_selection import select_unsharded
+
     graphs = {}
 
     def partition(joint_gm, joint_inputs, **kwargs):
+        select_unsharded(joint_gm, memory_budget_bytes)
         tag_reshard_after_forward(joint_gm)
         return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
 
