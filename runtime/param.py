@@ -241,6 +241,10 @@ class ShardedParam:
         self.unsharded_param: nn.Parameter | None = None
         # Gradients accumulated without sync, upcast to reduce_dtype: see `accumulate_unreduced_grad`.
         self.unreduced_grad: torch.Tensor | None = None
+        # CPU offload with pinned memory: gradients come to the host with a non-blocking copy, which
+        # `wait_host_copy` (or the end of the backward) waits for before anything reads them.
+        self.pinned = False
+        self.host_copy_pending = False
 
     # -- sharded side --------------------------------------------------------------------------
 
@@ -249,6 +253,7 @@ class ShardedParam:
         if not self.local_shard.is_meta:
             pinned = self.local_shard.pin_memory()
             self.sharded_param = nn.Parameter(self._to_dtensor(pinned), requires_grad=self.requires_grad)
+        self.pinned = True
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(
@@ -596,11 +601,25 @@ class ShardedParam:
         local = flat_shard[: self.num_valid_rows * self.row_numel].view(
             self.num_valid_rows, *self.moved_size[1:]
         )
-        local = local.movedim(0, self.shard_dim).to(self.orig_dtype).to(self.shard_device).contiguous()
+        local = local.movedim(0, self.shard_dim).to(self.orig_dtype)
+        if self.sharded_param.grad is None and self.pinned and local.device != self.shard_device:
+            host = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+            host.copy_(local, non_blocking=True)  # as FSDP2 does with pinned memory
+            self.host_copy_pending = True
+            self.sharded_param.grad = self._to_dtensor(host)
+            return
+        local = local.to(self.shard_device).contiguous()
         if self.sharded_param.grad is None:
             self.sharded_param.grad = self._to_dtensor(local)
         else:
+            self.wait_host_copy()
             self.sharded_param.grad = self._to_dtensor(self.sharded_param.grad.to_local() + local)
+
+    def wait_host_copy(self) -> None:
+        """Wait for a non-blocking device-to-host gradient copy still in flight, if any."""
+        if self.host_copy_pending:
+            torch.cuda.current_stream(self.device).synchronize()
+            self.host_copy_pending = False
 
 
 def _refill(tensor: torch.Tensor) -> None:

@@ -308,6 +308,9 @@ class FSDPState:
                     state.group.post_backward()
             if ctx.is_last_backward:
                 ctx.comm.finish_reduce_scatters()
+            for state in ctx.states:  # offloaded gradients on their way to pinned host memory
+                for p in state.group.params if state.group is not None else ():
+                    p.wait_host_copy()
             for state in ctx.states:
                 if state.group is not None:
                     if state.group.reshard_after_backward:
