@@ -67,12 +67,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
-        shape = (batch, seq, self.num_heads, dim // self.num_heads)
+        # -1 heads: under tensor parallelism wq/wk/wv give this rank's heads only.
+        shape = (batch, seq, -1, dim // self.num_heads)
         q = _rotate(self.wq(x).view(shape), cos, sin).transpose(1, 2)
         k = _rotate(self.wk(x).view(shape), cos, sin).transpose(1, 2)
         v = self.wv(x).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
