@@ -34,10 +34,10 @@ post-hook's `out=` call refills the parameter autograd may have saved: it must n
 counter (FSDP2 leaves that to the hook too). A group with such a parameter gathers one byte bucket
 (every input, and the other parameters' padded shards, viewed as uint8) and reshards fully after
 forward (an int `reshard_after_forward` would re-gather from bytes the post-hook already consumed).
-Gradients are the unsharded parameter's, reduce-scattered as usual. Compiled steps run such groups
-on the eager hooks (`ParamGroup.eager_only_reason`): the traced unshard gathers plain shards. (For
-whoever traces them: Dynamo inlines a hook called through the class, `type(shard).fsdp_pre_all_gather(
-shard, ...)`; called as a tensor method it tries to put the call in the graph and gives up.)
+Gradients are the unsharded parameter's, reduce-scattered as usual. Both hooks are called through
+the class, `type(shard).fsdp_pre_all_gather(shard, ...)` (`call_pre_all_gather`,
+`call_post_all_gather`), which Dynamo inlines, so compiled steps trace them into the graph:
+[Note: Traced all-gather extensions] in runtime/traced.py.
 
 [Note: Sharding a tensor-parallel parameter]
 A parameter that tensor parallelism already made a DTensor (`parallelize_module` on a `tp` mesh) is

@@ -380,12 +380,17 @@ class _RouteGradients(torch.autograd.Function):
         packed = torch.ops.fsdp_graph.pack_grads(
             [*grads, None], world, [*shard_numels, num], [*numels, 0], dtype, device, num
         )
-        reduced = _reduce_scatter(packed, world, reduce_group, replicate, divide_factor)
+        reduced = _reduce_scatter(packed, world, reduce_group, replicate or None, divide_factor)
         shard_grads, offset = [], 0
         for shard_numel, valid_numel, param_dtype in zip(shard_numels, valid_numels, dtypes):
             shard_grads.append(reduced[offset : offset + valid_numel].to(param_dtype))
             offset += shard_numel
         return (None, reduced[offset : offset + num], *shard_grads, *([None] * num))
+
+
+@torch._dynamo.nonstrict_trace
+def _route_gradients(layout: tuple, flags: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return _RouteGradients.apply(layout, flags, *tensors)
 
 
 def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
@@ -432,11 +437,11 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
             reduce_dtype,
             gathered.device,
             (group.reduce_controls.reduce_scatter_group or mesh_info.shard_group).group_name,
-            mesh_info.replicate_group.group_name if mesh_info.is_hsdp else None,
+            mesh_info.replicate_group.group_name if mesh_info.is_hsdp else "",
             divide_factors(group.gradient_divide_factor or float(world * mesh_info.replicate_size), reduce_dtype),
         )
         with annotate(annotation):
-            routed = _RouteGradients.apply(
+            routed = _route_gradients(
                 layout,
                 group.grad_flags.to(reduce_dtype),
                 *[p.flat_local_shard() for p in params],
