@@ -41,7 +41,7 @@ gather again instead of saving the unsharded parameters.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -341,7 +341,7 @@ def unshard(group: "ParamGroup") -> list[torch.Tensor]:
 #   gathered     = wait(all_gather_into_tensor(bucket))               # uint8, one per group
 #   pieces       = fsdp_graph::copy_out(gathered, ...)                # each input's (world * rows)
 #   unsharded    = type(shard).fsdp_post_all_gather(shard, pieces, meta, dtype)[0][:dim0]
-#   params       = _RouteGradients(flags, *flat_shards, *unsharded)   # identity forward
+#   params       = _RouteGradients(bucket, flags, *flat_shards, *unsharded)  # identity forward
 #
 # The hooks are called through the class: Dynamo inlines that, while a method call on a tensor
 # subclass is an op it tries to put in the graph, and gives up. Both hooks run under no_grad, as in
@@ -351,46 +351,66 @@ def unshard(group: "ParamGroup") -> list[torch.Tensor]:
 # unchanged, and its backward packs their gradients into the eager runtime's reduce-scatter bucket
 # (trainable parameters in group order, then the flags of [Note: Gradient flags in a graph]),
 # reduce-scatters and divides as `_AllGatherShards`, and gives each shard its rows. The shard's
-# gradient is a plain tensor, as in FSDP2, also where the shard is a subclass. The post-hook's `out=`
+# gradient is a plain tensor, as in FSDP2, also where the shard is a subclass. Dynamo does not trace
+# the Function (`_route_gradients` is `nonstrict_trace`: an opaque call that AOTAutograd traces):
+# Dynamo's own rendering of an autograd.Function hands its backward zeros for outputs nobody used,
+# whatever `set_materialize_grads` says, and the flags would then give an unused parameter a zero
+# gradient where eager mode leaves None. The post-hook's `out=`
 # form refills a saved parameter in place; a graph has no such storage to refill, so only the
 # first-time form is traced. Every node runs under the group's annotation, so for a group that
 # reshards after forward, passes/reshard.py makes the backward run the pre-hook, the all-gather and
 # the post-hook again, as the eager runtime does.
 
 
+class _GradientBucket(NamedTuple):
+    """The reduce-scatter bucket of a group's trainable parameters, as `_RouteGradients` packs it.
+    Only values an FX node takes as arguments, so `_route_gradients` can be handed it (no None)."""
+
+    world: int
+    shard_numels: tuple[int, ...]  # per parameter: its columns, padding included
+    numels: tuple[int, ...]  # per parameter: its unsharded elements
+    valid_numels: tuple[int, ...]  # per parameter: this rank's shard's elements, padding excluded
+    shard_dtypes: tuple[torch.dtype, ...]  # per parameter: its shard's gradient's dtype
+    reduce_dtype: torch.dtype
+    device: torch.device
+    reduce_group: str  # the process group names of the reduce-scatter ...
+    replicate_group: str  # ... and of the HSDP all-reduce, "" without one
+    divide_factor: tuple[float, float]  # (pre, post), see `divide_factors`
+
+
 class _RouteGradients(torch.autograd.Function):
     """Forward: the rebuilt unsharded parameters, as they are. Backward: their gradients packed,
     reduce-scattered and divided, as each shard's gradient. See [Note: Traced all-gather extensions].
 
-    Arguments: the bucket's layout, the flags (or None), then one flat shard per trainable
-    parameter, then the unsharded tensors in the same order (shard dim first).
+    Arguments: the `_GradientBucket`, the flags, then one flat shard per trainable parameter, then
+    the unsharded tensors in the same order (shard dim first).
     """
 
     @staticmethod
-    def forward(ctx, layout, flags, *tensors):
-        ctx.layout = layout
+    def forward(ctx, bucket, flags, *tensors):
+        ctx.bucket = bucket
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None: flagged 0
         num = len(tensors) // 2
         return tuple(t.view_as(t) for t in tensors[num:])
 
     @staticmethod
     def backward(ctx, *grads):
-        world, shard_numels, numels, valid_numels, dtypes, dtype, device, reduce_group, replicate, divide_factor = ctx.layout
-        num = len(grads)
+        b, num = ctx.bucket, len(grads)
         packed = torch.ops.fsdp_graph.pack_grads(
-            [*grads, None], world, [*shard_numels, num], [*numels, 0], dtype, device, num
+            [*grads, None], b.world, [*b.shard_numels, num], [*b.numels, 0], b.reduce_dtype, b.device, num
         )
-        reduced = _reduce_scatter(packed, world, reduce_group, replicate or None, divide_factor)
+        reduced = _reduce_scatter(packed, b.world, b.reduce_group, b.replicate_group or None, b.divide_factor)
         shard_grads, offset = [], 0
-        for shard_numel, valid_numel, param_dtype in zip(shard_numels, valid_numels, dtypes):
-            shard_grads.append(reduced[offset : offset + valid_numel].to(param_dtype))
+        for shard_numel, valid_numel, dtype in zip(b.shard_numels, b.valid_numels, b.shard_dtypes):
+            shard_grads.append(reduced[offset : offset + valid_numel].to(dtype))
             offset += shard_numel
         return (None, reduced[offset : offset + num], *shard_grads, *([None] * num))
 
 
 @torch._dynamo.nonstrict_trace
-def _route_gradients(layout: tuple, flags: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return _RouteGradients.apply(layout, flags, *tensors)
+def _route_gradients(bucket: _GradientBucket, flags: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`_RouteGradients.apply`, which Dynamo leaves for AOTAutograd to trace."""
+    return _RouteGradients.apply(bucket, flags, *tensors)
 
 
 def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
@@ -428,7 +448,7 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
     if trainable:
         params = [group.params[i] for i in trainable]
         reduce_dtype = group.mp_policy.reduce_dtype or params[0].unsharded_dtype
-        layout = (
+        bucket = _GradientBucket(
             world,
             tuple(p.shard_numel for p in params),
             tuple(p.orig_size.numel() for p in params),
@@ -442,7 +462,7 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
         )
         with annotate(annotation):
             routed = _route_gradients(
-                layout,
+                bucket,
                 group.grad_flags.to(reduce_dtype),
                 *[p.flat_local_shard() for p in params],
                 *[rebuilt[i] for i in trainable],
