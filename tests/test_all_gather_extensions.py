@@ -189,6 +189,50 @@ def test_fp8_all_gather_compiled_same_as_torch_fully_shard(tmp_path, reshard_aft
           f"{backward}, for {weights} (padded) weight + {bias} bias elements")
 
 
+class _UsesOne(nn.Module):
+    """Two fp8 layers in one group; the forward uses only the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(8, 8), nn.Linear(8, 8, bias=False)
+        for layer in (self.used, self.unused):
+            layer.weight = nn.Parameter(Fp8AllGatherWeight.wrap(layer.weight))
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _compiled_unused_against_torch(rank, world_size, mixed_precision):
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    model = _UsesOne()
+    dtypes = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
+    ours = fully_shard(copy.deepcopy(model), mp_policy=fsdp_graph.MixedPrecisionPolicy(**dtypes))
+    theirs = torch_fully_shard(copy.deepcopy(model), mp_policy=TorchMixedPrecisionPolicy(**dtypes))
+    compiled = torch.compile(ours, backend=fsdp_graph.backend(compiler="aot_eager"))
+    for step in range(2):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))[rank * 4 : (rank + 1) * 4]
+        loss, expected = (net(x).float().pow(2).mean() for net in (compiled, theirs))
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(global_mean(loss), global_mean(expected), rtol=1e-6, atol=0)
+        assert ours.unused.weight.grad is None and theirs.unused.weight.grad is None
+        for name in ("used.weight", "used.bias"):
+            mine, torchs = ours.get_parameter(name).grad, theirs.get_parameter(name).grad
+            torch.testing.assert_close(mine.to_local(), torchs.to_local(), rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        for net in (ours, theirs):
+            net.zero_grad(set_to_none=True)
+    return dict(ours._fsdp_state.ctx.fallbacks)
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_fp8_compiled_unused_parameter_keeps_grad_none(mixed_precision):
+    """A hooked parameter the forward does not use gets no gradient, compiled as in torch's eager
+    fully_shard (the graph reduce-scatters zeros and a flag for it), with bf16 parameters too."""
+    assert run_ranks(_compiled_unused_against_torch, 2, mixed_precision) == {}
+
+
 class _OnlyPre(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         return (self,), None
