@@ -7,6 +7,7 @@ all-gather moves (1 per weight element, 4 per fp32 bias element).
 """
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,7 +153,10 @@ def _compiled_against_torch(rank, world_size, reshard_after_forward, dump_dir):
             assert type(local) is Fp8AllGatherWeight, name
             local, expected = local._data, expected._data
         torch.testing.assert_close(local, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    return dumped_graphs(f"{dump_dir}/rank{rank}"), gathered, max_err, dict(sharded._fsdp_state.ctx.fallbacks)
+    (forward_text,) = [path.read_text() for path in Path(f"{dump_dir}/rank{rank}").glob("*.forward.txt")]
+    fp8_casts = forward_text.count("dtype=float8_e4m3fn)")  # the pre-hooks' casts, one per weight
+    graphs = dumped_graphs(f"{dump_dir}/rank{rank}")
+    return graphs, fp8_casts, gathered, max_err, dict(sharded._fsdp_state.ctx.fallbacks)
 
 
 def _all_gathers(graph: dict) -> list[tuple[str, torch.dtype, int]]:
@@ -165,8 +169,11 @@ def _all_gathers(graph: dict) -> list[tuple[str, torch.dtype, int]]:
 def test_fp8_all_gather_compiled_same_as_torch_fully_shard(tmp_path, reshard_after_forward):
     """Compiled, the groups' hooks are traced into the graph: no group falls back to the eager hooks,
     and the graph's all-gathers carry the fp8 bytes, 1 per weight element, as torch's do."""
-    graphs, theirs, max_err, fallbacks = run_ranks(_compiled_against_torch, 2, reshard_after_forward, str(tmp_path))
+    graphs, fp8_casts, theirs, max_err, fallbacks = run_ranks(
+        _compiled_against_torch, 2, reshard_after_forward, str(tmp_path)
+    )
     assert fallbacks == {}, fallbacks
+    assert fp8_casts == 3  # the pre-hooks ran in the graph: its all-gathers move fp8 bytes
     forward, backward = _all_gathers(graphs["forward"]), _all_gathers(graphs["backward"])
     # The forward gathers what torch's forward gathers, layer by layer: fp8 weights as bytes (the
     # last weight's 3 rows padded to 2 per rank) and the middle layer's fp32 bias.
