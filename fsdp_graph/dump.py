@@ -33,9 +33,9 @@ SUMMARY_FILE = "summary.json"
 
 
 def collectives(gm: GraphModule) -> list[dict[str, Any]]:
-    """The collectives of `gm` in graph order: op, group, node index, bytes of the output and of the
-    input. One rank's output and input: an all-gather's input is this rank's shard and its output
-    the bucket of all ranks; a reduce-scatter the other way round."""
+    """The collectives of `gm` in graph order: op, group, node index, dtype, bytes of the output and
+    of the input. One rank's output and input: an all-gather's input is this rank's shard and its
+    output the bucket of all ranks; a reduce-scatter the other way round."""
     found = []
     for index, node in enumerate(gm.graph.nodes):
         if is_collective(node):
@@ -44,11 +44,18 @@ def collectives(gm: GraphModule) -> list[dict[str, Any]]:
                     "index": index,
                     "op": node.target.__name__.split(".")[0],
                     "group": group_of(node) or "?",
+                    "dtype": _dtype_name(node),
                     "bytes": tensor_bytes(node),
                     "input_bytes": tensor_bytes(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else 0,
                 }
             )
     return found
+
+
+def _dtype_name(node: torch.fx.Node) -> str:
+    """The dtype of `node`'s tensor value without the `torch.` prefix ("uint8"), or "?"."""
+    val = node.meta.get("val")
+    return str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else "?"
 
 
 def saved_unsharded(gm: GraphModule) -> list[dict[str, str]]:

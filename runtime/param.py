@@ -34,10 +34,10 @@ post-hook's `out=` call refills the parameter autograd may have saved: it must n
 counter (FSDP2 leaves that to the hook too). A group with such a parameter gathers one byte bucket
 (every input, and the other parameters' padded shards, viewed as uint8) and reshards fully after
 forward (an int `reshard_after_forward` would re-gather from bytes the post-hook already consumed).
-Gradients are the unsharded parameter's, reduce-scattered as usual. Compiled steps run such groups
-on the eager hooks (`ParamGroup.eager_only_reason`): the traced unshard gathers plain shards. (For
-whoever traces them: Dynamo inlines a hook called through the class, `type(shard).fsdp_pre_all_gather(
-shard, ...)`; called as a tensor method it tries to put the call in the graph and gives up.)
+Gradients are the unsharded parameter's, reduce-scattered as usual. Both hooks are called through
+the class, `type(shard).fsdp_pre_all_gather(shard, ...)` (`call_pre_all_gather`,
+`call_post_all_gather`), which Dynamo inlines, so compiled steps trace them into the graph:
+[Note: Traced all-gather extensions] in runtime/traced.py.
 
 [Note: Sharding a tensor-parallel parameter]
 A parameter that tensor parallelism already made a DTensor (`parallelize_module` on a `tp` mesh) is
@@ -413,14 +413,20 @@ class ShardedParam:
                 _refill(self._unsharded_local)
         return self._unsharded_padded.view(world, self.shard_numel)
 
-    def pre_all_gather(self) -> list[torch.Tensor]:
-        """The pre-hook's all-gather inputs for this rank, each flat as bytes ([Note: All-gather extensions])."""
-        local = self.local_shard.to(self.device)  # an offloaded shard is gathered from the device
+    def call_pre_all_gather(self, local: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+        """`(inputs, metadata)` of the pre-hook on this rank's shard `local`, checked.
+
+        Called through the class, not as a method of `local`: Dynamo inlines the former, while a
+        method call on a tensor subclass is an op it tries to put in the graph, and gives up. Both
+        runtimes call it; see [Note: All-gather extensions].
+        """
+        hook = type(local).fsdp_pre_all_gather
         if self._pre_all_gather_num_args == 1:  # FSDP2's older signature: the mesh only
-            result = local.fsdp_pre_all_gather(self._shard_mesh)
+            result = hook(local, self._shard_mesh)
         else:
-            result = local.fsdp_pre_all_gather(
-                self._shard_mesh, self.orig_size, _contiguous_stride(self.orig_size), self.owners[0][0], self.mp_policy
+            result = hook(
+                local, self._shard_mesh, self.orig_size, _contiguous_stride(self.orig_size), self.owners[0][0],
+                self.mp_policy,
             )
         inputs = self._check_pre_all_gather_result(result)
         padded_size = (self.padded_dim0, *self.orig_size[1:])
@@ -432,7 +438,29 @@ class ShardedParam:
                 f"sizes {[tuple(t.shape) for t in inputs]}; pad each input to the padded shard size {padded_size} "
                 f"(rows ceil(orig_size[0] / mesh.size())), as FSDP2 requires"
             )
-        self._gather_metadata = result[1]
+        return inputs, result[1]
+
+    def call_post_all_gather(
+        self, local: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: object
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The post-hook's first-time form, through the class as `call_pre_all_gather`: the
+        unsharded parameter (its valid rows) and what to free on reshard, checked."""
+        result = type(local).fsdp_post_all_gather(local, outputs, metadata, self.unsharded_dtype)
+        tensor = result[0] if isinstance(result, tuple) and len(result) == 2 else None
+        if not isinstance(tensor, torch.Tensor) or tensor.shape[0] < self.orig_size[0] or (
+            tensor.shape[1:] != self.orig_size[1:]
+        ):
+            raise TypeError(
+                f"fsdp_post_all_gather of '{self.fqn}' returned {type(result).__name__} {result!r:.200}; "
+                f"return (unsharded, tensors_to_free) where unsharded has the gathered rows "
+                f"(at least {self.orig_size[0]}) and the parameter's trailing dims {tuple(self.orig_size[1:])}"
+            )
+        return tensor[: self.orig_size[0]], tuple(result[1])
+
+    def pre_all_gather(self) -> list[torch.Tensor]:
+        """The pre-hook's all-gather inputs for this rank, each flat as bytes ([Note: All-gather extensions])."""
+        local = self.local_shard.to(self.device)  # an offloaded shard is gathered from the device
+        inputs, self._gather_metadata = self.call_pre_all_gather(local)
         world = self.mesh_info.shard_size
         sizes = [(world * t.shape[0], *t.shape[1:]) for t in inputs]
         if not self._gather_outputs:
@@ -484,18 +512,8 @@ class ShardedParam:
         """Rebuild the unsharded parameter from the gathered inputs ([Note: All-gather extensions])."""
         local = self.local_shard
         if self.unsharded_param is None:
-            result = local.fsdp_post_all_gather(tuple(self._gather_outputs), self._gather_metadata, self.unsharded_dtype)
-            tensor = result[0] if isinstance(result, tuple) and len(result) == 2 else None
-            if not isinstance(tensor, torch.Tensor) or tensor.shape[0] < self.orig_size[0] or (
-                tensor.shape[1:] != self.orig_size[1:]
-            ):
-                raise TypeError(
-                    f"fsdp_post_all_gather of '{self.fqn}' returned {type(result).__name__} {result!r:.200}; "
-                    f"return (unsharded, tensors_to_free) where unsharded has the gathered rows "
-                    f"(at least {self.orig_size[0]}) and the parameter's trailing dims {tuple(self.orig_size[1:])}"
-                )
-            self._to_free = tuple(result[1])
-            self.unsharded_param = nn.Parameter(tensor[: self.orig_size[0]], self.requires_grad)
+            tensor, self._to_free = self.call_post_all_gather(local, tuple(self._gather_outputs), self._gather_metadata)
+            self.unsharded_param = nn.Parameter(tensor, self.requires_grad)
         else:
             for t in self._to_free:
                 _refill(t)

@@ -41,7 +41,7 @@ gather again instead of saving the unsharded parameters.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -207,19 +207,27 @@ class _AllGatherShards(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        dtype = ctx.reduce_dtype or grad.dtype
         if grad.numel() != ctx.world * ctx.trainable_numel:  # leave the frozen columns out
             grad = grad.view(ctx.world, -1)[:, : ctx.trainable_numel].contiguous().view(-1)
-        pre, post = ctx.divide_factor  # [Note: fp16 divides before and after the sum] in collectives
-        grad = grad.to(dtype).contiguous()
-        if pre != 1:
-            grad = grad / pre
-        reduced = _C10D.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.reduce_group)
-        reduced = _C10D.wait_tensor(reduced)
-        if ctx.replicate is not None:
-            reduced = _C10D.wait_tensor(_C10D.all_reduce(reduced, "sum", ctx.replicate))
-        reduced = reduced / post
+        reduced = _reduce_scatter(
+            grad.to(ctx.reduce_dtype or grad.dtype), ctx.world, ctx.reduce_group, ctx.replicate, ctx.divide_factor
+        )
         return reduced.to(ctx.flat_dtype), None, None, None, None, None, None, None, None
+
+
+def _reduce_scatter(
+    grad: torch.Tensor, world: int, reduce_group: str, replicate: Optional[str], divide_factor: tuple[float, float]
+) -> torch.Tensor:
+    """What `collectives.reduce_scatter` does to a packed gradient bucket, as graph nodes: divide by
+    `pre`, reduce-scatter with SUM, all-reduce over the replicate axis (HSDP), divide by `post`."""
+    pre, post = divide_factor  # [Note: fp16 divides before and after the sum] in collectives
+    grad = grad.contiguous()
+    if pre != 1:
+        grad = grad / pre
+    reduced = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", world, reduce_group))
+    if replicate is not None:
+        reduced = _C10D.wait_tensor(_C10D.all_reduce(reduced, "sum", replicate))
+    return reduced / post
 
 
 # [Note: Gradient flags in a graph]
@@ -272,6 +280,8 @@ def _reshards_after_forward(group: "ParamGroup") -> bool:
 
 def unshard(group: "ParamGroup") -> list[torch.Tensor]:
     """Trace the all-gather of `group`; returns one unsharded tensor per `group.params` entry."""
+    if any(p.gather_hooks for p in group.params):
+        return _unshard_with_extensions(group)
     world = group.world
     orig_dtypes = {p.orig_dtype for p in group.params}
     flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else group.all_gather_dtype
@@ -320,6 +330,146 @@ def unshard(group: "ParamGroup") -> list[torch.Tensor]:
         for i, piece in zip(trainable + frozen, pieces):
             unsharded[i] = _to_param_layout(group.params[i], piece.view(group.params[i].moved_size))
     return unsharded
+
+
+# [Note: Traced all-gather extensions]
+# A group with a parameter whose shard class defines fsdp_pre_all_gather / fsdp_post_all_gather
+# ([Note: All-gather extensions] in runtime/param.py) traces what the eager runtime does with it:
+#
+#   inputs, meta = type(shard).fsdp_pre_all_gather(shard, mesh, ...)   # e.g. fp8 data, 1 byte each
+#   bucket       = cat(input.view(uint8) for every input, padded_shard.view(uint8) for the others)
+#   gathered     = wait(all_gather_into_tensor(bucket))               # uint8, one per group
+#   pieces       = fsdp_graph::copy_out(gathered, ...)                # each input's (world * rows)
+#   unsharded    = type(shard).fsdp_post_all_gather(shard, pieces, meta, dtype)[0][:dim0]
+#   params       = _RouteGradients(bucket, flags, *flat_shards, *unsharded)  # identity forward
+#
+# The hooks are called through the class: Dynamo inlines that, while a method call on a tensor
+# subclass is an op it tries to put in the graph, and gives up. Both hooks run under no_grad, as in
+# FSDP2 and the eager runtime: the bytes and their casts carry no gradient (an fp8 cast has none
+# worth having). The gradient of the rebuilt parameter is the unsharded gradient, reduce-scattered
+# to the shard as for any parameter: `_RouteGradients` hands the rebuilt tensors through
+# unchanged, and its backward packs their gradients into the eager runtime's reduce-scatter bucket
+# (trainable parameters in group order, then the flags of [Note: Gradient flags in a graph]),
+# reduce-scatters and divides as `_AllGatherShards`, and gives each shard its rows. The shard's
+# gradient is a plain tensor, as in FSDP2, also where the shard is a subclass. Dynamo does not trace
+# the Function (`_route_gradients` is `nonstrict_trace`: an opaque call that AOTAutograd traces):
+# Dynamo's own rendering of an autograd.Function hands its backward zeros for outputs nobody used,
+# whatever `set_materialize_grads` says, and the flags would then give an unused parameter a zero
+# gradient where eager mode leaves None. The post-hook's `out=`
+# form refills a saved parameter in place; a graph has no such storage to refill, so only the
+# first-time form is traced. Every node runs under the group's annotation, so for a group that
+# reshards after forward, passes/reshard.py makes the backward run the pre-hook, the all-gather and
+# the post-hook again, as the eager runtime does.
+
+
+class _GradientBucket(NamedTuple):
+    """The reduce-scatter bucket of a group's trainable parameters, as `_RouteGradients` packs it.
+    Only values an FX node takes as arguments, so `_route_gradients` can be handed it (no None)."""
+
+    world: int
+    shard_numels: tuple[int, ...]  # per parameter: its columns, padding included
+    numels: tuple[int, ...]  # per parameter: its unsharded elements
+    valid_numels: tuple[int, ...]  # per parameter: this rank's shard's elements, padding excluded
+    shard_dtypes: tuple[torch.dtype, ...]  # per parameter: its shard's gradient's dtype
+    reduce_dtype: torch.dtype
+    device: torch.device
+    reduce_group: str  # the process group names of the reduce-scatter ...
+    replicate_group: str  # ... and of the HSDP all-reduce, "" without one
+    divide_factor: tuple[float, float]  # (pre, post), see `divide_factors`
+
+
+class _RouteGradients(torch.autograd.Function):
+    """Forward: the rebuilt unsharded parameters, as they are. Backward: their gradients packed,
+    reduce-scattered and divided, as each shard's gradient. See [Note: Traced all-gather extensions].
+
+    Arguments: the `_GradientBucket`, the flags, then one flat shard per trainable parameter, then
+    the unsharded tensors in the same order (shard dim first).
+    """
+
+    @staticmethod
+    def forward(ctx, bucket, flags, *tensors):
+        ctx.bucket = bucket
+        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None: flagged 0
+        num = len(tensors) // 2
+        return tuple(t.view_as(t) for t in tensors[num:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        b, num = ctx.bucket, len(grads)
+        packed = torch.ops.fsdp_graph.pack_grads(
+            [*grads, None], b.world, [*b.shard_numels, num], [*b.numels, 0], b.reduce_dtype, b.device, num
+        )
+        reduced = _reduce_scatter(packed, b.world, b.reduce_group, b.replicate_group or None, b.divide_factor)
+        shard_grads, offset = [], 0
+        for shard_numel, valid_numel, dtype in zip(b.shard_numels, b.valid_numels, b.shard_dtypes):
+            shard_grads.append(reduced[offset : offset + valid_numel].to(dtype))
+            offset += shard_numel
+        return (None, reduced[offset : offset + num], *shard_grads, *([None] * num))
+
+
+@torch._dynamo.nonstrict_trace
+def _route_gradients(bucket: _GradientBucket, flags: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`_RouteGradients.apply`, which Dynamo leaves for AOTAutograd to trace."""
+    return _RouteGradients.apply(bucket, flags, *tensors)
+
+
+def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
+    """`unshard` for a group with all-gather extensions: one uint8 all-gather of what the pre-hooks
+    return and the other shards, the post-hooks, and the gradients routed to the shards. See
+    [Note: Traced all-gather extensions]."""
+    world = group.world
+    dtype = group.all_gather_dtype  # what the parameters without hooks are gathered in, as eager
+    mesh_info = group.mesh_info
+    annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
+    with annotate(annotation), torch.no_grad():
+        pieces, layouts = [], []  # layouts: per parameter, (metadata, [(dtype, shape)] per input)
+        for p in group.params:
+            if p.gather_hooks:
+                inputs, metadata = p.call_pre_all_gather(p.local_shard)
+                pieces += [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
+                layouts.append((metadata, [(t.dtype, (world * t.shape[0], *t.shape[1:])) for t in inputs]))
+            else:
+                shard = p.flat_local_shard().to(dtype)
+                pieces.append(F.pad(shard, (0, p.shard_numel - shard.numel())).view(torch.uint8))
+                layouts.append(None)
+        widths = [piece.numel() for piece in pieces]
+        gathered = _C10D.all_gather_into_tensor(torch.cat(pieces), world, mesh_info.shard_group.group_name)
+        gathered = _C10D.wait_tensor(gathered)
+        outputs = iter(torch.ops.fsdp_graph.copy_out(gathered, world, widths, [world * w for w in widths], -1))
+        rebuilt = []  # shard dim first, as the collectives move them
+        for p, layout in zip(group.params, layouts):
+            if layout is None:
+                rebuilt.append(next(outputs).view(dtype)[: p.orig_size.numel()].view(p.moved_size))
+                continue
+            metadata, input_layouts = layout
+            gathered_inputs = tuple(next(outputs).view(t_dtype).view(size) for t_dtype, size in input_layouts)
+            rebuilt.append(p.call_post_all_gather(p.local_shard, gathered_inputs, metadata)[0])
+    trainable = [i for i, p in enumerate(group.params) if p.requires_grad]
+    if trainable:
+        params = [group.params[i] for i in trainable]
+        reduce_dtype = group.mp_policy.reduce_dtype or params[0].unsharded_dtype
+        bucket = _GradientBucket(
+            world,
+            tuple(p.shard_numel for p in params),
+            tuple(p.orig_size.numel() for p in params),
+            tuple(p.num_valid_rows * p.row_numel for p in params),
+            tuple(p.orig_dtype for p in params),
+            reduce_dtype,
+            gathered.device,
+            (group.reduce_controls.reduce_scatter_group or mesh_info.shard_group).group_name,
+            mesh_info.replicate_group.group_name if mesh_info.is_hsdp else "",
+            divide_factors(group.gradient_divide_factor or float(world * mesh_info.replicate_size), reduce_dtype),
+        )
+        with annotate(annotation):
+            routed = _route_gradients(
+                bucket,
+                group.grad_flags.to(reduce_dtype),
+                *[p.flat_local_shard() for p in params],
+                *[rebuilt[i] for i in trainable],
+            )
+        for i, tensor in zip(trainable, routed):
+            rebuilt[i] = tensor
+    return [_to_param_layout(p, tensor) for p, tensor in zip(group.params, rebuilt)]
 
 
 def _to_param_layout(p, rows: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ all-gather moves (1 per weight element, 4 per fp32 bias element).
 """
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_graph
 from _fp8_weight import Fp8AllGatherWeight
+from _compile_helpers import dumped_graphs
 from _harness import run_ranks
 from _models import global_mean
 from fsdp_graph import fully_shard
@@ -115,27 +117,29 @@ def test_fp8_all_gather_same_as_torch_fully_shard(reshard_after_forward):
           f"{sum(n for _, n in ours[0][:3])} for {weights} (padded) weight + {bias} bias elements")
 
 
-def _compiled_against_torch(rank, world_size):
+def _compiled_against_torch(rank, world_size, reshard_after_forward, dump_dir):
     """`torch.compile(backend=fsdp_graph.backend(compiler="aot_eager"))` of the sharded model against
-    torch's eager `fully_shard`: same losses, gradients, parameters and all-gather bytes."""
+    torch's eager `fully_shard`: same losses, gradients and parameters. The all-gathers are read
+    from the graph dump (Dynamo does not compile while a dispatch mode is active, so the compiled
+    steps run without `_AllGatherBytes`); torch's from its collectives."""
     torch.manual_seed(0)
     model = _fp8_mlp()
-    sharded = _shard(copy.deepcopy(model), fully_shard)
-    theirs = _shard(copy.deepcopy(model), torch_fully_shard)
-    compiled = torch.compile(sharded, backend=fsdp_graph.backend(compiler="aot_eager"))
+    sharded = _shard(copy.deepcopy(model), fully_shard, reshard_after_forward=reshard_after_forward)
+    theirs = _shard(copy.deepcopy(model), torch_fully_shard, reshard_after_forward=reshard_after_forward)
+    backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=f"{dump_dir}/rank{rank}")
+    compiled = torch.compile(sharded, backend=backend)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (sharded, theirs)]
     gathered, max_err = [], 0.0
     for step in range(3):
         gen = torch.Generator().manual_seed(step)
         x = torch.randn(8, 8, generator=gen)[rank * 4 : (rank + 1) * 4]
-        losses = []
-        for net in (compiled, theirs):
-            with _AllGatherBytes() as mode:
-                loss = net(x).pow(2).mean()
-                loss.backward()
-            gathered.append(mode.gathers)
-            losses.append(global_mean(loss))
-        torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+        loss = compiled(x).pow(2).mean()
+        loss.backward()
+        with _AllGatherBytes() as mode:
+            expected = theirs(x).pow(2).mean()
+            expected.backward()
+        gathered.append(mode.gathers)
+        torch.testing.assert_close(global_mean(loss), global_mean(expected), rtol=1e-6, atol=0)
         for (name, p), q in zip(sharded.named_parameters(), theirs.parameters()):
             err = (p.grad.to_local() - q.grad.to_local()).abs().max().item()
             max_err = max(max_err, err)
@@ -149,18 +153,91 @@ def _compiled_against_torch(rank, world_size):
             assert type(local) is Fp8AllGatherWeight, name
             local, expected = local._data, expected._data
         torch.testing.assert_close(local, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    return gathered[0::2], gathered[1::2], max_err, dict(sharded._fsdp_state.ctx.fallbacks)
+    (forward_text,) = [path.read_text() for path in Path(f"{dump_dir}/rank{rank}").glob("*.forward.txt")]
+    fp8_casts = forward_text.count("dtype=float8_e4m3fn)")  # the pre-hooks' casts, one per weight
+    graphs = dumped_graphs(f"{dump_dir}/rank{rank}")
+    return graphs, fp8_casts, gathered, max_err, dict(sharded._fsdp_state.ctx.fallbacks)
 
 
-def test_fp8_all_gather_compiled_same_as_torch_fully_shard():
-    ours, theirs, max_err, fallbacks = run_ranks(_compiled_against_torch, 2)
-    # The groups run on the eager hooks, each logged with the reason (see ParamGroup.eager_only_reason).
-    assert sorted(fallbacks) == ["0", "2", "4", "<root>"], fallbacks
-    assert all("fsdp_pre_all_gather" in why for why in fallbacks.values()), fallbacks
-    assert ours == theirs  # the fp8 bytes are still what moves: 1 per weight element
-    assert all(dtype == torch.uint8 for step in ours for dtype, _ in step), ours
-    print(f"compiled: max abs gradient error vs torch fully_shard: {max_err}; all-gather bytes per step "
-          f"{[sum(n for _, n in step) for step in ours]}")
+def _all_gathers(graph: dict) -> list[tuple[str, torch.dtype, int]]:
+    """(group, dtype, bytes) of each all-gather in a dumped forward or backward graph."""
+    return [(c["group"], getattr(torch, c["dtype"]), c["bytes"]) for c in graph["collectives"]
+            if c["op"] == "all_gather_into_tensor"]
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_fp8_all_gather_compiled_same_as_torch_fully_shard(tmp_path, reshard_after_forward):
+    """Compiled, the groups' hooks are traced into the graph: no group falls back to the eager hooks,
+    and the graph's all-gathers carry the fp8 bytes, 1 per weight element, as torch's do."""
+    graphs, fp8_casts, theirs, max_err, fallbacks = run_ranks(
+        _compiled_against_torch, 2, reshard_after_forward, str(tmp_path)
+    )
+    assert fallbacks == {}, fallbacks
+    assert fp8_casts == 3  # the pre-hooks ran in the graph: its all-gathers move fp8 bytes
+    forward, backward = _all_gathers(graphs["forward"]), _all_gathers(graphs["backward"])
+    # The forward gathers what torch's forward gathers, layer by layer: fp8 weights as bytes (the
+    # last weight's 3 rows padded to 2 per rank) and the middle layer's fp32 bias.
+    weights, bias = 8 * 16 + 16 * 16 + 16 * 4, 16
+    assert forward == [("0", torch.uint8, 8 * 16), ("2", torch.uint8, 16 * 16 + 4 * bias), ("4", torch.uint8, 16 * 4)]
+    for step in theirs:
+        assert [(dtype, n) for _, dtype, n in forward] == step[:3]
+    if reshard_after_forward:
+        # The backward gathers again, from the shards through the pre-hook, what it needs: the last
+        # two layers' weights (the first layer's weight gradient needs no weight, and the input
+        # needs no gradient). Torch's backward gathers all three, group 0 last.
+        assert backward == [("4", torch.uint8, 16 * 4), ("2", torch.uint8, 16 * 16 + 4 * bias)]
+        for step in theirs:
+            assert [(dtype, n) for _, dtype, n in backward] == step[3:5]
+            assert step[5] == (torch.uint8, 8 * 16)
+    else:
+        assert backward == [] and all(len(step) == 3 for step in theirs)
+    print(f"compiled (reshard_after_forward={reshard_after_forward}): max abs gradient error vs torch "
+          f"fully_shard {max_err}; graph all-gathers (group, dtype, bytes) forward {forward}, backward "
+          f"{backward}, for {weights} (padded) weight + {bias} bias elements")
+
+
+class _UsesOne(nn.Module):
+    """Two fp8 layers in one group; the forward uses only the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(8, 8), nn.Linear(8, 8, bias=False)
+        for layer in (self.used, self.unused):
+            layer.weight = nn.Parameter(Fp8AllGatherWeight.wrap(layer.weight))
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _compiled_unused_against_torch(rank, world_size, mixed_precision):
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    model = _UsesOne()
+    dtypes = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
+    ours = fully_shard(copy.deepcopy(model), mp_policy=fsdp_graph.MixedPrecisionPolicy(**dtypes))
+    theirs = torch_fully_shard(copy.deepcopy(model), mp_policy=TorchMixedPrecisionPolicy(**dtypes))
+    compiled = torch.compile(ours, backend=fsdp_graph.backend(compiler="aot_eager"))
+    for step in range(2):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))[rank * 4 : (rank + 1) * 4]
+        loss, expected = (net(x).float().pow(2).mean() for net in (compiled, theirs))
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(global_mean(loss), global_mean(expected), rtol=1e-6, atol=0)
+        assert ours.unused.weight.grad is None and theirs.unused.weight.grad is None
+        for name in ("used.weight", "used.bias"):
+            mine, torchs = ours.get_parameter(name).grad, theirs.get_parameter(name).grad
+            torch.testing.assert_close(mine.to_local(), torchs.to_local(), rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        for net in (ours, theirs):
+            net.zero_grad(set_to_none=True)
+    return dict(ours._fsdp_state.ctx.fallbacks)
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_fp8_compiled_unused_parameter_keeps_grad_none(mixed_precision):
+    """A hooked parameter the forward does not use gets no gradient, compiled as in torch's eager
+    fully_shard (the graph reduce-scatters zeros and a flag for it), with bf16 parameters too."""
+    assert run_ranks(_compiled_unused_against_torch, 2, mixed_precision) == {}
 
 
 class _OnlyPre(torch.Tensor):
