@@ -68,6 +68,19 @@ def _shard(model, shard, **kwargs):
     return model
 
 
+def _compare_grads_and_step(ours, theirs, opts) -> float:
+    """Every gradient of `ours` against `theirs` (torch's), then one optimizer step each; returns
+    the largest absolute difference."""
+    max_err = 0.0
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        max_err = max(max_err, (p.grad.to_local() - q.grad.to_local()).abs().max().item())
+        torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    return max_err
+
+
 def _against_torch(rank, world_size, reshard_after_forward):
     torch.manual_seed(0)
     model = _fp8_mlp()
@@ -87,13 +100,7 @@ def _against_torch(rank, world_size, reshard_after_forward):
             gathered.append(mode.gathers)
             losses.append(global_mean(loss))
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
-        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-            err = (p.grad.to_local() - q.grad.to_local()).abs().max().item()
-            max_err = max(max_err, err)
-            torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        max_err = max(max_err, _compare_grads_and_step(ours, theirs, opts))
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         assert type(p.to_local()) is Fp8AllGatherWeight or p.ndim == 1, name
         torch.testing.assert_close(p.to_local()._data if p.ndim == 2 else p.to_local(),
@@ -140,13 +147,7 @@ def _compiled_against_torch(rank, world_size, reshard_after_forward, dump_dir):
             expected.backward()
         gathered.append(mode.gathers)
         torch.testing.assert_close(global_mean(loss), global_mean(expected), rtol=1e-6, atol=0)
-        for (name, p), q in zip(sharded.named_parameters(), theirs.parameters()):
-            err = (p.grad.to_local() - q.grad.to_local()).abs().max().item()
-            max_err = max(max_err, err)
-            torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        max_err = max(max_err, _compare_grads_and_step(sharded, theirs, opts))
     for (name, p), q in zip(sharded.named_parameters(), theirs.parameters()):
         local, expected = p.to_local(), q.to_local()
         if p.ndim == 2:
