@@ -204,7 +204,7 @@ def timings(args) -> None:
     # the memory budget: the groups that fit stay unsharded from forward to backward.
     fsdp2 = next(r for r in rows if r.name == "FSDP2 eager")
     fsdp2.measure(batches[0])
-    budget = fsdp2.peak_bytes
+    budget = fsdp2.peak_bytes // 2**20 * 2**20  # whole MiB: the same budget (and compile-cache key) each run
     selective = Row("fsdp_graph selective", model(fully_shard), fsdp_graph.backend(compiler="inductor", memory_budget_bytes=budget))
     if warm_up(selective):
         rows.insert(1, selective)
