@@ -527,10 +527,15 @@ class ShardedParam:
         if self.tp is None:
             return local
         with torch.no_grad():  # a leaf: the parameter, not a function of `local`
-            return DTensor.from_local(
-                local, self.tp.mesh, self.tp.placements, run_check=False,
-                shape=self.orig_size, stride=_contiguous_stride(self.orig_size),
-            )
+            return self.tp_dtensor(local)
+
+    def tp_dtensor(self, local: torch.Tensor) -> DTensor:
+        """The tp-local unsharded tensor `local` as the tp DTensor `parallelize_module` made. Its
+        backward hands `local` the gradient on the tp placements (e.g. Partial summed to Replicate)."""
+        return DTensor.from_local(
+            local, self.tp.mesh, self.tp.placements, run_check=False,
+            shape=self.orig_size, stride=_contiguous_stride(self.orig_size),
+        )
 
     def unsharded_tensors(self) -> tuple[torch.Tensor, ...]:
         """The unsharded parameter and, for a tp DTensor, its local tensor (whose versions copy-out keeps)."""

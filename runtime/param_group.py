@@ -282,8 +282,6 @@ class ParamGroup:
             return "a custom all-gather or reduce-scatter is set; custom comms run on the eager runtime"
         if not self.unshard_in_backward:
             return "set_unshard_in_backward(False): the graph's backward reads the gathered parameters"
-        if any(p.tp is not None for p in self.params):
-            return "tensor-parallel (DTensor) parameters: the traced unshard gathers plain tensors only"
         return None
 
     def reset_backward_state(self) -> None:

@@ -279,9 +279,27 @@ def _reshards_after_forward(group: "ParamGroup") -> bool:
 
 
 def unshard(group: "ParamGroup") -> list[torch.Tensor]:
-    """Trace the all-gather of `group`; returns one unsharded tensor per `group.params` entry."""
-    if any(p.gather_hooks for p in group.params):
-        return _unshard_with_extensions(group)
+    """Trace the all-gather of `group`; returns one unsharded tensor per `group.params` entry, as
+    the module computes with it. See [Note: Traced tensor-parallel parameters]."""
+    gather = _unshard_with_extensions if any(p.gather_hooks for p in group.params) else _unshard_plain
+    unsharded = gather(group)
+    return [t if p.tp is None else p.tp_dtensor(t) for p, t in zip(group.params, unsharded)]
+
+
+# [Note: Traced tensor-parallel parameters]
+# A parameter that tensor parallelism made a DTensor is gathered as its tp-local tensor, as in the
+# eager runtime ([Note: Sharding a tensor-parallel parameter] in runtime/param.py), and handed to
+# the module as `DTensor.from_local` over the tp mesh with the tp placements. Dynamo traces that,
+# and the module's DTensor ops, into tensor parallelism's own functional collectives (the
+# rowwise all-reduce, sequence parallelism's all-gathers and reduce-scatters); `from_local`'s
+# backward moves the gradient to the tp placements (a Partial gradient is all-reduced over tp)
+# before it reaches the FSDP reduce-scatter. The wrap runs outside the group's annotation, so only
+# FSDP's own collectives carry GROUP_KEY: the passes move those and treat every other collective
+# as fixed (passes/nodes.py, `is_fsdp_collective`).
+
+
+def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
+    """`unshard` for a group without all-gather extensions: tp-local tensors."""
     world = group.world
     orig_dtypes = {p.orig_dtype for p in group.params}
     flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else group.all_gather_dtype
@@ -315,14 +333,14 @@ def unshard(group: "ParamGroup") -> list[torch.Tensor]:
             p = group.params[0]
             return [_to_param_layout(p, gathered.view(world * p.padded_dim0, *p.moved_size[1:])[: p.moved_size[0]])]
         shard_numels = [group.params[i].shard_numel for i in trainable]
-        numels = [group.params[i].orig_size.numel() for i in trainable]
+        numels = [group.params[i].local_size.numel() for i in trainable]
         flags_at = -1
         if flags is not None:
             flags_at = len(trainable)
             shard_numels.append(flags.numel())
             numels.append(0)
         shard_numels += [group.params[i].shard_numel for i in frozen]
-        numels += [group.params[i].orig_size.numel() for i in frozen]
+        numels += [group.params[i].local_size.numel() for i in frozen]
         pieces = torch.ops.fsdp_graph.copy_out(gathered, world, shard_numels, numels, flags_at)
         if flags is not None:
             pieces = pieces[:flags_at] + pieces[flags_at + 1 :]
@@ -439,7 +457,7 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
         rebuilt = []  # shard dim first, as the collectives move them
         for p, layout in zip(group.params, layouts):
             if layout is None:
-                rebuilt.append(next(outputs).view(dtype)[: p.orig_size.numel()].view(p.moved_size))
+                rebuilt.append(next(outputs).view(dtype)[: p.local_size.numel()].view(p.moved_size))
                 continue
             metadata, input_layouts = layout
             gathered_inputs = tuple(next(outputs).view(t_dtype).view(size) for t_dtype, size in input_layouts)
@@ -451,7 +469,7 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
         bucket = _GradientBucket(
             world,
             tuple(p.shard_numel for p in params),
-            tuple(p.orig_size.numel() for p in params),
+            tuple(p.local_size.numel() for p in params),
             tuple(p.num_valid_rows * p.row_numel for p in params),
             tuple(p.orig_dtype for p in params),
             reduce_dtype,
