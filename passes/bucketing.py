@@ -32,6 +32,7 @@ from .nodes import (
     PASS_META,
     group_of,
     is_all_gather,
+    is_fsdp_collective,
     is_reduce_scatter,
     wait_of,
 )
@@ -235,7 +236,8 @@ def _split(gm: GraphModule, node: Node, num_pieces: int, pass_name: str) -> list
 def _bucketable(gm: GraphModule) -> list[Node]:
     return [
         n for n in gm.graph.nodes
-        if (is_all_gather(n) or is_reduce_scatter(n)) and wait_of(n) is not None and _flat_numel(n) is not None
+        if (is_all_gather(n) or is_reduce_scatter(n)) and is_fsdp_collective(n) and wait_of(n) is not None
+        and _flat_numel(n) is not None
     ]
 
 

@@ -44,6 +44,34 @@ def is_collective(node: Node) -> bool:
     return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
 
 
+def is_fsdp_collective(node: Node) -> bool:
+    """A collective the traced runtime made for a group (it carries GROUP_KEY), as opposed to one
+    of tensor parallelism or the user's: the passes bucket and move only these, and keep every
+    other collective and its wait where it is, in its order ([Note: Traced tensor-parallel
+    parameters] in runtime/traced.py)."""
+    return is_collective(node) and group_of(node) is not None
+
+
+def parallelism_of(node: Node) -> str:
+    """Whose collective `node` is: "fsdp" for the traced runtime's; for any other, the name of the
+    DeviceMesh dim its process group spans ("tp"), or else the process group's name."""
+    if group_of(node) is not None:
+        return "fsdp"
+    name = node.args[-1]  # every functional collective takes its group's name last
+    try:
+        desc = torch._C._distributed_c10d._resolve_process_group(name).group_desc
+    except (RuntimeError, ValueError, TypeError):  # the group is gone, or not a registered name
+        return str(name)
+    return desc.removeprefix("mesh_") if desc.startswith("mesh_") else str(name)
+
+
+def collective_label(node: Node) -> str:
+    """How the inspector names a collective: its FSDP group, or "[tp]" (`parallelism_of`) for one
+    that is not FSDP's."""
+    group = group_of(node)
+    return group if group is not None else f"[{parallelism_of(node)}]"
+
+
 def collective_of(wait: Node) -> Optional[Node]:
     """The collective a `wait_tensor` waits on, or None."""
     if is_wait_tensor(wait) and isinstance(wait.args[0], Node) and is_collective(wait.args[0]):

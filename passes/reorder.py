@@ -16,6 +16,11 @@ re-gather, AG of the block before in forward order):
             issue of RS(i+1) or RS(i+2), or to the graph's end: the place that hides the most;
     wait(AG(i)) stays just before its first user.
 
+Only FSDP's own collectives (`is_fsdp_collective`) move. Any other, e.g. tensor parallelism's
+all-reduces, stays where it is with its wait, so their order on their process group is the traced
+one, and FSDP's moves treat them as compute-like barriers that data preparation cannot cross;
+FSDP's all-gathers and reduce-scatters still overlap the compute around them.
+
 Each move is one candidate, tried in graph order; it is kept only if afterwards
     - the bytes of collectives issued and not yet waited on never exceed `max_bytes_in_flight`,
     - the simulated peak memory stays within `memory_budget_bytes` (or does not grow, when the
@@ -38,7 +43,8 @@ from torch.fx import GraphModule, Node
 
 from .cost_model import CostModel
 from .nodes import (
-    PASS_META, collective_of, is_all_gather, is_collective, is_reduce_scatter, is_wait_tensor, tensor_bytes, wait_of,
+    PASS_META, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_reduce_scatter, is_wait_tensor,
+    tensor_bytes, wait_of,
 )
 from .simulator import Op, OpKind, _kind, in_flight_bytes, op_of, simulate
 
@@ -158,6 +164,12 @@ def _output_tail(wait: Node) -> Optional[list[Node]]:
     return list(closure)
 
 
+def _inputs_before(nodes: list[Node], position: int, index: dict[Node, int]) -> bool:
+    """Whether every input of `nodes` from outside them comes before `position`."""
+    inside = set(nodes)
+    return all(i in inside or index.get(i, -1) < position for n in nodes for i in n.all_input_nodes)
+
+
 def _largest_bucket_bytes(nodes: list[Node]) -> int:
     """Bytes of the largest collective's full-size side (an all-gather's output, a reduce-scatter's
     input)."""
@@ -207,7 +219,7 @@ class _Scheduler:
         self.peak, self.exposed, self.in_flight = self._measure(self.body)
 
     def issue_reduce_scatters_early(self) -> None:
-        for rs in [n for n in self.body if is_reduce_scatter(n)]:
+        for rs in [n for n in self.body if is_reduce_scatter(n) and is_fsdp_collective(n)]:
             index = {n: i for i, n in enumerate(self.body)}
             producer = max(rs.all_input_nodes, key=lambda n: index.get(n, -1))
             if producer not in index or index[producer] + 1 == index[rs]:
@@ -239,7 +251,7 @@ class _Scheduler:
         gradient, so it is issued before the first block's weight gradients are reduced into their
         bucket, and runs under that."""
         k = 1
-        while k < len(reduces := [n for n in self.body if is_reduce_scatter(n)]):
+        while k < len(reduces := [n for n in self.body if is_reduce_scatter(n) and is_fsdp_collective(n)]):
             earlier, later = reduces[k - 1], reduces[k]
             found = self._hoist_candidate(earlier, later)
             if found is not None:
@@ -262,7 +274,7 @@ class _Scheduler:
         that pass the limits, the one with the least exposed communication, the earliest on ties
         (its full-size gradient input dies soonest). When none passes the memory limits, as late
         before RS(i+1) as they allow (`_sink_partway`): some overlap rather than none."""
-        reduces = [n for n in self.body if is_reduce_scatter(n) or (is_collective(n) and not is_all_gather(n))]
+        reduces = [n for n in self.body if is_fsdp_collective(n) and not is_all_gather(n)]
         for k, rs in enumerate(reduces):
             wait = wait_of(rs)
             tail = _output_tail(wait) if wait is not None else None
@@ -275,6 +287,8 @@ class _Scheduler:
             for anchor in reduces[k + 1 : k + 3] + [None]:
                 if anchor is not None and (anchor in tail or index[anchor] <= index[tail[0]]):
                     continue  # (HSDP: the all-reduce that follows a reduce-scatter is in its tail)
+                if anchor is not None and not _inputs_before(tail, index[anchor], index):
+                    continue  # a tail node also reads something computed after the anchor
                 candidate = _moved(self.body, tail, anchor)
                 why, exposed = self._check(candidate)
                 if why is not None:
@@ -298,7 +312,9 @@ class _Scheduler:
         `tail` (a wait and what only feeds outputs from it) before, such that the limits hold and
         less communication is exposed; found by bisection, as memory grows the later the wait."""
         end = index[until] if until is not None else len(self.body)
-        positions = [i for i in range(index[tail[-1]] + 1, end) if _kind(self.body[i]) is OpKind.COMPUTE]
+        inside = set(tail)
+        ready = max([index[tail[-1]]] + [index.get(i, -1) for n in tail for i in n.all_input_nodes if i not in inside])
+        positions = [i for i in range(ready + 1, end) if _kind(self.body[i]) is OpKind.COMPUTE]
         best: Optional[tuple[float, list[Node]]] = None
         lo, hi = 0, len(positions) - 1
         while lo <= hi:
@@ -314,7 +330,7 @@ class _Scheduler:
         return best
 
     def prefetch_all_gathers(self) -> None:
-        gathers = [n for n in self.body if is_all_gather(n) and wait_of(n) is not None]
+        gathers = [n for n in self.body if is_all_gather(n) and is_fsdp_collective(n) and wait_of(n) is not None]
         for j, ag in enumerate(gathers):
             best: Optional[tuple[float, int, list[Node]]] = None
             reasons = []

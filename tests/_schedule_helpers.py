@@ -79,6 +79,21 @@ def sharded_embed_stack() -> EmbedStack:
     return model
 
 
+def tensor_parallel_stack(mesh) -> Stack:
+    """`Stack` with each block's up colwise and down rowwise over mesh["tp"], then sharded over
+    mesh["dp"]: the forward holds one tp all-reduce per block (down's output), the backward one
+    per block for the input gradient of up."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = Stack()
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
 def capture_graphs(
     model: nn.Module, x: torch.Tensor, memory_budget_bytes: Optional[int] = None
 ) -> dict[str, torch.fx.GraphModule]:
@@ -112,10 +127,13 @@ def capture_graphs(
 def schedule_lines(gm: torch.fx.GraphModule) -> str:
     """Collectives, waits and matmuls in graph order: `AG blocks.0`, `wait AG blocks.0`, `mm`."""
     from fsdp_graph.passes.bucketing import bucket_groups
-    from fsdp_graph.passes.nodes import collective_of, is_all_gather, is_collective, is_wait_tensor
+    from fsdp_graph.passes.nodes import (
+        collective_label, collective_of, is_all_gather, is_all_reduce, is_collective, is_fsdp_collective, is_wait_tensor,
+    )
 
     def short(node):
-        return ("AG " if is_all_gather(node) else "RS ") + "+".join(bucket_groups(node))
+        kind = "AG " if is_all_gather(node) else "AR " if is_all_reduce(node) else "RS "
+        return kind + ("+".join(bucket_groups(node)) if is_fsdp_collective(node) else collective_label(node))
 
     lines = []
     for node in gm.graph.nodes:

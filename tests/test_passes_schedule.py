@@ -9,10 +9,12 @@ import expecttest
 import torch
 
 from _harness import fake_process_group
-from _schedule_helpers import FIXED, LATENCY_BOUND, capture_graphs, schedule_lines, sharded_embed_stack, sharded_stack
+from _schedule_helpers import (
+    FIXED, LATENCY_BOUND, capture_graphs, schedule_lines, sharded_embed_stack, sharded_stack, tensor_parallel_stack,
+)
 from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group, buckets
 from fsdp_graph.passes.cost_model import CollectiveKind, CostModel, Profile
-from fsdp_graph.passes.nodes import is_collective, tensor_bytes
+from fsdp_graph.passes.nodes import is_collective, is_fsdp_collective, parallelism_of, tensor_bytes
 from fsdp_graph.passes.reorder import SCHEDULE_META, reorder_for_overlap
 
 UNLIMITED = 1 << 50  # a memory budget nothing reaches: the schedule overlap alone decides
@@ -240,3 +242,97 @@ wait RS blocks.0""")
         first = schedule_lines(reorder_for_overlap(bucket_by_group(self.graphs()["backward"]), FIXED))
         second = schedule_lines(reorder_for_overlap(bucket_by_group(self.graphs()["backward"]), FIXED))
         self.assertEqual(first, second)
+
+
+class TensorParallelSchedulingTest(expecttest.TestCase):
+    """FSDP over mesh["dp"] of a (dp=2, tp=2) mesh of 4 fake ranks, with tensor-parallel blocks."""
+
+    def setUp(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._pg = fake_process_group(4)
+        self._pg.__enter__()
+        self.mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def tearDown(self) -> None:
+        self._pg.__exit__(None, None, None)
+
+    def graphs(self):
+        return capture_graphs(tensor_parallel_stack(self.mesh), torch.randn(4, 16))
+
+    @staticmethod
+    def fixed_order(gm):
+        """The tp collectives and waits with the compute between them: what the passes must keep."""
+        lines = schedule_lines(gm).splitlines()
+        return [line for line in lines if "[tp]" in line or line == "mm"]
+
+    def test_tp_collectives_stay_put_while_fsdp_overlaps_them(self):
+        graphs, scheduled = self.graphs(), {}
+        for kind in ("forward", "backward"):
+            gm = scheduled[kind] = bucket_by_group(graphs[kind])
+            tp = [n for n in gm.graph.nodes if is_collective(n) and not is_fsdp_collective(n)]
+            self.assertTrue(tp and all(parallelism_of(n) == "tp" for n in tp), kind)
+            before = self.fixed_order(gm)
+            gm = scheduled[kind] = reorder_for_overlap(gm, FIXED, memory_budget_bytes=UNLIMITED)
+            self.assertEqual(self.fixed_order(gm), before, kind)
+            report = gm.meta[SCHEDULE_META]
+            self.assertLess(report.exposed_s_after, report.exposed_s_before, kind)
+        # The later blocks' all-gathers are issued ahead (FSDP's stream is not tp's, so they run
+        # under this block's matmuls and its rowwise all-reduce); tp's own collectives keep their
+        # places between the matmuls.
+        self.assertExpectedInline(schedule_lines(scheduled["forward"]), """\
+AG <root>
+AG blocks.0
+wait AG <root>
+AG blocks.1
+AG blocks.2
+wait AG blocks.0
+mm
+mm
+AR [tp]
+wait AR [tp]
+wait AG blocks.1
+mm
+mm
+AR [tp]
+wait AR [tp]
+wait AG blocks.2
+mm
+mm
+AR [tp]
+wait AR [tp]
+mm""")
+        # Backward: the re-gather of the block before runs under this block's matmuls and its
+        # input gradient's all-reduce; reduce-scatter waits sink past the next block's all-reduce.
+        self.assertExpectedInline(schedule_lines(scheduled["backward"]), """\
+AG blocks.2
+mm
+mm
+mm
+AG blocks.1
+AG blocks.0
+wait AG blocks.2
+mm
+mm
+mm
+AR [tp]
+wait AR [tp]
+RS blocks.2
+mm
+wait AG blocks.1
+mm
+mm
+mm
+AR [tp]
+wait AR [tp]
+RS blocks.1
+wait RS blocks.2
+RS <root>
+wait RS blocks.1
+mm
+wait AG blocks.0
+mm
+mm
+RS blocks.0
+wait RS <root>
+wait RS blocks.0""")
