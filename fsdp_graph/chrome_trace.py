@@ -5,8 +5,10 @@ Layout (trace-event format: times in microseconds, one "X" complete event per sl
     process "predicted on <profile>"
         thread "compute"                          compute nodes, and "wait <collective>" where the
                                                   compute stream stalls (exposed communication)
-        thread "collectives (<N> ranks)"          one per process-group size: the collectives issued
-                                                  on groups of N ranks, named "<op> <fsdp group>", with
+        thread "collectives (<N> ranks)"          one per process-group size and parallelism ("tp
+                                                  collectives (<N> ranks)" for tensor parallelism's):
+                                                  the collectives issued on those groups, named
+                                                  "<op> <fsdp group>" (or "<op> [tp]"), with
                                                   bytes (all ranks and per rank), the issue and wait
                                                   nodes and the exposed time as args
         counter "live memory (MiB)"               bytes the graph allocated, per rank
@@ -48,7 +50,7 @@ def predicted_events(sims: dict[str, Simulation], programs: dict[str, Program]) 
         _metadata("thread_name", PREDICTED_PID, COMPUTE_TID, {"name": "compute"}),
         _metadata("thread_sort_index", PREDICTED_PID, COMPUTE_TID, {"sort_index": 0}),
     ]
-    tid_of_world: dict[int, int] = {}
+    tid_of_stream: dict[tuple[str, int], int] = {}
     offset = 0.0
     for label in sims:
         sim = sims[label]
@@ -60,9 +62,11 @@ def predicted_events(sims: dict[str, Simulation], programs: dict[str, Program]) 
         for c in sim.collectives:
             op = ops[c.name]
             world = max(op.facts.world, 1)
-            if world not in tid_of_world:
-                tid = tid_of_world[world] = COMPUTE_TID + 1 + len(tid_of_world)
-                events.append(_metadata("thread_name", PREDICTED_PID, tid, {"name": f"collectives ({world} ranks)"}))
+            stream = (c.parallelism, world)
+            if stream not in tid_of_stream:
+                tid = tid_of_stream[stream] = COMPUTE_TID + 1 + len(tid_of_stream)
+                whose = "" if c.parallelism == "fsdp" else f"{c.parallelism} "
+                events.append(_metadata("thread_name", PREDICTED_PID, tid, {"name": f"{whose}collectives ({world} ranks)"}))
                 events.append(_metadata("thread_sort_index", PREDICTED_PID, tid, {"sort_index": tid}))
             wait = programs[label][c.wait_index].name if c.wait_index >= 0 else None
             args = {
@@ -73,7 +77,7 @@ def predicted_events(sims: dict[str, Simulation], programs: dict[str, Program]) 
             }
             events.append({"name": f"{c.kind} {c.group or '?'}", "cat": "collective", "ph": "X",
                            "ts": _us(offset + c.start_s), "dur": _us(c.end_s - c.start_s),
-                           "pid": PREDICTED_PID, "tid": tid_of_world[world], "args": args})
+                           "pid": PREDICTED_PID, "tid": tid_of_stream[stream], "args": args})
             if c.exposed_s > 0:
                 events.append({"name": f"wait {c.kind} {c.group or '?'}", "cat": "exposed communication", "ph": "X",
                                "ts": _us(offset + c.end_s - c.exposed_s), "dur": _us(c.exposed_s),

@@ -27,7 +27,10 @@ import torch
 from torch._logging import trace_structured
 from torch.fx import GraphModule
 
-from .passes.nodes import KEPT_UNSHARDED_META, gathered_from, group_of, is_collective, is_wait_tensor, tensor_bytes
+from .passes.nodes import (
+    KEPT_UNSHARDED_META, collective_label, gathered_from, group_of, is_collective, is_wait_tensor, parallelism_of,
+    tensor_bytes,
+)
 
 SUMMARY_FILE = "summary.json"
 
@@ -43,7 +46,8 @@ def collectives(gm: GraphModule) -> list[dict[str, Any]]:
                 {
                     "index": index,
                     "op": node.target.__name__.split(".")[0],
-                    "group": group_of(node) or "?",
+                    "group": collective_label(node),
+                    "by": parallelism_of(node),
                     "dtype": _dtype_name(node),
                     "bytes": tensor_bytes(node),
                     "input_bytes": tensor_bytes(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else 0,
@@ -117,7 +121,7 @@ def format_graph(gm: GraphModule) -> str:
         line = f"{node.name} = {_short_target(node)}({', '.join(args)}) : {_format_value(node)}"
         notes = []
         if is_collective(node):
-            notes.append(group_of(node) or "?")
+            notes.append(collective_label(node))
         if "recompute" in node.meta and "ac_graph_id" in node.meta:
             notes.append("recompute")
         if notes:
@@ -225,24 +229,25 @@ def _sum_bytes(sizes) -> int:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """Per graph: collectives in order with their group and bytes (per rank: the shard one rank sends
+    """Per graph: collectives in order with their group, whose they are ("fsdp", or e.g. "tp" for
+    tensor parallelism's, whose group shows as "[tp]") and bytes (per rank: the shard one rank sends
     or receives; all ranks: the unsharded bucket), totals per group; then fallbacks."""
     lines = []
     for graph_id in sorted(summary["graphs"]):
         for kind, entry in sorted(summary["graphs"][graph_id].items(), key=lambda item: item[0] != "forward"):
             found = entry["collectives"]
             lines.append(f"{graph_id} {kind}: {len(found)} collectives, {entry['num_nodes']} nodes")
-            lines.append(f"  {'node':<6} {'op':<24} {'group':<20} {'per rank':>12} {'all ranks':>12}")
+            lines.append(f"  {'node':<6} {'op':<24} {'group':<20} {'by':<5} {'per rank':>12} {'all ranks':>12}")
             per_group: dict[tuple[str, str], list[tuple[int, int]]] = {}
             for c in found:
                 sizes = _rank_and_bucket_bytes(c)
-                lines.append(f"  #{c['index']:<5} {c['op']:<24} {c['group']:<20} "
+                lines.append(f"  #{c['index']:<5} {c['op']:<24} {c['group']:<20} {c.get('by', 'fsdp'):<5} "
                              f"{format_bytes(sizes[0]):>12} {format_bytes(sizes[1]):>12}")
                 per_group.setdefault((c["group"], c["op"]), []).append(sizes)
             for (group, op), sizes in sorted(per_group.items()):
                 per_rank, all_ranks = (_sum_bytes(column) for column in zip(*sizes))
-                lines.append(f"  total {op:<24} {group:<20} x{len(sizes):<3} "
-                             f"{format_bytes(per_rank):>8} {format_bytes(all_ranks):>12}")
+                lines.append(f"  total {op:<24} {group:<20} x{len(sizes):<4} "
+                             f"{format_bytes(per_rank):>12} {format_bytes(all_ranks):>12}")
             if "saved_unsharded" in entry:
                 saved = ", ".join(f"{s['node']} ({s['group']})" for s in entry["saved_unsharded"]) or "none"
                 lines.append(f"  unsharded parameters saved for backward: {saved}")

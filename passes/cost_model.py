@@ -25,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import Node
 
-from .nodes import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor
+from .nodes import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor, parallelism_of
 
 
 class CollectiveKind(Enum):
@@ -100,6 +100,7 @@ class OpFacts:
     collective: Optional[CollectiveKind] = None
     collective_bytes: int = 0  # the large side: all-gather output, reduce-scatter input
     world: int = 1
+    parallelism: str = "fsdp"  # whose collective: "fsdp", or e.g. "tp" (`nodes.parallelism_of`)
 
 
 def _val_bytes(val: Any) -> int:
@@ -161,7 +162,7 @@ def op_facts(node: Node) -> OpFacts:
             world = int(node.args[2])  # reduce_scatter_tensor(input, op, group_size, group_name)
         else:
             world = _group_size(node.args[2])  # all_reduce(input, op, group_name)
-        return OpFacts(collective=kind, collective_bytes=max(inp, out), world=world)
+        return OpFacts(collective=kind, collective_bytes=max(inp, out), world=world, parallelism=parallelism_of(node))
     flops, dtype_bytes = _flops(node)
     moved = _val_bytes(node.meta.get("val")) + sum(_val_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     return OpFacts(flops=flops, bytes_moved=moved, matmul_dtype_bytes=dtype_bytes)
@@ -180,16 +181,23 @@ def _group_size(group_name: str) -> int:
 
 
 class CostModel:
-    """Seconds for `OpFacts` on one `HardwareProfile`."""
+    """Seconds for `OpFacts` on one `HardwareProfile`.
 
-    def __init__(self, profile: "str | HardwareProfile | Profile") -> None:
+    `links` gives the collectives of another parallelism their own interconnect: with
+    `CostModel("h100-infiniband", links={"tp": "h100-nvlink"})` FSDP's collectives cross nodes
+    while tensor parallelism's stay inside one. Compute always uses `profile`.
+    """
+
+    def __init__(self, profile: "str | HardwareProfile | Profile", links: Optional[dict[str, Any]] = None) -> None:
         self.profile = Profile.get(profile)
+        self.links = {parallelism: Profile.get(p) for parallelism, p in (links or {}).items()}
 
     def __repr__(self) -> str:
-        return f"CostModel({self.profile.name})"
+        links = "".join(f", {k}={v.name}" for k, v in self.links.items())
+        return f"CostModel({self.profile.name}{links})"
 
-    def collective_seconds(self, kind: CollectiveKind, num_bytes: int, world: int) -> float:
-        p = self.profile
+    def collective_seconds(self, kind: CollectiveKind, num_bytes: int, world: int, parallelism: str = "fsdp") -> float:
+        p = self.links.get(parallelism, self.profile)
         if world <= 1:
             return p.collective_latency_s
         factor = (world - 1) / world * (2 if kind is CollectiveKind.ALL_REDUCE else 1)
@@ -204,7 +212,7 @@ class CostModel:
 
     def seconds(self, facts: OpFacts) -> float:
         if facts.collective is not None:
-            return self.collective_seconds(facts.collective, facts.collective_bytes, facts.world)
+            return self.collective_seconds(facts.collective, facts.collective_bytes, facts.world, facts.parallelism)
         return self.compute_seconds(facts.flops, facts.bytes_moved, facts.matmul_dtype_bytes)
 
     def is_latency_bound(self, kind: CollectiveKind, num_bytes: int, world: int) -> bool:

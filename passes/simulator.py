@@ -8,15 +8,16 @@ inspector can replay a CPU run's schedule on a GPU profile.
 [Note: Simulator model]
 - One compute stream runs compute nodes in graph order, back to back. Views, waits and
   placeholders take no time.
-- One communication stream runs collectives in issue order: a collective starts when it is issued
-  (the compute clock at its position) and the previous collective has finished.
+- One communication stream per parallelism (FSDP's; tensor parallelism's, whose process group NCCL
+  runs on a stream of its own) runs its collectives in issue order: a collective starts when it is
+  issued (the compute clock at its position) and the previous collective of its stream has finished.
 - A `wait_tensor` stalls the compute stream until its collective has finished; the stall is
-  *exposed communication*. The step ends when both streams are idle.
+  *exposed communication*. The step ends when every stream is idle.
 - Memory counts bytes the graph allocates (inputs are the caller's). A non-view node allocates its
   output at its position; views (per the op schema) and `getitem`s share their input's storage; a
   storage dies after the last node that reads it or any view of it, or lives to the end if the graph
   returns it. A collective reads its input until its wait, and its output exists from its issue.
-This is the model the scheduling passes optimise against; it ignores contention between the two
+This is the model the scheduling passes optimise against; it ignores contention between the
 streams, allocator caching and fragmentation.
 """
 
@@ -30,7 +31,7 @@ from typing import Optional
 from torch.fx import GraphModule, Node
 
 from .cost_model import CollectiveKind, CostModel, OpFacts, _val_bytes, is_view, op_facts
-from .nodes import group_of, is_collective, is_wait_tensor
+from .nodes import collective_label, is_collective, is_wait_tensor
 
 
 class OpKind(Enum):
@@ -103,7 +104,7 @@ def op_of(node: Node) -> Op:
     kind = _kind(node)
     facts = op_facts(node) if kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) else OpFacts()
     out_bytes = 0 if kind is OpKind.OUTPUT else _val_bytes(node.meta.get("val"))
-    group = group_of(node) if kind is OpKind.COLLECTIVE else None
+    group = collective_label(node) if kind is OpKind.COLLECTIVE else None
     return Op(node.name, kind, _short(node), [a.name for a in node.all_input_nodes], out_bytes, facts, group)
 
 
@@ -170,7 +171,7 @@ def memory_profile(program: Program) -> MemoryProfile:
 
 @dataclass
 class CollectiveSpan:
-    """One collective on the communication stream. Attributes: name, kind, group, num_bytes,
+    """One collective on its communication stream. Attributes: name, kind, group, num_bytes,
     issue_index / wait_index (positions in the program), prefetch_distance (compute nodes between
     issue and wait: what can hide it), issue_s / start_s / end_s, exposed_s (the stall at its wait)."""
 
@@ -185,6 +186,7 @@ class CollectiveSpan:
     start_s: float
     end_s: float
     exposed_s: float = 0.0
+    parallelism: str = "fsdp"  # its stream: see [Note: Simulator model]
 
 
 @dataclass
@@ -213,7 +215,8 @@ def simulate(program: "Program | GraphModule", cost_model: CostModel) -> Simulat
     """Run `program` on `cost_model`'s machine. See [Note: Simulator model]."""
     if isinstance(program, GraphModule):
         program = program_of(program)
-    clock = comm_free = compute_s = comm_s = exposed = 0.0
+    clock = compute_s = comm_s = exposed = 0.0
+    comm_free: dict[str, float] = {}  # per stream (parallelism): when its last collective ends
     spans: list[tuple[str, float, float]] = []
     by_name: dict[str, CollectiveSpan] = {}
     collectives: list[CollectiveSpan] = []
@@ -229,11 +232,11 @@ def simulate(program: "Program | GraphModule", cost_model: CostModel) -> Simulat
             num_compute += 1
         elif op.kind is OpKind.COLLECTIVE:
             duration = cost_model.seconds(op.facts)
-            start = max(clock, comm_free)
-            comm_free = start + duration
+            start = max(clock, comm_free.get(op.facts.parallelism, 0.0))
+            end = comm_free[op.facts.parallelism] = start + duration
             comm_s += duration
             span = CollectiveSpan(op.name, op.facts.collective.value, op.group, op.facts.collective_bytes,
-                                  i, -1, 0, clock, start, comm_free)
+                                  i, -1, 0, clock, start, end, parallelism=op.facts.parallelism)
             by_name[op.name] = span
             compute_seen[op.name] = num_compute
             collectives.append(span)
@@ -246,7 +249,7 @@ def simulate(program: "Program | GraphModule", cost_model: CostModel) -> Simulat
                 exposed += span.exposed_s
                 clock = span.end_s
         clocks.append(clock)
-    total = max(clock, comm_free)
+    total = max([clock, *comm_free.values()])
     memory = memory_profile(program)
     points = list(zip(clocks, memory.live_bytes))
     return Simulation(total, compute_s, comm_s, exposed, spans, collectives, memory, cost_model.profile.name, points)
