@@ -5,11 +5,19 @@ CPU / gloo, 4 ranks as a (dp=2, tp=2) mesh, the example Llama with the usual ten
 dp per block and on the root:
     torchrun --nproc-per-node 4 examples/benchmark_tp.py
     torchrun --nproc-per-node 4 examples/benchmark_tp.py --dim 128 --layers 2 --rounds 4   # quicker
+    python examples/benchmark_tp.py --predict-70b     # one process: the Llama-3-70B prediction only
 
 Rows: fsdp_graph eager, torch's fully_shard eager, and each compiled (fsdp_graph's backend; torch's
 with Inductor). Steps alternate between the rows. Per row: median step time, ratio to torch's eager
 composition, peak heap of one step (glibc's in-use bytes, sampled; max over ranks) and collectives
 per step (gloo's profiler events). This is a benchmark, not a test: it asserts nothing.
+
+`--predict-70b` traces a Llama-3-70B-shaped model (80 layers, dim 8192, 64 heads, 8 key/value
+heads, bf16 parameters, fp32 reduction) composed as FSDP 8 x TP 8 on the fake process group of 64
+ranks with meta tensors, schedules it with the backend's passes and simulates a step: TP's
+collectives on `h100-nvlink` (inside a node), FSDP's on `h100-infiniband` (across nodes), each
+on its own stream. It prints the predicted step, the communication per parallelism and how much of
+it is exposed.
 """
 
 from __future__ import annotations
@@ -45,11 +53,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per data-parallel rank")
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--predict-70b", action="store_true", help="only the Llama-3-70B FSDP 8 x TP 8 prediction, one process")
+    parser.add_argument("--predict-batch", type=int, default=4, help="sequences per dp rank in the prediction")
+    parser.add_argument("--predict-seq-len", type=int, default=8192, help="tokens per sequence in the prediction")
     return parser.parse_args()
 
 
+def parallelize_llama(llama: Llama, mesh, fully_shard, **kwargs) -> Llama:
+    """Tensor parallel over mesh["tp"] per block, then fully_shard over mesh["dp"], blocks first."""
+    for block in llama.layers:
+        parallelize_module(block, mesh["tp"], BLOCK_PLAN)
+        fully_shard(block, mesh=mesh["dp"], **kwargs)
+    return fully_shard(llama, mesh=mesh["dp"], **kwargs)
+
+
 def main() -> None:
-    args = parse_args()
+    args = arguments
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -63,11 +82,7 @@ def main() -> None:
 
     def model(fully_shard):
         torch.manual_seed(0)
-        llama = Llama(cfg)
-        for block in llama.layers:
-            parallelize_module(block, mesh["tp"], BLOCK_PLAN)
-            fully_shard(block, mesh=mesh["dp"])
-        return fully_shard(llama, mesh=mesh["dp"])
+        return parallelize_llama(Llama(cfg), mesh, fully_shard)
 
     rows = [
         Row("fsdp_graph eager", model(fsdp_graph.fully_shard)),
@@ -103,5 +118,59 @@ def main() -> None:
     os._exit(0)  # torch 2.13's gloo teardown can abort (README, Known limits)
 
 
+def predict_70b(args) -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import time
+    from collections import defaultdict
+
+    from _harness import fake_process_group
+    from _schedule_helpers import capture_graphs
+
+    from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group
+    from fsdp_graph.passes.cost_model import CostModel
+    from fsdp_graph.passes.reorder import reorder_for_overlap
+    from fsdp_graph.passes.simulator import simulate
+
+    cost_model = CostModel("h100-infiniband", links={"tp": "h100-nvlink"})
+    cfg = LlamaConfig(vocab_size=128256, dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, hidden_dim=28672,
+                      max_seq_len=args.predict_seq_len)
+    with fake_process_group(64):
+        mesh = init_device_mesh("cpu", (8, 8), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            model = Llama(cfg)
+        num_params = sum(p.numel() for p in model.parameters())
+        policy = fsdp_graph.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        parallelize_llama(model, mesh, fsdp_graph.fully_shard, mp_policy=policy)
+        start = time.perf_counter()
+        tokens = torch.randint(0, cfg.vocab_size, (args.predict_batch, args.predict_seq_len), device="meta")
+        graphs = capture_graphs(model, tokens)
+        print(f"Llama-3-70B shape ({num_params / 1e9:.2f}B params), FSDP 8 x TP 8 (64 ranks), "
+              f"{args.predict_batch}x{args.predict_seq_len} tokens per dp rank, bf16 params, fp32 reduce, "
+              f"traced in {time.perf_counter() - start:.0f} s; {cost_model}")
+
+        def ours(gm):
+            return reorder_for_overlap(auto_bucket(bucket_by_group(gm), cost_model, 1 << 30), cost_model)
+
+        for name, schedule in (("unscheduled", lambda gm: gm), ("fsdp_graph", ours)):
+            total = exposed = 0.0
+            for kind, gm in graphs.items():
+                sim = simulate(schedule(gm), cost_model)
+                total, exposed = total + sim.total_s, exposed + sim.exposed_comm_s
+                comm, hidden = defaultdict(float), defaultdict(float)
+                count = defaultdict(int)
+                for c in sim.collectives:
+                    duration = c.end_s - c.start_s
+                    comm[c.parallelism] += duration
+                    hidden[c.parallelism] += duration - c.exposed_s
+                    count[c.parallelism] += 1
+                per = ", ".join(f"{p} {count[p]} collectives {comm[p] * 1e3:.1f} ms ({100 * hidden[p] / comm[p]:.0f}% hidden)"
+                                for p in sorted(comm))
+                print(f"  {name:12} {kind:9} step {sim.total_s * 1e3:8.1f} ms  exposed {sim.exposed_comm_s * 1e3:7.2f} ms "
+                      f"({100 * sim.exposed_fraction:5.2f}%)  peak {sim.memory.peak_bytes / 2**30:6.2f} GiB  {per}")
+            print(f"{name:12} step {total * 1e3:8.1f} ms, exposed comm {exposed * 1e3:7.2f} ms = "
+                  f"{100 * exposed / total:.2f}% of the step")
+
+
 if __name__ == "__main__":
-    main()
+    arguments = parse_args()
+    predict_70b(arguments) if arguments.predict_70b else main()

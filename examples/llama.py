@@ -21,6 +21,7 @@ class LlamaConfig:
     num_heads: attention heads (dim must divide by it).
     hidden_dim: SwiGLU hidden width.
     max_seq_len: longest sequence the rotary table covers.
+    num_kv_heads: key/value heads (grouped-query attention, as Llama 3); None: num_heads.
     """
 
     vocab_size: int = 256
@@ -29,10 +30,13 @@ class LlamaConfig:
     num_heads: int = 4
     hidden_dim: int = 344
     max_seq_len: int = 128
+    num_kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads:
             raise ValueError(f"dim={self.dim} must be divisible by num_heads={self.num_heads}")
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
 
 
 class RMSNorm(nn.Module):
@@ -60,9 +64,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
+        kv_dim = cfg.dim // cfg.num_heads * (cfg.num_kv_heads or cfg.num_heads)
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -72,7 +77,7 @@ class Attention(nn.Module):
         q = _rotate(self.wq(x).view(shape), cos, sin).transpose(1, 2)
         k = _rotate(self.wk(x).view(shape), cos, sin).transpose(1, 2)
         v = self.wv(x).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
