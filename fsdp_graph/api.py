@@ -654,11 +654,6 @@ def _tensor_parallel_problem(param: DTensor, mesh: DeviceMesh) -> Optional[str]:
             f"is a DTensor on a {tp_mesh.ndim}-D mesh {tp_mesh}; fsdp_graph composes with 1-D tensor "
             f"parallelism only: {fix}"
         )
-    if mesh.ndim != 1:
-        return (
-            f"is a tensor-parallel DTensor, which fsdp_graph does not combine with HSDP (a 2-D data-"
-            f"parallel mesh) yet; pass a 1-D data-parallel mesh: fully_shard(block, mesh=mesh['dp'])"
-        )
     for placement in placements:
         if not (type(placement) is Shard or isinstance(placement, Replicate)):
             return (

@@ -1,4 +1,5 @@
-"""FSDP composed with tensor parallelism on a 2x2 (dp, tp) mesh of 4 gloo ranks.
+"""FSDP composed with tensor parallelism on a 2x2 (dp, tp) mesh of 4 gloo ranks, and HSDP with
+tensor parallelism on a 2x2x2 (rep, dp, tp) mesh of 8.
 
 `parallelize_module` first (colwise/rowwise), then `fully_shard` over mesh["dp"]. References: the
 unsharded model on the global batch (dp ranks see different data, the tp ranks of a dp rank the same),
@@ -111,15 +112,18 @@ SEQUENCE_PARALLEL_ROOT_PLAN = {
 }
 
 
-def parallelize(model: Transformer, mesh, shard=fully_shard, sequence_parallel=False, **kwargs) -> Transformer:
-    """The composition users write: tensor parallel first, then fully_shard per block and the root."""
+def parallelize(
+    model: Transformer, mesh, shard=fully_shard, sequence_parallel=False, dp="dp", **kwargs
+) -> Transformer:
+    """The composition users write: tensor parallel first, then fully_shard per block and the root
+    over mesh[dp] (a tuple of two names for HSDP)."""
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], SEQUENCE_PARALLEL_BLOCK_PLAN if sequence_parallel else BLOCK_PLAN)
     root_plan = SEQUENCE_PARALLEL_ROOT_PLAN if sequence_parallel else {"head": ColwiseParallel(output_layouts=Replicate())}
     parallelize_module(model, mesh["tp"], root_plan)
     for block in model.blocks:
-        shard(block, mesh=mesh["dp"], **kwargs)
-    shard(model, mesh=mesh["dp"], **kwargs)
+        shard(block, mesh=mesh[dp], **kwargs)
+    shard(model, mesh=mesh[dp], **kwargs)
     return model
 
 
@@ -128,7 +132,9 @@ def batch(step: int, dp_mesh):
     gen = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    dp_size, dp_rank = dp_mesh.size(), 0
+    for size, coordinate in zip(dp_mesh.shape, dp_mesh.get_coordinate()):
+        dp_rank = dp_rank * size + coordinate
     local = slice(dp_rank * 8 // dp_size, (dp_rank + 1) * 8 // dp_size)
     return x, y, x[local], y[local]
 
@@ -370,6 +376,18 @@ def test_sequence_parallel_matches_unsharded_and_torch_fully_shard():
     print("sequence parallel, max |grad diff| against unsharded:", max_diff)
 
 
+def capture_warnings() -> list[str]:
+    """The messages fsdp_graph logs at WARNING or above from now on in this rank's process."""
+    warnings = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    logging.getLogger("fsdp_graph").addHandler(Capture(level=logging.WARNING))
+    return warnings
+
+
 def _compiled(rank, world_size, sequence_parallel, dump_dir, steps=3):
     """Ours compiled (every group traced into the graph), torch's fully_shard composed the same way
     in eager mode, and the unsharded model, trained side by side."""
@@ -381,14 +399,7 @@ def _compiled(rank, world_size, sequence_parallel, dump_dir, steps=3):
     backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=str(dump_dir))
     ours = torch.compile(parallelize(copy.deepcopy(reference), mesh, sequence_parallel=sequence_parallel), backend=backend)
     theirs = parallelize(copy.deepcopy(reference), mesh, shard=torch_fully_shard, sequence_parallel=sequence_parallel)
-    warnings = []
-
-    class Capture(logging.Handler):
-        def emit(self, record):
-            warnings.append(record.getMessage())
-
-    handler = Capture(level=logging.WARNING)
-    logging.getLogger("fsdp_graph").addHandler(handler)
+    warnings = capture_warnings()
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, ours, theirs)]
     ref_params, theirs_params = dict(reference.named_parameters()), dict(theirs.named_parameters())
     max_diff = 0.0
@@ -416,7 +427,6 @@ def _compiled(rank, world_size, sequence_parallel, dump_dir, steps=3):
         for o in opts:
             o.step()
             o.zero_grad()
-    logging.getLogger("fsdp_graph").removeHandler(handler)
     for name, p in ours.named_parameters():
         name = name.removeprefix("_orig_mod.")
         torch.testing.assert_close(p.to_local(), theirs_params[name].to_local(), rtol=1e-5, atol=1e-6)
@@ -449,11 +459,71 @@ def test_compiled_traces_tensor_parallel_groups(sequence_parallel, tmp_path):
     print("compiled fsdp + tp, max |grad diff| against unsharded:", max_diff, sorted(by))
 
 
+def _hsdp_tensor_parallel(rank, world_size, steps=3):
+    """HSDP + TP on a (rep=2, dp=2, tp=2) mesh: ours eager and ours compiled against the unsharded
+    model and torch's fully_shard composed the same way."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "dp", "tp"))
+    dp = ("rep", "dp")
+    torch.manual_seed(0)
+    reference = Transformer()
+    eager = parallelize(copy.deepcopy(reference), mesh, dp=dp)
+    compiled = torch.compile(parallelize(copy.deepcopy(reference), mesh, dp=dp),
+                             backend=fsdp_graph.backend(compiler="aot_eager"))
+    theirs = parallelize(copy.deepcopy(reference), mesh, shard=torch_fully_shard, dp=dp)
+    models = {"eager": eager, "compiled": compiled, "theirs": theirs}
+    warnings = capture_warnings()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, *models.values())]
+    ref_params, theirs_params = dict(reference.named_parameters()), dict(theirs.named_parameters())
+    placements = {n: tuple(p.placements) for n, p in eager.named_parameters()}
+    max_diff = {"eager": 0.0, "compiled": 0.0}
+    for step in range(steps):
+        x, y, lx, ly = batch(step, mesh[dp])
+        ref_loss = loss_of(reference, x, y)
+        ref_loss.backward()
+        losses = {}
+        for kind, m in models.items():
+            loss = loss_of(m, lx, ly)
+            loss.backward()
+            losses[kind] = global_mean(loss)
+        for kind in max_diff:
+            torch.testing.assert_close(losses[kind], losses["theirs"], rtol=1e-6, atol=0)
+            torch.testing.assert_close(losses[kind], ref_loss.item(), rtol=1e-5, atol=1e-6)
+            for name, p in models[kind].named_parameters():
+                name = name.removeprefix("_orig_mod.")
+                q = theirs_params[name]
+                assert p.placements == q.placements and p.device_mesh == q.device_mesh, (kind, name)
+                assert p.grad.placements == q.grad.placements, (kind, name)
+                torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7,
+                                           msg=lambda m: f"{kind} step {step} {name}: {m}")
+                grad = p.grad.full_tensor()
+                torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{kind} step {step} {name}: {m}")
+                max_diff[kind] = max(max_diff[kind], (grad - ref_params[name].grad).abs().max().item())
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for kind in max_diff:
+        for name, p in models[kind].named_parameters():
+            name = name.removeprefix("_orig_mod.")
+            torch.testing.assert_close(full(p.detach()), ref_params[name].detach(), rtol=1e-5, atol=1e-5)
+    return placements, max_diff, warnings
+
+
+def test_hsdp_with_tensor_parallel_on_a_3d_mesh():
+    """8 gloo ranks: the one test of the suite that needs a 3-D mesh."""
+    placements, max_diff, warnings = run_ranks(_hsdp_tensor_parallel, 8)
+    assert not any("fallback" in w for w in warnings), warnings  # compiled: every group traced
+    assert placements["blocks.0.attention.wq.weight"] == (Replicate(), _StridedShard(0, split_factor=2), Shard(0))
+    assert placements["blocks.0.mlp.down.weight"] == (Replicate(), Shard(0), Shard(1))
+    assert placements["embed.weight"] == (Replicate(), Shard(0))
+    print("HSDP + TP, max |grad diff| against unsharded:", max_diff)
+
+
 def test_unsupported_tensor_parallel_layouts_raise_value_errors():
     with fake_process_group(8):
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "dp", "tp"))
-        with pytest.raises(ValueError, match=r"HSDP.*mesh=mesh\['dp'\]"):
-            fully_shard(parallelize_module(MLP(), mesh["tp"], {"up": ColwiseParallel()}), mesh=mesh["rep", "dp"])
         with pytest.raises(ValueError, match=r"2-D mesh.*1-D tensor parallelism"):
             mlp = MLP()
             mlp.up.weight = nn.Parameter(torch.distributed.tensor.distribute_tensor(
