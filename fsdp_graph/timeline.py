@@ -165,7 +165,8 @@ def _legend(width: int) -> tuple[list[str], float]:
 
 
 def _graph_svg(label: str, sim: Simulation, y: float, width: int) -> tuple[list[str], float]:
-    """One graph: title, compute lane, collectives lane, memory lane with its scale, time axis."""
+    """One graph: title, compute lane, a collectives lane per parallelism, memory lane with its
+    scale, time axis."""
     x0, plot_w = _PAD + _LABEL_W, width - _LABEL_W - 2 * _PAD
     scale = plot_w / max(sim.total_s, 1e-12)
     parts = [_text(_PAD, y + 13, f"{label} on {sim.profile}: step {_ms(sim.total_s)}, exposed communication "
@@ -181,15 +182,22 @@ def _graph_svg(label: str, sim: Simulation, y: float, width: int) -> tuple[list[
             parts.append(_rect(x0 + (c.end_s - c.exposed_s) * scale, y + 1, c.exposed_s * scale, _LANE - 2,
                                _COLORS["stall"], f"wait {c.name} ({c.group}): {_ms(c.exposed_s)} exposed"))
     y += _LANE
-    parts.append(_text(_PAD, y + 14, "collectives"))
-    for c in sim.collectives:
-        x, w = x0 + c.start_s * scale, (c.end_s - c.start_s) * scale
-        parts.append(_rect(x, y + 1, w, _LANE - 2, _COLORS[c.kind],
-                           f"{c.name} ({c.group}): {c.num_bytes} bytes (all ranks), {_ms(c.end_s - c.start_s)}"))
-        shown = _fit(c.group or "", w - 4)
-        if shown:
-            parts.append(_text(x + 2, y + 14, shown, font_size=str(_FONT - 1), fill="white"))
-    y += _LANE + 4
+    # One lane per parallelism (FSDP's, then e.g. tensor parallelism's): each has its own stream,
+    # so their collectives overlap in time and would overlap in one lane.
+    lanes = sorted({c.parallelism for c in sim.collectives}, key=lambda p: (p != "fsdp", p))
+    for parallelism in lanes or ["fsdp"]:
+        parts.append(_text(_PAD, y + 14, "collectives" if lanes in ([], ["fsdp"]) else f"{parallelism} collectives"))
+        for c in sim.collectives:
+            if c.parallelism != parallelism:
+                continue
+            x, w = x0 + c.start_s * scale, (c.end_s - c.start_s) * scale
+            parts.append(_rect(x, y + 1, w, _LANE - 2, _COLORS[c.kind],
+                               f"{c.name} ({c.group}): {c.num_bytes} bytes (all ranks), {_ms(c.end_s - c.start_s)}"))
+            shown = _fit(c.group or "", w - 4)
+            if shown:
+                parts.append(_text(x + 2, y + 14, shown, font_size=str(_FONT - 1), fill="white"))
+        y += _LANE
+    y += 4
     parts += _memory_lane(sim, x0, y, scale)
     y += _MEMORY_H
     parts += _time_axis(sim.total_s, x0, y, plot_w, scale)
@@ -239,8 +247,8 @@ def _time_axis(total_s: float, x0: float, y: float, plot_w: float, scale: float)
 
 
 def timeline_svg(sims: dict[str, Simulation], width: int = 1600) -> str:
-    """A legend, then per graph: compute (green; red where it stalls at a wait), the collectives
-    (coloured by op, labelled with their group where the label fits its box), live memory per rank
+    """A legend, then per graph: compute (green; red where it stalls at a wait), the collectives of
+    each parallelism in a lane of their own (coloured by op, labelled with their group where the label fits its box), live memory per rank
     with its scale, and a time axis in milliseconds. Lane names and scales sit in a left margin of
     their own, so no text overlaps at any graph size."""
     parts, y = _legend(width)

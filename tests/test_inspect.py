@@ -186,6 +186,27 @@ def test_timeline_text_never_overlaps_and_has_scales(num_collectives, width):
     assert all(t in groups or (t.startswith("~") and any(g.endswith(t[1:]) for g in groups)) for t in labels), labels
 
 
+def test_timeline_gives_each_parallelism_its_own_collectives_lane():
+    """FSDP's and tensor parallelism's collectives run on streams of their own and overlap in time;
+    each gets a lane, so their boxes never overlap."""
+    sim = _simulation(6, "layers")
+    sim.collectives += [
+        CollectiveSpan(f"ar_{i}", "all_reduce", "[tp]", 1 << 20, i, i + 1, 0, c.start_s, c.start_s, c.end_s,
+                       parallelism="tp")
+        for i, c in enumerate(list(sim.collectives))
+    ]
+    root = ET.fromstring(timeline_svg({"frame_0_0.forward": sim}))
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert "fsdp collectives" in texts and "tp collectives" in texts
+    boxes = [(float(r.get("x")), float(r.get("y")), float(r.get("x")) + float(r.get("width")))
+             for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.find("{http://www.w3.org/2000/svg}title") is not None
+             and r.find("{http://www.w3.org/2000/svg}title").text.startswith(("ag_", "ar_"))]
+    assert len(boxes) == 12
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not (a[1] == b[1] and a[0] < b[2] and b[0] < a[2]), (a, b)
+
+
 # -- structured trace (tlparse) ----------------------------------------------------------------------
 
 
