@@ -328,6 +328,25 @@ def test_checkpoint_from_2x2_loads_into_dp4(tmp_path):
     print("loss on the next batch (2x2, dp=4 after load):", losses)
 
 
+def compare_gradients(step: int, model, theirs_params: dict, ref_params: dict) -> float:
+    """Check every gradient of `model` (ours, possibly compiled) against torch's fully_shard (same
+    placements, same local shards) and the unsharded model (the full tensor); the largest |diff|
+    against the unsharded model."""
+    max_diff = 0.0
+    for name, p in model.named_parameters():
+        name = name.removeprefix("_orig_mod.")
+        q = theirs_params[name]
+        assert p.placements == q.placements and p.device_mesh == q.device_mesh, name
+        assert p.grad.placements == q.grad.placements, name
+        torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"step {step} {name}: {m}")
+        grad = p.grad.full_tensor()
+        torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"step {step} {name}: {m}")
+        max_diff = max(max_diff, (grad - ref_params[name].grad).abs().max().item())
+    return max_diff
+
+
 def _sequence_parallel(rank, world_size, steps=3):
     """Unsharded reference, ours and torch's fully_shard, all trained side by side."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -351,15 +370,7 @@ def _sequence_parallel(rank, world_size, steps=3):
             losses.append(global_mean(loss))
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
         torch.testing.assert_close(losses[0], ref_loss.item(), rtol=1e-5, atol=1e-6)
-        for name, p in ours.named_parameters():
-            q = theirs_params[name]
-            assert p.placements == q.placements and p.grad.placements == q.grad.placements, name
-            torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"step {step} {name}: {m}")
-            grad = p.grad.full_tensor()
-            torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"step {step} {name}: {m}")
-            max_diff = max(max_diff, (grad - ref_params[name].grad).abs().max().item())
+        max_diff = max(max_diff, compare_gradients(step, ours, theirs_params, ref_params))
         for o in opts:
             o.step()
             o.zero_grad()
@@ -414,16 +425,7 @@ def _compiled(rank, world_size, sequence_parallel, dump_dir, steps=3):
             losses.append(global_mean(loss))
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
         torch.testing.assert_close(losses[0], ref_loss.item(), rtol=1e-5, atol=1e-6)
-        for name, p in ours.named_parameters():
-            name = name.removeprefix("_orig_mod.")
-            q = theirs_params[name]
-            assert p.placements == q.placements and p.grad.placements == q.grad.placements, name
-            torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"step {step} {name}: {m}")
-            grad = p.grad.full_tensor()
-            torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"step {step} {name}: {m}")
-            max_diff = max(max_diff, (grad - ref_params[name].grad).abs().max().item())
+        max_diff = max(max_diff, compare_gradients(step, ours, theirs_params, ref_params))
         for o in opts:
             o.step()
             o.zero_grad()
@@ -490,17 +492,7 @@ def _hsdp_tensor_parallel(rank, world_size, steps=3):
         for kind in max_diff:
             torch.testing.assert_close(losses[kind], losses["theirs"], rtol=1e-6, atol=0)
             torch.testing.assert_close(losses[kind], ref_loss.item(), rtol=1e-5, atol=1e-6)
-            for name, p in models[kind].named_parameters():
-                name = name.removeprefix("_orig_mod.")
-                q = theirs_params[name]
-                assert p.placements == q.placements and p.device_mesh == q.device_mesh, (kind, name)
-                assert p.grad.placements == q.grad.placements, (kind, name)
-                torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7,
-                                           msg=lambda m: f"{kind} step {step} {name}: {m}")
-                grad = p.grad.full_tensor()
-                torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{kind} step {step} {name}: {m}")
-                max_diff[kind] = max(max_diff[kind], (grad - ref_params[name].grad).abs().max().item())
+            max_diff[kind] = max(max_diff[kind], compare_gradients(step, models[kind], theirs_params, ref_params))
         for o in opts:
             o.step()
             o.zero_grad()
