@@ -184,9 +184,9 @@ def _graph_svg(label: str, sim: Simulation, y: float, width: int) -> tuple[list[
     y += _LANE
     # One lane per parallelism (FSDP's, then e.g. tensor parallelism's): each has its own stream,
     # so their collectives overlap in time and would overlap in one lane.
-    lanes = sorted({c.parallelism for c in sim.collectives}, key=lambda p: (p != "fsdp", p))
-    for parallelism in lanes or ["fsdp"]:
-        parts.append(_text(_PAD, y + 14, "collectives" if lanes in ([], ["fsdp"]) else f"{parallelism} collectives"))
+    lanes = sorted({c.parallelism for c in sim.collectives}, key=lambda p: (p != "fsdp", p)) or ["fsdp"]
+    for parallelism in lanes:
+        parts.append(_text(_PAD, y + 14, "collectives" if lanes == ["fsdp"] else f"{parallelism} collectives"))
         for c in sim.collectives:
             if c.parallelism != parallelism:
                 continue
@@ -248,8 +248,8 @@ def _time_axis(total_s: float, x0: float, y: float, plot_w: float, scale: float)
 
 def timeline_svg(sims: dict[str, Simulation], width: int = 1600) -> str:
     """A legend, then per graph: compute (green; red where it stalls at a wait), the collectives of
-    each parallelism in a lane of their own (coloured by op, labelled with their group where the label fits its box), live memory per rank
-    with its scale, and a time axis in milliseconds. Lane names and scales sit in a left margin of
+    each parallelism in a lane of their own (coloured by op, labelled with their group where the
+    label fits its box), live memory per rank with its scale, and a time axis in milliseconds. Lane names and scales sit in a left margin of
     their own, so no text overlaps at any graph size."""
     parts, y = _legend(width)
     for label, sim in sims.items():

@@ -164,10 +164,11 @@ def _output_tail(wait: Node) -> Optional[list[Node]]:
     return list(closure)
 
 
-def _inputs_before(nodes: list[Node], position: int, index: dict[Node, int]) -> bool:
-    """Whether every input of `nodes` from outside them comes before `position`."""
+def _last_outside_input(nodes: list[Node], index: dict[Node, int]) -> int:
+    """The position in `index` of the latest input of `nodes` from outside them (-1 when there is
+    none in `index`): `nodes` cannot move before it."""
     inside = set(nodes)
-    return all(i in inside or index.get(i, -1) < position for n in nodes for i in n.all_input_nodes)
+    return max([index.get(i, -1) for n in nodes for i in n.all_input_nodes if i not in inside], default=-1)
 
 
 def _largest_bucket_bytes(nodes: list[Node]) -> int:
@@ -282,12 +283,13 @@ class _Scheduler:
                 continue
             index = {n: i for i, n in enumerate(self.body)}
             tail.sort(key=index.__getitem__)
+            ready = _last_outside_input(tail, index)
             best: Optional[tuple[float, list[Node]]] = None
             reasons = []
             for anchor in reduces[k + 1 : k + 3] + [None]:
                 if anchor is not None and (anchor in tail or index[anchor] <= index[tail[0]]):
                     continue  # (HSDP: the all-reduce that follows a reduce-scatter is in its tail)
-                if anchor is not None and not _inputs_before(tail, index[anchor], index):
+                if anchor is not None and ready >= index[anchor]:
                     continue  # a tail node also reads something computed after the anchor
                 candidate = _moved(self.body, tail, anchor)
                 why, exposed = self._check(candidate)
@@ -312,8 +314,7 @@ class _Scheduler:
         `tail` (a wait and what only feeds outputs from it) before, such that the limits hold and
         less communication is exposed; found by bisection, as memory grows the later the wait."""
         end = index[until] if until is not None else len(self.body)
-        inside = set(tail)
-        ready = max([index[tail[-1]]] + [index.get(i, -1) for n in tail for i in n.all_input_nodes if i not in inside])
+        ready = max(index[tail[-1]], _last_outside_input(tail, index))
         positions = [i for i in range(ready + 1, end) if _kind(self.body[i]) is OpKind.COMPUTE]
         best: Optional[tuple[float, list[Node]]] = None
         lo, hi = 0, len(positions) - 1
