@@ -347,8 +347,41 @@ def compare_gradients(step: int, model, theirs_params: dict, ref_params: dict) -
     return max_diff
 
 
-def _sequence_parallel(rank, world_size, steps=3):
-    """Unsharded reference, ours and torch's fully_shard, all trained side by side."""
+def train_side_by_side(mesh, dp, reference: nn.Module, ours: dict, theirs: nn.Module, steps: int = 3) -> dict:
+    """Train `reference` (unsharded, global batch), each of `ours` (name -> model, possibly compiled)
+    and `theirs` (torch's fully_shard composed the same way) on this dp rank's slice with AdamW;
+    check losses, every gradient (`compare_gradients`) and the final parameters against both
+    references. Returns each of ours' largest |grad diff| against the unsharded model."""
+    models = [reference, *ours.values(), theirs]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    ref_params, theirs_params = dict(reference.named_parameters()), dict(theirs.named_parameters())
+    max_diff = dict.fromkeys(ours, 0.0)
+    for step in range(steps):
+        x, y, lx, ly = batch(step, mesh[dp])
+        ref_loss = loss_of(reference, x, y)
+        ref_loss.backward()
+        theirs_loss = loss_of(theirs, lx, ly)
+        theirs_loss.backward()
+        theirs_loss = global_mean(theirs_loss)
+        for kind, model in ours.items():
+            loss = loss_of(model, lx, ly)
+            loss.backward()
+            loss = global_mean(loss)
+            torch.testing.assert_close(loss, theirs_loss, rtol=1e-6, atol=0)
+            torch.testing.assert_close(loss, ref_loss.item(), rtol=1e-5, atol=1e-6)
+            max_diff[kind] = max(max_diff[kind], compare_gradients(step, model, theirs_params, ref_params))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for model in ours.values():
+        for name, p in model.named_parameters():
+            name = name.removeprefix("_orig_mod.")
+            torch.testing.assert_close(p.to_local(), theirs_params[name].to_local(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p.detach().full_tensor(), ref_params[name].detach(), rtol=1e-5, atol=1e-5)
+    return max_diff
+
+
+def _sequence_parallel(rank, world_size):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     mesh = mesh_2x2()
@@ -356,27 +389,7 @@ def _sequence_parallel(rank, world_size, steps=3):
     reference = Transformer()
     ours = parallelize(copy.deepcopy(reference), mesh, sequence_parallel=True)
     theirs = parallelize(copy.deepcopy(reference), mesh, shard=torch_fully_shard, sequence_parallel=True)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, ours, theirs)]
-    ref_params, theirs_params = dict(reference.named_parameters()), dict(theirs.named_parameters())
-    max_diff = 0.0
-    for step in range(steps):
-        x, y, lx, ly = batch(step, mesh["dp"])
-        ref_loss = loss_of(reference, x, y)
-        ref_loss.backward()
-        losses = []
-        for m in (ours, theirs):
-            loss = loss_of(m, lx, ly)
-            loss.backward()
-            losses.append(global_mean(loss))
-        torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
-        torch.testing.assert_close(losses[0], ref_loss.item(), rtol=1e-5, atol=1e-6)
-        max_diff = max(max_diff, compare_gradients(step, ours, theirs_params, ref_params))
-        for o in opts:
-            o.step()
-            o.zero_grad()
-    for name, p in ours.named_parameters():
-        torch.testing.assert_close(p.to_local(), theirs_params[name].to_local(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(p.detach().full_tensor(), ref_params[name].detach(), rtol=1e-5, atol=1e-5)
+    max_diff = train_side_by_side(mesh, "dp", reference, {"ours": ours}, theirs)["ours"]
     return {n: tuple(p.placements) for n, p in ours.named_parameters()}, max_diff
 
 
@@ -399,7 +412,7 @@ def capture_warnings() -> list[str]:
     return warnings
 
 
-def _compiled(rank, world_size, sequence_parallel, dump_dir, steps=3):
+def _compiled(rank, world_size, sequence_parallel, dump_dir):
     """Ours compiled (every group traced into the graph), torch's fully_shard composed the same way
     in eager mode, and the unsharded model, trained side by side."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -411,27 +424,7 @@ def _compiled(rank, world_size, sequence_parallel, dump_dir, steps=3):
     ours = torch.compile(parallelize(copy.deepcopy(reference), mesh, sequence_parallel=sequence_parallel), backend=backend)
     theirs = parallelize(copy.deepcopy(reference), mesh, shard=torch_fully_shard, sequence_parallel=sequence_parallel)
     warnings = capture_warnings()
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, ours, theirs)]
-    ref_params, theirs_params = dict(reference.named_parameters()), dict(theirs.named_parameters())
-    max_diff = 0.0
-    for step in range(steps):
-        x, y, lx, ly = batch(step, mesh["dp"])
-        ref_loss = loss_of(reference, x, y)
-        ref_loss.backward()
-        losses = []
-        for m in (ours, theirs):
-            loss = loss_of(m, lx, ly)
-            loss.backward()
-            losses.append(global_mean(loss))
-        torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
-        torch.testing.assert_close(losses[0], ref_loss.item(), rtol=1e-5, atol=1e-6)
-        max_diff = max(max_diff, compare_gradients(step, ours, theirs_params, ref_params))
-        for o in opts:
-            o.step()
-            o.zero_grad()
-    for name, p in ours.named_parameters():
-        name = name.removeprefix("_orig_mod.")
-        torch.testing.assert_close(p.to_local(), theirs_params[name].to_local(), rtol=1e-5, atol=1e-6)
+    max_diff = train_side_by_side(mesh, "dp", reference, {"ours": ours}, theirs)["ours"]
     return warnings, max_diff
 
 
@@ -461,7 +454,7 @@ def test_compiled_traces_tensor_parallel_groups(sequence_parallel, tmp_path):
     print("compiled fsdp + tp, max |grad diff| against unsharded:", max_diff, sorted(by))
 
 
-def _hsdp_tensor_parallel(rank, world_size, steps=3):
+def _hsdp_tensor_parallel(rank, world_size):
     """HSDP + TP on a (rep=2, dp=2, tp=2) mesh: ours eager and ours compiled against the unsharded
     model and torch's fully_shard composed the same way."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -474,33 +467,9 @@ def _hsdp_tensor_parallel(rank, world_size, steps=3):
     compiled = torch.compile(parallelize(copy.deepcopy(reference), mesh, dp=dp),
                              backend=fsdp_graph.backend(compiler="aot_eager"))
     theirs = parallelize(copy.deepcopy(reference), mesh, shard=torch_fully_shard, dp=dp)
-    models = {"eager": eager, "compiled": compiled, "theirs": theirs}
     warnings = capture_warnings()
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, *models.values())]
-    ref_params, theirs_params = dict(reference.named_parameters()), dict(theirs.named_parameters())
-    placements = {n: tuple(p.placements) for n, p in eager.named_parameters()}
-    max_diff = {"eager": 0.0, "compiled": 0.0}
-    for step in range(steps):
-        x, y, lx, ly = batch(step, mesh[dp])
-        ref_loss = loss_of(reference, x, y)
-        ref_loss.backward()
-        losses = {}
-        for kind, m in models.items():
-            loss = loss_of(m, lx, ly)
-            loss.backward()
-            losses[kind] = global_mean(loss)
-        for kind in max_diff:
-            torch.testing.assert_close(losses[kind], losses["theirs"], rtol=1e-6, atol=0)
-            torch.testing.assert_close(losses[kind], ref_loss.item(), rtol=1e-5, atol=1e-6)
-            max_diff[kind] = max(max_diff[kind], compare_gradients(step, models[kind], theirs_params, ref_params))
-        for o in opts:
-            o.step()
-            o.zero_grad()
-    for kind in max_diff:
-        for name, p in models[kind].named_parameters():
-            name = name.removeprefix("_orig_mod.")
-            torch.testing.assert_close(full(p.detach()), ref_params[name].detach(), rtol=1e-5, atol=1e-5)
-    return placements, max_diff, warnings
+    max_diff = train_side_by_side(mesh, dp, reference, {"eager": eager, "compiled": compiled}, theirs)
+    return {n: tuple(p.placements) for n, p in eager.named_parameters()}, max_diff, warnings
 
 
 def test_hsdp_with_tensor_parallel_on_a_3d_mesh():
