@@ -126,13 +126,14 @@ class MemoryProfile:
     live_bytes: list[int]
 
 
-def memory_profile(program: Program) -> MemoryProfile:
-    """Live bytes by liveness over program order. See [Note: Simulator model]."""
+def memory_profile(program: Program, owned_inputs: frozenset[str] = frozenset()) -> MemoryProfile:
+    """Live bytes by liveness over program order. See [Note: Simulator model]. Inputs are not counted,
+    except `owned_inputs`: live from the start until their last use (a backward's saved activations)."""
     storage: dict[str, Optional[str]] = {}  # node -> the node that allocated its storage (None: an input)
     wait_of: dict[str, int] = {}  # collective -> position of its wait
     for i, op in enumerate(program):
         if op.kind is OpKind.INPUT:
-            storage[op.name] = None
+            storage[op.name] = op.name if op.name in owned_inputs else None
         elif op.kind in (OpKind.VIEW, OpKind.WAIT):
             storage[op.name] = storage.get(op.inputs[0]) if op.inputs else None
             if op.kind is OpKind.WAIT and op.inputs:
