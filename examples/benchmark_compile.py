@@ -244,9 +244,7 @@ def exposed_at(sim) -> str:
 
 
 def predict_8b(args) -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from _harness import fake_process_group
-    from _schedule_helpers import capture_graphs
+    from fsdp_graph.predict import capture_graphs, fake_world
     import unittest.mock
 
     from torch._inductor.fx_passes import overlap_scheduling
@@ -262,7 +260,7 @@ def predict_8b(args) -> None:
 
     cost_model = CostModel(args.profile)
     cfg = LlamaConfig(vocab_size=128256, dim=4096, num_layers=32, num_heads=32, hidden_dim=14336, max_seq_len=args.predict_seq_len)
-    with fake_process_group(8):
+    with fake_world(8):
         with torch.device("meta"):
             model = Llama(cfg)
         num_params = sum(p.numel() for p in model.parameters())

@@ -122,12 +122,10 @@ def main() -> None:
 
 
 def predict_70b(args) -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     import time
     from collections import defaultdict
 
-    from _harness import fake_process_group
-    from _schedule_helpers import capture_graphs
+    from fsdp_graph.predict import capture_graphs, fake_world
 
     from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group
     from fsdp_graph.passes.cost_model import CostModel
@@ -137,7 +135,7 @@ def predict_70b(args) -> None:
     cost_model = CostModel("h100-infiniband", links={"tp": "h100-nvlink"})
     cfg = LlamaConfig(vocab_size=128256, dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, hidden_dim=28672,
                       max_seq_len=args.predict_seq_len)
-    with fake_process_group(64):
+    with fake_world(64):
         mesh = init_device_mesh("cpu", (8, 8), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
             model = Llama(cfg)

@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from fsdp_graph.predict import fake_world
+
 DEFAULT_TIMEOUT_S = 180
 
 
@@ -95,17 +97,5 @@ def run_ranks(fn: Callable, world_size: int = 2, *args, timeout_s: float = DEFAU
     return pickle.loads(outcomes[0][1])
 
 
-class fake_process_group:
-    """Context manager: a fake process group of any size in this process (shapes right, data not)."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-
-    def __enter__(self):
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        dist.destroy_process_group()
+# A fake process group of any size in this process (shapes right, data not), as a context manager.
+fake_process_group = fake_world

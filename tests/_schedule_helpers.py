@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.nn as nn
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from fsdp_graph import fully_shard
 from fsdp_graph.passes.cost_model import CostModel, HardwareProfile
-from fsdp_graph.passes.reshard import tag_reshard_after_forward
+from fsdp_graph.predict import capture_graphs  # noqa: F401 (the pass tests import it from here)
 
 # A fixed machine for the pass tests: 1 GFLOP/s, 1 GB/s memory, 10 us + 1 B/ns collectives.
 FIXED = CostModel(HardwareProfile("fixed", 1e9, 1e9, 1e9, 0.0, 10e-6, 1e9))
@@ -92,36 +88,6 @@ def tensor_parallel_stack(mesh) -> Stack:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     return model
-
-
-def capture_graphs(
-    model: nn.Module, x: torch.Tensor, memory_budget_bytes: Optional[int] = None
-) -> dict[str, torch.fx.GraphModule]:
-    """The forward and backward graphs as the backend's passes get them (joint passes applied:
-    with `memory_budget_bytes`, selective unsharding first)."""
-    from fsdp_graph.passes.unshard_selection import select_unsharded
-
-    graphs = {}
-
-    def partition(joint_gm, joint_inputs, **kwargs):
-        select_unsharded(joint_gm, memory_budget_bytes)
-        tag_reshard_after_forward(joint_gm)
-        return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
-
-    def compiler(kind):
-        def compile_graph(gm, _inputs):
-            graphs[kind] = gm
-            return make_boxed_func(gm.forward)
-
-        return compile_graph
-
-    backend = aot_autograd(
-        fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), partition_fn=partition,
-        keep_inference_input_mutations=True,
-    )
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(x).sum().backward()
-    return graphs
 
 
 def schedule_lines(gm: torch.fx.GraphModule) -> str:
