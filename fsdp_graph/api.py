@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import logging
 import os
@@ -54,6 +55,14 @@ class FSDPModule:
         self = orig.__new__(orig) if orig.__new__ is object.__new__ else orig.__new__(orig, *args, **kwargs)
         self.__init__(*args, **kwargs)
         return self
+
+    def __reduce_ex__(self, protocol):
+        # Pickle rebuilds an object with `cls.__new__(cls)` and then its state; the `__new__` above
+        # would call `__init__` with no arguments. Dynamo's saved guards pickle the module tree.
+        reduced = super().__reduce_ex__(protocol)
+        if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj__:
+            return (_new_for_unpickling, *reduced[1:])
+        return reduced
 
     def __deepcopy__(self, memo):
         raise ValueError(
@@ -422,7 +431,26 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _fsdp_class(cls: type) -> type:
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__call__": _own_call(cls)})
+    """`FSDP<Cls>`, made once per class, and findable by pickle as an attribute of this module.
+
+    Dynamo's saved guards and compiled functions (`torch.compiler.load_compiled_function`) pickle
+    classes by module and qualified name, and refuse a class whose qualified name is not its name.
+    So the name is `FSDP<Cls>`, with a number after it when another class of that name was sharded
+    first; a new process that shards the same models in the same order makes the same names.
+    """
+    name = f"FSDP{cls.__name__}"
+    n = 1
+    while name in globals():  # another sharded class's, or this module's own (a user class `Module`)
+        n += 1
+        name = f"FSDP{cls.__name__}{n}"
+    fsdp_cls = type(name, (FSDPModule, cls), {"__call__": _own_call(cls, name)})
+    fsdp_cls.__module__ = __name__
+    globals()[name] = fsdp_cls
+    return fsdp_cls
+
+
+def _new_for_unpickling(cls: type, *args):
+    return super(FSDPModule, cls).__new__(cls, *args)
 
 
 @torch._dynamo.disable
@@ -430,7 +458,7 @@ def _call_on_eager_hooks(module: nn.Module, args: tuple, kwargs: dict):
     return nn.Module.__call__(module, *args, **kwargs)
 
 
-def _own_call(cls: type):
+def _own_call(cls: type, class_qualname: str):
     """`FSDPModule.__call__` under a code object of this class's own.
 
     Dynamo keeps what it learned about a frame (input shapes seen, hence which dims to make
@@ -445,7 +473,7 @@ def _own_call(cls: type):
     if hasattr(code, "co_qualname"):  # Python 3.11+
         code = code.replace(co_qualname=name)
     own = types.FunctionType(code, call.__globals__, name, call.__defaults__, call.__closure__)
-    own.__qualname__ = f"FSDP{cls.__qualname__}.__call__"
+    own.__qualname__ = f"{class_qualname}.__call__"  # found through the class, as pickle looks it up
     return own
 
 

@@ -1,0 +1,116 @@
+"""`fsdp_graph.precompile`: a compiled step saved by one launch and loaded by the next.
+
+Each `run_ranks` call starts two fresh gloo processes, as a relaunch does. The model is defined in a
+file of the test's own, so that one launch can run after its source changed. Every launch trains
+against an unsharded copy of the model on the same global batch (`train_and_compare`): losses and
+gradients every step, parameters at the end.
+"""
+
+import pickle
+import sys
+
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import fsdp_graph
+from _harness import run_ranks
+from _models import batch_for_step, train_and_compare
+from fsdp_graph import fully_shard
+from fsdp_graph.predict import fake_world
+
+_MODEL = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.{activation}(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).squeeze(-1)
+'''
+
+
+def _launch(rank, world_size, model_dir, save_dir, global_batch):
+    sys.path.insert(0, model_dir)
+    import precompiled_net
+
+    torch.manual_seed(0)
+    result = {}
+
+    def shard(model):
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        example = batch_for_step(model, 0, 8, rank, world_size)[2]
+        counters.clear()
+        compiled = fsdp_graph.precompile(model, (example,), save_dir=save_dir)
+        result["source"] = compiled.source
+        result["graphs_traced"] = counters["stats"]["unique_graphs"]
+        return compiled
+
+    result["losses"] = train_and_compare(precompiled_net.Net(), shard, rank, world_size, steps=3, global_batch=global_batch)
+    result["graphs_traced_in_training"] = counters["stats"]["unique_graphs"] - result["graphs_traced"]
+    return result
+
+
+def test_saved_step_is_loaded_by_the_next_launch_and_trains_as_the_reference(tmp_path):
+    model_file = tmp_path / "precompiled_net.py"
+    model_file.write_text(_MODEL.format(activation="tanh"))
+    launch = lambda global_batch=8: run_ranks(_launch, 2, str(tmp_path), str(tmp_path / "saved"), global_batch)
+
+    first = launch()
+    assert first["source"] == "compiled" and first["graphs_traced"] == 1, first
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == [
+        "step.rank0-of-2.bin", "step.rank0-of-2.json", "step.rank1-of-2.bin", "step.rank1-of-2.json"]
+
+    relaunch = launch()  # no tracing at all: Dynamo compiles no graph
+    assert relaunch["source"] == "loaded" and relaunch["graphs_traced"] == 0, relaunch
+    assert relaunch["graphs_traced_in_training"] == 0, relaunch
+    assert relaunch["losses"] == first["losses"]
+
+    # Batches of another shape than the saved step's: its guards reject them, and torch.compile runs them.
+    other_shape = launch(global_batch=4)
+    assert other_shape["source"] == "loaded" and other_shape["graphs_traced_in_training"] == 1, other_shape
+
+    # The model's code changed: the saved step traced the old code, so it is compiled again.
+    model_file.write_text(_MODEL.format(activation="sigmoid"))
+    edited = launch()
+    assert edited["source"] == "compiled" and edited["graphs_traced"] == 1, edited
+    assert edited["losses"] != first["losses"]
+
+
+def test_sharded_classes_pickle_by_name_and_never_shadow_the_library():
+    # A saved step's guards name the classes of the modules they check; `FSDP<Cls>` is made at
+    # runtime, so pickle must find it by name, in this process and in the next (same name).
+    class Module(nn.Module):  # prefixed, the name of fsdp_graph's own FSDPModule
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    with fake_world(2):
+        cls = type(fully_shard(Module()))
+    assert fsdp_graph.api.FSDPModule is fsdp_graph.FSDPModule and cls is not fsdp_graph.FSDPModule
+    assert cls.__name__ == cls.__qualname__ and cls.__name__.startswith("FSDPModule")
+    assert pickle.loads(pickle.dumps(cls)) is cls
+    assert pickle.loads(pickle.dumps(cls.__call__)) is cls.__call__
