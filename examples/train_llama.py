@@ -4,6 +4,8 @@ CPU / gloo (the default without CUDA):
     torchrun --nproc-per-node 2 examples/train_llama.py --steps 50
 CUDA / NCCL (picked automatically when CUDA is present), compiled:
     torchrun --nproc-per-node 8 examples/train_llama.py --steps 200 --compile
+Compiled once, loaded on every relaunch (no tracing; the first step then takes seconds):
+    torchrun --nproc-per-node 2 examples/train_llama.py --steps 50 --compile --precompile-dir compiled
 Inspect the compiled step: the graphs, the predicted schedule, and a measured one beside it:
     FSDP_GRAPH_DUMP=dump torchrun --nproc-per-node 2 examples/train_llama.py --compile --steps 2 --profile-dir prof
     python -m fsdp_graph.inspect dump --timeline timeline.svg --trace trace.json --measured prof/rank0.json
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from llama import Llama, LlamaConfig, shard_llama
 from progress import progress, write_profile
 
+import fsdp_graph
 from fsdp_graph import MixedPrecisionPolicy, fully_shard
 
 
@@ -40,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 reduction")
     parser.add_argument("--compile", action="store_true", help="torch.compile(backend='fsdp_graph')")
+    parser.add_argument("--precompile-dir", help="with --compile: fsdp_graph.precompile, whose first launch compiles "
+                        "the step and saves it here, one file per rank; a relaunch loads it instead of tracing again")
     parser.add_argument("--profile-dir", help="write a torch.profiler Chrome trace of one step here, one file per rank")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -72,7 +77,7 @@ def main() -> None:
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
     shard_llama(model, fully_shard, mp_policy=mp_policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    step_fn = torch.compile(model, backend="fsdp_graph") if args.compile else model
+    step_fn = torch.compile(model, backend="fsdp_graph") if args.compile and not args.precompile_dir else model
 
     num_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
@@ -86,6 +91,8 @@ def main() -> None:
         tokens = synthetic_batch(cfg, args.batch_size, args.seq_len, gen, device)
         # Profile the second step: the first compiles.
         profiling = args.profile_dir is not None and step == min(1, args.steps - 1)
+        if step == 0 and args.compile and args.precompile_dir:
+            step_fn = fsdp_graph.precompile(model, (tokens[:, :-1],), save_dir=args.precompile_dir)
         with write_profile(args.profile_dir, rank) if profiling else contextlib.nullcontext():
             logits = step_fn(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
