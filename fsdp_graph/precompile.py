@@ -26,6 +26,9 @@ What keeps a saved step honest:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib
+import inspect
 import json
 import logging
 import os
@@ -64,6 +67,8 @@ class PrecompiledModel:
 
     def __getattr__(self, name: str) -> Any:
         # `parameters()`, `state_dict()`, ...: the model's own, with its own names.
+        if name.startswith("_") or name == "model":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self.model, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -99,6 +104,8 @@ def precompile(
         )
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise TypeError(f"example_kwargs must be a dict or None, got {type(example_kwargs).__name__}")
+    if not isinstance(save_dir, (str, os.PathLike)):
+        raise TypeError(f"save_dir must be a directory path, got {type(save_dir).__name__}; e.g. save_dir='compiled'")
     kwargs = example_kwargs or {}
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     os.makedirs(save_dir, exist_ok=True)
@@ -184,10 +191,6 @@ def _load(path: str, header: dict, model: nn.Module, args: tuple, kwargs: dict) 
 
 def _changed_source(compiled: Any) -> Optional[str]:
     """Where the code a saved step traced differs from the code imported now, or None."""
-    import importlib
-    import hashlib
-    import inspect
-
     for source in compiled.source_info().inlined_sources:
         try:
             module = importlib.import_module(source.module)
