@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .backend import BACKEND_NAME, BackendConfig
+from .full_params import _states
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +96,7 @@ def precompile(
     compiled forward, and `backward()` on its result runs the compiled backward, as with
     `torch.compile(model, backend=backend)`.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"precompile expects the fully_shard'ed nn.Module, got {type(model).__name__}")
+    states = _states(model, "fsdp_graph.precompile")  # TypeError, or ValueError before fully_shard
     if not isinstance(example_args, tuple):
         raise TypeError(
             f"example_args must be a tuple of the model's positional inputs, got {type(example_args).__name__}; "
@@ -110,7 +110,7 @@ def precompile(
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     os.makedirs(save_dir, exist_ok=True)
     path = os.path.join(save_dir, f"step.rank{rank}-of-{world}")
-    header = _header(model, backend)
+    header = _header(model, states, backend)
     compiled = _load(path, header, model, example_args, kwargs)
     if compiled is not None:
         return PrecompiledModel(model, compiled, backend, "loaded")
@@ -130,13 +130,9 @@ def precompile(
     return PrecompiledModel(model, compiled, backend, "compiled")
 
 
-def _header(model: nn.Module, backend: Any) -> dict:
+def _header(model: nn.Module, states: list, backend: Any) -> dict:
     """What a saved step depends on beyond its guards and traced sources."""
-    meshes = set()
-    for module in model.modules():
-        group = getattr(getattr(module, "_fsdp_state", None), "group", None)
-        if group is not None:
-            meshes.add(_describe_mesh(group.mesh_info.mesh))
+    meshes = {_describe_mesh(state.group.mesh_info.mesh) for state in states if state.group is not None}
     for param in model.parameters():
         if isinstance(param, DTensor):
             meshes.add(_describe_mesh(param.device_mesh))

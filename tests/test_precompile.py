@@ -9,6 +9,7 @@ gradients every step, parameters at the end.
 import pickle
 import sys
 
+import pytest
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
@@ -114,3 +115,10 @@ def test_sharded_classes_pickle_by_name_and_never_shadow_the_library():
     assert cls.__name__ == cls.__qualname__ and cls.__name__.startswith("FSDPModule")
     assert pickle.loads(pickle.dumps(cls)) is cls
     assert pickle.loads(pickle.dumps(cls.__call__)) is cls.__call__
+
+
+def test_an_unsharded_model_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="call fully_shard first"):
+        fsdp_graph.precompile(nn.Linear(2, 2), (torch.randn(1, 2),), save_dir=tmp_path)
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        fsdp_graph.precompile(lambda x: x, (torch.randn(1, 2),), save_dir=tmp_path)
