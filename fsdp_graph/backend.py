@@ -319,7 +319,7 @@ class _InductorLogPass(CustomGraphPass):
         c = self.config
         names = self.schedule.names + self.pin.names
         return (
-            f"fsdp_graph.schedule.v1:{','.join(names)}:off={','.join(sorted(self.schedule.disabled))}:"
+            f"fsdp_graph.schedule.v3:{','.join(names)}:off={','.join(sorted(self.schedule.disabled))}:"
             f"{c.cost_model().profile}:{c.bucket_cap_bytes}:{c.max_bytes_in_flight}:{c.memory_budget_bytes}"
         )
 

@@ -65,6 +65,18 @@ def parallelism_of(node: Node) -> str:
     return desc.removeprefix("mesh_") if desc.startswith("mesh_") else str(name)
 
 
+def backend_of(node: Node) -> Optional[str]:
+    """The name of the backend (e.g. "gloo", "nccl") that runs collective `node` on its tensor's
+    device; None where its group is not a registered process group (e.g. a graph traced elsewhere)."""
+    val = node.meta.get("val")
+    device = getattr(val, "device", None)
+    try:
+        group = torch._C._distributed_c10d._resolve_process_group(node.args[-1])
+        return group._get_backend(device or torch.device("cpu")).name()
+    except (RuntimeError, ValueError, TypeError):
+        return None
+
+
 def collective_label(node: Node) -> str:
     """How the inspector names a collective: its FSDP group, or "[tp]" (`parallelism_of`) for one
     that is not FSDP's."""

@@ -256,14 +256,21 @@ def simulate(program: "Program | GraphModule", cost_model: CostModel) -> Simulat
     return Simulation(total, compute_s, comm_s, exposed, spans, collectives, memory, cost_model.profile.name, points)
 
 
-def in_flight_bytes(program: Program) -> int:
-    """The most collective bytes issued and not yet waited on at any point of `program`."""
+def in_flight(program: Program) -> tuple[int, int]:
+    """The most collective bytes, and the most collectives, issued and not yet waited on at any
+    point of `program`."""
     pending: dict[str, int] = {}
-    worst = 0
+    worst_bytes = worst_count = 0
     for op in program:
         if op.kind is OpKind.COLLECTIVE:
             pending[op.name] = op.facts.collective_bytes
-            worst = max(worst, sum(pending.values()))
+            worst_bytes = max(worst_bytes, sum(pending.values()))
+            worst_count = max(worst_count, len(pending))
         elif op.kind is OpKind.WAIT and op.inputs:
             pending.pop(op.inputs[0], None)
-    return worst
+    return worst_bytes, worst_count
+
+
+def in_flight_bytes(program: Program) -> int:
+    """The most collective bytes issued and not yet waited on at any point of `program`."""
+    return in_flight(program)[0]

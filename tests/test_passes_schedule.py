@@ -18,7 +18,7 @@ from fsdp_graph.passes.nodes import is_collective, is_fsdp_collective, paralleli
 from fsdp_graph.passes.reorder import SCHEDULE_META, reorder_for_overlap
 
 UNLIMITED = 1 << 50  # a memory budget nothing reaches: the schedule overlap alone decides
-from fsdp_graph.passes.simulator import in_flight_bytes, program_of, simulate
+from fsdp_graph.passes.simulator import in_flight, in_flight_bytes, program_of, simulate
 
 # Up and down weights of one block, fp32, all ranks, and one gradient flag per weight and rank
 # ([Note: Gradient flags in a graph]); the root's one weight and its flag.
@@ -229,6 +229,22 @@ wait RS blocks.0""")
             gm = reorder_for_overlap(bucket_by_group(self.graphs()[kind]), FIXED, max_bytes_in_flight=limit)
             self.assertLessEqual(in_flight_bytes(program_of(gm)), limit)
             self.assertLessEqual(gm.meta[SCHEDULE_META].max_in_flight_bytes, limit)
+
+    def test_one_collective_in_flight(self):
+        """The limit gloo gets ([Note: One collective at a time on gloo]): never two collectives in
+        flight, yet the forward still prefetches (AG(i+1) after wait(AG(i)), under compute(i))."""
+        for kind in ("forward", "backward"):
+            unlimited = reorder_for_overlap(bucket_by_group(self.graphs()[kind]), FIXED, memory_budget_bytes=UNLIMITED)
+            self.assertGreater(in_flight(program_of(unlimited))[1], 1)  # the fake group: no limit
+            gm = reorder_for_overlap(
+                bucket_by_group(self.graphs()[kind]), FIXED, memory_budget_bytes=UNLIMITED, max_collectives_in_flight=1
+            )
+            self.assertEqual(in_flight(program_of(gm))[1], 1)
+            self.assertEqual(gm.meta[SCHEDULE_META].max_in_flight_collectives, 1)
+            if kind == "forward":
+                report = gm.meta[SCHEDULE_META]
+                self.assertLess(report.exposed_s_after, report.exposed_s_before)
+                self.assertIn(1, report.prefetch_depth.values())
 
     def test_simulator_exposes_unscheduled_communication(self):
         forward = self.graphs()["forward"]
