@@ -11,8 +11,8 @@ compile, saves the result (Dynamo's bytecode and guards, the compiled forward an
 file per rank, and on the next launch loads it instead: no tracing, no compiling.
 
 What keeps a saved step honest:
-- A file is used only if it was made by the same torch and Python, with the same backend config,
-  the same meshes (ranks and process-group names, since the graph names its groups), and unchanged
+- A file is used only if it was made by the same torch, Python and fsdp_graph sources (our passes
+  scheduled it, untraced by Dynamo), with the same backend config, the same meshes (ranks and process-group names, since the graph names its groups), and unchanged
   source code in every function it traced (Dynamo's checksums). Otherwise it is compiled again and
   overwritten, with a log line saying why.
 - Every call checks the saved guards (parameter and input shapes, dtypes, `training`, and the
@@ -141,8 +141,22 @@ def _header(model: nn.Module, states: list, backend: Any) -> dict:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "backend": _describe_backend(backend),
+        "fsdp_graph": _own_sources_digest(),
         "meshes": sorted(meshes),
     }
+
+
+def _own_sources_digest() -> str:
+    """sha256 of fsdp_graph's own Python sources: the passes that scheduled a saved step and the
+    runtime it calls are not among the sources Dynamo traced, yet a change to them (e.g. a new
+    scheduling rule) must not load a step compiled before it."""
+    digest = hashlib.sha256()
+    for package in ("fsdp_graph", "fsdp_graph.runtime", "fsdp_graph.passes"):
+        folder = os.path.dirname(importlib.import_module(package).__file__)
+        for name in sorted(f for f in os.listdir(folder) if f.endswith(".py")):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
 
 
 def _describe_backend(backend: Any) -> str:

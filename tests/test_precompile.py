@@ -6,6 +6,9 @@ against an unsharded copy of the model on the same global batch (`train_and_comp
 gradients every step, parameters at the end.
 """
 
+import importlib
+import io
+import os
 import pickle
 import sys
 
@@ -122,3 +125,20 @@ def test_an_unsharded_model_is_refused_with_the_fix(tmp_path):
         fsdp_graph.precompile(nn.Linear(2, 2), (torch.randn(1, 2),), save_dir=tmp_path)
     with pytest.raises(TypeError, match="expects an nn.Module"):
         fsdp_graph.precompile(lambda x: x, (torch.randn(1, 2),), save_dir=tmp_path)
+
+
+def test_a_change_to_fsdp_graph_itself_changes_the_saved_header(monkeypatch):
+    """A saved step was scheduled by our passes, which Dynamo never traced: its header carries a
+    digest of fsdp_graph's sources, so an edit to e.g. passes/reorder.py recompiles it."""
+    precompile = importlib.import_module("fsdp_graph.precompile")  # the module, not the function
+    before = precompile._own_sources_digest()
+    real_open = open
+
+    def open_edited(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        if path.endswith(os.path.join("passes", "reorder.py")):
+            return io.BytesIO(f.read() + b"\n# edited\n")
+        return f
+
+    monkeypatch.setattr(precompile, "open", open_edited, raising=False)
+    assert precompile._own_sources_digest() != before
