@@ -23,7 +23,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule
 
-from .cache_key import local_shapes, stable_cache_keys
+from .cache_key import local_shapes, own_sources_digest, stable_cache_keys
 from .dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
 from .passes.nodes import fsdp_meta
@@ -289,8 +289,8 @@ class _InductorJointPass(CustomGraphPass):
     def uuid(self) -> Optional[str]:
         if self.dumping:
             return None
-        return (f"fsdp_graph.joint.v2:{','.join(self.pipeline.names)}:off={','.join(sorted(self.pipeline.disabled))}:"
-                f"{self.memory_budget_bytes}:{self.shapes}")
+        return (f"fsdp_graph.joint:{own_sources_digest()[:16]}:{','.join(self.pipeline.names)}:"
+                f"off={','.join(sorted(self.pipeline.disabled))}:{self.memory_budget_bytes}:{self.shapes}")
 
 
 class _InductorLogPass(CustomGraphPass):
@@ -319,7 +319,7 @@ class _InductorLogPass(CustomGraphPass):
         c = self.config
         names = self.schedule.names + self.pin.names
         return (
-            f"fsdp_graph.schedule.v3:{','.join(names)}:off={','.join(sorted(self.schedule.disabled))}:"
+            f"fsdp_graph.schedule:{own_sources_digest()[:16]}:{','.join(names)}:off={','.join(sorted(self.schedule.disabled))}:"
             f"{c.cost_model().profile}:{c.bucket_cap_bytes}:{c.max_bytes_in_flight}:{c.memory_budget_bytes}"
         )
 

@@ -29,6 +29,10 @@ Outside the context nothing changes.
 from __future__ import annotations
 
 import copyreg
+import functools
+import hashlib
+import importlib
+import os
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -63,6 +67,21 @@ def local_shapes(example_inputs) -> str:
     return ";".join(
         "x".join(map(str, t._local_tensor.shape)) for t in example_inputs if isinstance(t, DTensor)
     )
+
+
+@functools.lru_cache(maxsize=None)
+def own_sources_digest() -> str:
+    """sha256 of fsdp_graph's own Python sources. Our passes shape every compiled graph but are not
+    among the sources Dynamo traces, so the caches' keys for our graphs (the passes' `uuid`s) and a
+    saved step's header (fsdp_graph/precompile.py) carry this: a change to the passes or the runtime
+    (e.g. a new scheduling rule) never loads a graph compiled before it."""
+    digest = hashlib.sha256()
+    for package in ("fsdp_graph", "fsdp_graph.runtime", "fsdp_graph.passes"):
+        folder = os.path.dirname(importlib.import_module(package).__file__)
+        for name in sorted(f for f in os.listdir(folder) if f.endswith(".py")):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
 
 
 @contextmanager

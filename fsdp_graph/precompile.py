@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .backend import BACKEND_NAME, BackendConfig
+from .cache_key import own_sources_digest
 from .full_params import _states
 
 logger = logging.getLogger(__name__)
@@ -141,22 +142,9 @@ def _header(model: nn.Module, states: list, backend: Any) -> dict:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "backend": _describe_backend(backend),
-        "fsdp_graph": _own_sources_digest(),
+        "fsdp_graph": own_sources_digest(),
         "meshes": sorted(meshes),
     }
-
-
-def _own_sources_digest() -> str:
-    """sha256 of fsdp_graph's own Python sources: the passes that scheduled a saved step and the
-    runtime it calls are not among the sources Dynamo traced, yet a change to them (e.g. a new
-    scheduling rule) must not load a step compiled before it."""
-    digest = hashlib.sha256()
-    for package in ("fsdp_graph", "fsdp_graph.runtime", "fsdp_graph.passes"):
-        folder = os.path.dirname(importlib.import_module(package).__file__)
-        for name in sorted(f for f in os.listdir(folder) if f.endswith(".py")):
-            with open(os.path.join(folder, name), "rb") as f:
-                digest.update(name.encode() + b"\0" + f.read())
-    return digest.hexdigest()
 
 
 def _describe_backend(backend: Any) -> str:

@@ -128,10 +128,12 @@ def test_an_unsharded_model_is_refused_with_the_fix(tmp_path):
 
 
 def test_a_change_to_fsdp_graph_itself_changes_the_saved_header(monkeypatch):
-    """A saved step was scheduled by our passes, which Dynamo never traced: its header carries a
-    digest of fsdp_graph's sources, so an edit to e.g. passes/reorder.py recompiles it."""
-    precompile = importlib.import_module("fsdp_graph.precompile")  # the module, not the function
-    before = precompile._own_sources_digest()
+    """A saved step was scheduled by our passes, which Dynamo never traced: its header (and the
+    compile caches' keys) carry a digest of fsdp_graph's sources, so an edit to e.g.
+    passes/reorder.py recompiles it."""
+    cache_key = importlib.import_module("fsdp_graph.cache_key")
+    before = cache_key.own_sources_digest()
+    cache_key.own_sources_digest.cache_clear()
     real_open = open
 
     def open_edited(path, mode="r", *args, **kwargs):
@@ -140,5 +142,5 @@ def test_a_change_to_fsdp_graph_itself_changes_the_saved_header(monkeypatch):
             return io.BytesIO(f.read() + b"\n# edited\n")
         return f
 
-    monkeypatch.setattr(precompile, "open", open_edited, raising=False)
-    assert precompile._own_sources_digest() != before
+    monkeypatch.setattr(cache_key, "open", open_edited, raising=False)
+    assert cache_key.own_sources_digest.__wrapped__() != before
