@@ -319,8 +319,9 @@ class _InductorLogPass(CustomGraphPass):
         c = self.config
         names = self.schedule.names + self.pin.names
         return (
-            f"fsdp_graph.schedule:{own_sources_digest()[:16]}:{','.join(names)}:off={','.join(sorted(self.schedule.disabled))}:"
-            f"{c.cost_model().profile}:{c.bucket_cap_bytes}:{c.max_bytes_in_flight}:{c.memory_budget_bytes}"
+            f"fsdp_graph.schedule:{own_sources_digest()[:16]}:{','.join(names)}:"
+            f"off={','.join(sorted(self.schedule.disabled))}:{c.cost_model().profile}:{c.bucket_cap_bytes}:"
+            f"{c.max_bytes_in_flight}:{c.memory_budget_bytes}"
         )
 
 

@@ -12,8 +12,9 @@ file per rank, and on the next launch loads it instead: no tracing, no compiling
 
 What keeps a saved step honest:
 - A file is used only if it was made by the same torch, Python and fsdp_graph sources (our passes
-  scheduled it, untraced by Dynamo), with the same backend config, the same meshes (ranks and process-group names, since the graph names its groups), and unchanged
-  source code in every function it traced (Dynamo's checksums). Otherwise it is compiled again and
+  scheduled it, untraced by Dynamo), with the same backend config, the same meshes (ranks and
+  process-group names, since the graph names its groups), and unchanged source code in every
+  function it traced (Dynamo's checksums). Otherwise it is compiled again and
   overwritten, with a log line saying why.
 - Every call checks the saved guards (parameter and input shapes, dtypes, `training`, and the
   state the hooks read). A call they reject, e.g. another batch shape or `model.eval()`, runs
