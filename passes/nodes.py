@@ -57,22 +57,31 @@ def parallelism_of(node: Node) -> str:
     DeviceMesh dim its process group spans ("tp"), or else the process group's name."""
     if group_of(node) is not None:
         return "fsdp"
-    name = node.args[-1]  # every functional collective takes its group's name last
-    try:
-        desc = torch._C._distributed_c10d._resolve_process_group(name).group_desc
-    except (RuntimeError, ValueError, TypeError):  # the group is gone, or not a registered name
-        return str(name)
-    return desc.removeprefix("mesh_") if desc.startswith("mesh_") else str(name)
+    group = _process_group(node)
+    if group is None:
+        return str(node.args[-1])
+    desc = group.group_desc
+    return desc.removeprefix("mesh_") if desc.startswith("mesh_") else str(node.args[-1])
 
 
 def backend_of(node: Node) -> Optional[str]:
     """The name of the backend (e.g. "gloo", "nccl") that runs collective `node` on its tensor's
     device; None where its group is not a registered process group (e.g. a graph traced elsewhere)."""
-    val = node.meta.get("val")
-    device = getattr(val, "device", None)
+    group = _process_group(node)
+    if group is None:
+        return None
+    device = getattr(node.meta.get("val"), "device", None) or torch.device("cpu")
     try:
-        group = torch._C._distributed_c10d._resolve_process_group(node.args[-1])
-        return group._get_backend(device or torch.device("cpu")).name()
+        return group._get_backend(device).name()
+    except RuntimeError:  # the group has no backend for that device
+        return None
+
+
+def _process_group(node: Node) -> Optional[Any]:
+    """The process group collective `node` runs on (every functional collective takes its group's
+    name last), or None where the group is gone or the name is not a registered one."""
+    try:
+        return torch._C._distributed_c10d._resolve_process_group(node.args[-1])
     except (RuntimeError, ValueError, TypeError):
         return None
 

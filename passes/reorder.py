@@ -262,9 +262,11 @@ class _Scheduler:
                 continue
             following = self.body[index[producer] + 1]
             candidate = _moved(self.body, [rs], following)
-            if self._too_many_in_flight(in_flight(self.order.program(candidate))[1]):
-                continue
-            self._accept(candidate)
+            # Only a collective limit needs the candidate measured; the caller re-measures after.
+            if self.max_collectives_in_flight is not None:
+                if self._too_many_in_flight(in_flight(self.order.program(candidate))[1]):
+                    continue
+            self.body = candidate
             rs.meta[PASS_META] = "reorder_for_overlap"
 
     def _hoist_candidate(self, earlier: Node, later: Node) -> Optional[tuple[list[Node], list[Node]]]:

@@ -133,14 +133,13 @@ def test_a_change_to_fsdp_graph_itself_changes_the_saved_header(monkeypatch):
     passes/reorder.py recompiles it."""
     cache_key = importlib.import_module("fsdp_graph.cache_key")
     before = cache_key.own_sources_digest()
-    cache_key.own_sources_digest.cache_clear()
     real_open = open
 
     def open_edited(path, mode="r", *args, **kwargs):
-        f = real_open(path, mode, *args, **kwargs)
         if path.endswith(os.path.join("passes", "reorder.py")):
-            return io.BytesIO(f.read() + b"\n# edited\n")
-        return f
+            with real_open(path, mode, *args, **kwargs) as f:
+                return io.BytesIO(f.read() + b"\n# edited\n")
+        return real_open(path, mode, *args, **kwargs)
 
     monkeypatch.setattr(cache_key, "open", open_edited, raising=False)
     assert cache_key.own_sources_digest.__wrapped__() != before
