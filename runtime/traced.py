@@ -304,7 +304,7 @@ def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
     orig_dtypes = {p.orig_dtype for p in group.params}
     flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else group.all_gather_dtype
     mesh_info = group.mesh_info
-    replicate = mesh_info.replicate_group.group_name if mesh_info.is_hsdp else None
+    replicate = mesh_info.replicate_group_name
     divide_factor = divide_factors(
         group.gradient_divide_factor or float(world * mesh_info.replicate_size),
         group.mp_policy.reduce_dtype or group.all_gather_dtype,
@@ -324,10 +324,10 @@ def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
             group.all_gather_dtype,
             group.mp_policy.reduce_dtype,
             world,
-            mesh_info.shard_group.group_name,
+            mesh_info.shard_group_name,
             replicate,
             divide_factor,
-            (group.reduce_controls.reduce_scatter_group or mesh_info.shard_group).group_name,
+            _reduce_group_name(group),
         )
         if flags is None and len(group.params) == 1:  # the rows are the padded parameter: a view, no copy
             p = group.params[0]
@@ -451,7 +451,7 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
                 pieces.append(F.pad(shard, (0, p.shard_numel - shard.numel())).view(torch.uint8))
                 layouts.append(None)
         widths = [piece.numel() for piece in pieces]
-        gathered = _C10D.all_gather_into_tensor(torch.cat(pieces), world, mesh_info.shard_group.group_name)
+        gathered = _C10D.all_gather_into_tensor(torch.cat(pieces), world, mesh_info.shard_group_name)
         gathered = _C10D.wait_tensor(gathered)
         outputs = iter(torch.ops.fsdp_graph.copy_out(gathered, world, widths, [world * w for w in widths], -1))
         rebuilt = []  # shard dim first, as the collectives move them
@@ -474,8 +474,8 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
             tuple(p.orig_dtype for p in params),
             reduce_dtype,
             gathered.device,
-            (group.reduce_controls.reduce_scatter_group or mesh_info.shard_group).group_name,
-            mesh_info.replicate_group.group_name if mesh_info.is_hsdp else "",
+            _reduce_group_name(group),
+            mesh_info.replicate_group_name or "",
             divide_factors(group.gradient_divide_factor or float(world * mesh_info.replicate_size), reduce_dtype),
         )
         with annotate(annotation):
@@ -488,6 +488,12 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
         for i, tensor in zip(trainable, routed):
             rebuilt[i] = tensor
     return [_to_param_layout(p, tensor) for p, tensor in zip(group.params, rebuilt)]
+
+
+def _reduce_group_name(group: "ParamGroup") -> str:
+    """The group the gradients are reduce-scattered on: the shard group, or its own copy."""
+    separate = group.reduce_controls.reduce_scatter_group
+    return group.mesh_info.shard_group_name if separate is None else separate.group_name
 
 
 def _to_param_layout(p, rows: torch.Tensor) -> torch.Tensor:
