@@ -6,6 +6,7 @@ against an unsharded copy of the model on the same global batch (`train_and_comp
 gradients every step, parameters at the end.
 """
 
+import copy
 import importlib
 import io
 import os
@@ -68,11 +69,29 @@ def _launch(rank, world_size, model_dir, save_dir, global_batch):
         compiled = fsdp_graph.precompile(model, (example,), save_dir=save_dir)
         result["source"] = compiled.source
         result["graphs_traced"] = counters["stats"]["unique_graphs"]
+        if compiled.source == "loaded":
+            result["aliasing_guards"] = _aliasing_guards(compiled)
+            head = model.head  # swapped for a copy: same type and parameters, another object
+            model.head = copy.copy(head)
+            result["accepts_a_copied_module"] = compiled._compiled.guard_check(model, example)
+            model.head = head
         return compiled
 
     result["losses"] = train_and_compare(precompiled_net.Net(), shard, rank, world_size, steps=3, global_batch=global_batch)
     result["graphs_traced_in_training"] = counters["stats"]["unique_graphs"] - result["graphs_traced"]
     return result
+
+
+def _aliasing_guards(compiled) -> tuple[int, int]:
+    """(guard nodes with a C++ "a is b" check, Python lambdas run after the other guards) of a
+    loaded step: [Note: Aliasing guards of a saved step] in fsdp_graph/precompile.py."""
+    root = compiled._compiled._artifacts.guard_manager.root
+    nodes, relational = [root], 0
+    while nodes:
+        node = nodes.pop()
+        relational += node.has_object_aliasing_guard()
+        nodes += node.get_child_managers()
+    return relational, len(root.get_epilogue_lambda_guards())
 
 
 def test_saved_step_is_loaded_by_the_next_launch_and_trains_as_the_reference(tmp_path):
@@ -89,6 +108,11 @@ def test_saved_step_is_loaded_by_the_next_launch_and_trains_as_the_reference(tmp
     assert relaunch["source"] == "loaded" and relaunch["graphs_traced"] == 0, relaunch
     assert relaunch["graphs_traced_in_training"] == 0, relaunch
     assert relaunch["losses"] == first["losses"]
+    # The loaded guards check that objects reached by two paths (a parameter's owner, the module
+    # tree) are still one object, in C++; a module swapped for a copy is rejected.
+    relational, lambdas = relaunch["aliasing_guards"]
+    assert relational > 0 and lambdas == 0, relaunch["aliasing_guards"]
+    assert relaunch["accepts_a_copied_module"] is False
 
     # Batches of another shape than the saved step's: its guards reject them, and torch.compile runs them.
     other_shape = launch(global_batch=4)
