@@ -8,7 +8,7 @@ import logging
 import os
 import types
 import warnings
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -542,7 +542,7 @@ def _check_mesh(mesh: Optional[DeviceMesh]) -> DeviceMesh:
         dist.init_process_group()
     if mesh is None:
         device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-        return init_device_mesh(device_type, (dist.get_world_size(),))
+        return _default_mesh(device_type)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"mesh must be a DeviceMesh, got {type(mesh).__name__}; build one with "
@@ -560,6 +560,25 @@ def _check_mesh(mesh: Optional[DeviceMesh]) -> DeviceMesh:
             f"mesh that contains it, e.g. init_device_mesh(device_type, (world_size,))"
         )
     return mesh
+
+
+# [Note: One default mesh]
+# Every `fully_shard` call without `mesh=` shares one 1-D mesh over the default process group (per
+# device type), as a script that builds one mesh and passes it to every call would. Separate but
+# equal meshes work the same in eager mode, but a compiled graph takes each distinct mesh object its
+# parameters hold as an opaque input, and whether two groups' parameters held one object or two
+# depended on what the process had run before (torch shares equal DTensor specs): the same model
+# gave graphs of different signatures (tests/test_compile_graphs.py failed when run alone). A new
+# default group (after destroy_process_group and init_process_group) gets a new mesh.
+_default_meshes: dict[str, tuple[Any, DeviceMesh]] = {}  # device type -> (default group, mesh)
+
+
+def _default_mesh(device_type: str) -> DeviceMesh:
+    world = dist.group.WORLD
+    cached = _default_meshes.get(device_type)
+    if cached is None or cached[0] is not world:
+        cached = _default_meshes[device_type] = (world, init_device_mesh(device_type, (dist.get_world_size(),)))
+    return cached[1]
 
 
 def _check_reshard_after_forward(value, mesh_info: MeshInfo):

@@ -440,3 +440,25 @@ def test_every_fsdp2_method_exists_and_the_unsupported_ones_say_so():
             model.set_allocate_memory_from_process_group_for_comm(True)
         with pytest.raises(ValueError, match="set_symm_mem_for_comm\\('NCCL'\\)"):
             model.set_symm_mem_for_comm("NCCL")
+
+
+def test_calls_without_a_mesh_share_one_default_mesh_per_process_group():
+    """[Note: One default mesh] in fsdp_graph/api.py: one mesh for every call without `mesh=`, equal
+    to the one FSDP2 builds by default; a new default process group gets a new mesh. (The groups'
+    meshes, not the parameters': torch may hand a DTensor an equal mesh from its own caches.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from _harness import fake_process_group
+
+    def mesh_of(module):
+        return module._fsdp_state.group.mesh_info.mesh
+
+    with fake_process_group(2):
+        model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False))
+        fully_shard(model[0])
+        fully_shard(model[1])
+        first = mesh_of(model[0])
+        assert first is mesh_of(model[1]) and first == init_device_mesh("cpu", (2,))
+    with fake_process_group(4):
+        third = mesh_of(fully_shard(nn.Linear(4, 4, bias=False)))
+        assert third is not first and third.size() == 4
