@@ -118,7 +118,8 @@ def precompile(
         return PrecompiledModel(model, compiled, backend, "loaded")
     try:
         with _guard_config():
-            compiled = torch.compile(_call, backend=backend, fullgraph=True).aot_compile(((model, *example_args), kwargs))
+            compiled = torch.compile(_call, backend=backend, fullgraph=True)
+            compiled = compiled.aot_compile(((model, *example_args), kwargs))
         compiled.save_compiled_function(path + ".bin")
     except Exception as error:  # a graph break, or something torch cannot save
         warnings.warn(

@@ -192,10 +192,11 @@ def _largest_bucket_bytes(nodes: list[Node]) -> int:
 # "malloc_consolidate(): unaligned fastbin chunk", "double free") in 9 of 10 runs, and once hung
 # with a gloo worker spinning in ~UnboundBuffer. Every abort under gdb was in a gloo worker thread,
 # in malloc inside gloo's allgather/allreduce (once allocating a tcp UnboundBuffer's 24-byte block);
-# both ranks issued the same collectives in the same order, and no write hit a freed large buffer. With at most one collective in flight (prefetch then issues AG(i+1)
-# just after wait(AG(i)), still before compute(i): `_prefetch_after_wait`) the same command
-# finished all 400 steps in 5 of 5 runs (Inductor) and 2 of 2 (aot_eager). So on gloo the schedule
-# keeps one collective in flight; NCCL (and any other backend) is not limited.
+# both ranks issued the same collectives in the same order, and no write hit a freed large buffer.
+# With at most one collective in flight (prefetch then issues AG(i+1) just after wait(AG(i)), still
+# before compute(i): `_prefetch_after_wait`) the same command finished all 400 steps in 5 of 5 runs
+# (Inductor) and 2 of 2 (aot_eager). So on gloo the schedule keeps one collective in flight; NCCL
+# (and any other backend) is not limited.
 
 
 class _Scheduler:
