@@ -31,7 +31,7 @@ from .passes.cost_model import CostModel, Profile
 from .passes.pipeline import GraphPass, PassPipeline
 from .passes.reshard import tag_reshard_after_forward
 from .passes.unshard_selection import select_unsharded
-from .passes.scheduling import PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
+from .passes.scheduling import CROSS_GROUP_PASS_NAMES, PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
 from .runtime.meta import GROUP_KEY
 from .runtime.param_group import ParamGroup
 
@@ -77,6 +77,14 @@ class BackendConfig:
             peak plus two of the largest buckets. Given explicitly, it is also the budget for
             keeping groups unsharded from forward to backward ("unshard_selection",
             passes/unshard_selection.py): it then overrides `reshard_after_forward=True`.
+        rank_divergent_graphs: the ranks may compile different graphs for one step: Python in the
+            forward that depends on the rank, or a graph break or recompile limit reached on some
+            ranks only. Then a group traced on one rank can run on the eager hooks on another, and
+            only a schedule that keeps every group's collectives on their own and in program order
+            puts the same collectives on the wire on both ([Note: Fallback groups keep the traced
+            order] in runtime/traced.py): the passes that merge or reorder collectives of several
+            groups ("auto_bucket", "reorder_for_overlap") are left out, at the cost of their overlap.
+            Graphs of one group each (every expert call a frame of its own) need no such care.
     """
 
     compiler: Compiler = Compiler.INDUCTOR
@@ -86,6 +94,7 @@ class BackendConfig:
     bucket_cap_bytes: int = 1 << 30
     max_bytes_in_flight: Optional[int] = None
     memory_budget_bytes: Optional[int] = None
+    rank_divergent_graphs: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -122,6 +131,8 @@ class BackendConfig:
             problems.append(str(error))
         if not isinstance(self.bucket_cap_bytes, int) or self.bucket_cap_bytes <= 0:
             problems.append(f"bucket_cap_bytes must be a positive int, got {self.bucket_cap_bytes!r}")
+        if not isinstance(self.rank_divergent_graphs, bool):
+            problems.append(f"rank_divergent_graphs must be a bool, got {self.rank_divergent_graphs!r}")
         for name in ("max_bytes_in_flight", "memory_budget_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -139,7 +150,10 @@ class BackendConfig:
         return [GraphPass("unshard_selection", select), GraphPass("reshard_after_forward", tag_reshard_after_forward)]
 
     def scheduling_passes(self) -> list[GraphPass]:
-        return scheduling_passes(self.cost_model(), self.bucket_cap_bytes, self.max_bytes_in_flight, self.memory_budget_bytes)
+        passes = scheduling_passes(self.cost_model(), self.bucket_cap_bytes, self.max_bytes_in_flight, self.memory_budget_bytes)
+        if self.rank_divergent_graphs:
+            passes = [p for p in passes if p.name not in CROSS_GROUP_PASS_NAMES]
+        return passes
 
     @classmethod
     def from_options(cls, options: Optional[dict[str, Any]]) -> "BackendConfig":

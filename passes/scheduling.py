@@ -20,6 +20,9 @@ from .pipeline import GraphPass
 from .reorder import pin_order, reorder_for_overlap
 
 SCHEDULING_PASS_NAMES = ("bucket_by_group", "auto_bucket", "reorder_for_overlap", "pin_order")
+# The passes that merge or reorder collectives of different groups: a rank that runs one of those
+# groups on the eager hooks would put other collectives on the wire (backend `rank_divergent_graphs`).
+CROSS_GROUP_PASS_NAMES = ("auto_bucket", "reorder_for_overlap")
 PIN_ORDER = GraphPass("pin_order", pin_order)
 
 

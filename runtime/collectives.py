@@ -103,6 +103,7 @@ class AllGatherWork:
     handle: Optional[dist.Work] = None  # CPU: the async work handle
     event: object = None  # CUDA: recorded on the all-gather stream after the collective
     done: bool = False
+    num_flags: int = 0  # the gradient-flags block after the first `num_flags` params: see `wire_order`
 
     @torch.no_grad()
     def wait(self, ctx: CommContext) -> None:
@@ -115,16 +116,49 @@ class AllGatherWork:
         self.done = True
 
 
-def _copy_in(params: list[ShardedParam], output: torch.Tensor, rank: int) -> torch.Tensor:
+# [Note: One wire layout for eager and traced gathers]
+# Ranks may run one group on different paths in the same step: traced in a graph on one rank, on the
+# eager hooks on another (a recompile limit or a graph break reached on one rank only, see
+# [Note: Fallback to the eager hooks] in runtime/traced.py). Both paths therefore put the same
+# bytes on the wire. A row of a group's all-gather holds, in this order: the trainable parameters'
+# padded shards in group order, one zero per trainable parameter (the traced path's gradient flags,
+# [Note: Gradient flags in a graph], whose gradient the reduce-scatter sums), then the frozen
+# parameters' padded shards. A group with no trainable parameter has no flags. The reduce-scatter
+# row is the same on both paths too: trainable gradients, then the flags
+# ([Note: Every rank packs every parameter]).
+
+
+def wire_order(params: list[ShardedParam]) -> tuple[list[ShardedParam], int]:
+    """`params` in all-gather row order and the number of flags, which follow the first that many."""
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        return list(params), 0
+    return trainable + [p for p in params if not p.requires_grad], len(trainable)
+
+
+def _block_numels(params: list[ShardedParam], num_flags: int) -> list[int]:
+    """The width of each block of an all-gather row: the params' padded shards and the flags."""
+    numels = [p.shard_numel for p in params]
+    return numels[:num_flags] + [num_flags] + numels[num_flags:] if num_flags else numels
+
+
+def _copy_in(params: list[ShardedParam], output: torch.Tensor, rank: int, num_flags: int) -> torch.Tensor:
     """Copy (and cast) the shards into this rank's slot of the all-gather output; return that slot.
 
     The all-gather runs in place (its input is a view of its output), so a bucket in flight costs
     one buffer, not two.
     """
-    total = sum(p.shard_numel for p in params)
+    total = sum(_block_numels(params, num_flags))
     flat = output[rank * total : (rank + 1) * total]
+    blocks: list[Optional[ShardedParam]] = list(params)
+    if num_flags:
+        blocks.insert(num_flags, None)  # the flags: zeros
     offset = 0
-    for p in params:
+    for p in blocks:
+        if p is None:
+            flat[offset : offset + num_flags].zero_()
+            offset += num_flags
+            continue
         num_valid = p.num_valid_rows * p.row_numel
         flat[offset : offset + num_valid].copy_(p.flat_local_shard())
         flat[offset + num_valid : offset + p.shard_numel].zero_()
@@ -148,23 +182,25 @@ def all_gather(
     async_op: bool,
     input: Optional[torch.Tensor] = None,
     comm: Optional[AllGather] = None,
+    num_flags: int = 0,
 ) -> AllGatherWork:
-    """Gather `params` as one bucket. `input` replaces the copy-in (a post-forward shard); `comm`
-    replaces `all_gather_single` and its buffer (`set_custom_all_gather`)."""
+    """Gather `params` as one bucket, in the order and with the flags of `wire_order`. `input`
+    replaces the copy-in (a post-forward shard); `comm` replaces `all_gather_single` and its buffer
+    (`set_custom_all_gather`)."""
     device = ctx.device
     if input is None and any(p.gather_hooks for p in params):
-        input, dtype = _copy_in_bytes(params, dtype), torch.uint8
-    total = input.numel() if input is not None else sum(p.shard_numel for p in params)
+        input, dtype, num_flags = _copy_in_bytes(params, dtype), torch.uint8, 0
+    total = input.numel() if input is not None else sum(_block_numels(params, num_flags))
     rank = dist.get_rank(group)
     if not ctx.uses_streams:
         output = _allocate(comm, world * total, dtype, device)
         if input is None:
-            input = _copy_in(params, output, rank)
+            input = _copy_in(params, output, rank, num_flags)
         if comm is not None:
             handle = comm(output, input, group, async_op=async_op)
         else:
             handle = dist.all_gather_single(output, input, group=group, async_op=async_op)
-        return AllGatherWork(output, input, handle=handle, done=not async_op)
+        return AllGatherWork(output, input, handle=handle, done=not async_op, num_flags=num_flags)
 
     mod = ctx._device_module
     ctx.release_retired()
@@ -172,7 +208,7 @@ def all_gather(
     with mod.stream(ctx.copy_in_stream):
         output = _allocate(comm, world * total, dtype, device)
         if input is None:
-            input = _copy_in(params, output, rank)
+            input = _copy_in(params, output, rank, num_flags)
     ctx.all_gather_stream.wait_stream(ctx.copy_in_stream)
     with mod.stream(ctx.all_gather_stream):
         if comm is not None:
@@ -180,7 +216,7 @@ def all_gather(
         else:
             dist.all_gather_single(output, input, group=group)
         event = ctx.all_gather_stream.record_event()
-    work = AllGatherWork(output, input, event=event)
+    work = AllGatherWork(output, input, event=event, num_flags=num_flags)
     if not async_op:
         work.wait(ctx)
     return work
@@ -200,19 +236,23 @@ def _copy_in_bytes(params: list[ShardedParam], dtype: torch.dtype) -> torch.Tens
 
 
 def copy_out(params: list[ShardedParam], work: AllGatherWork, world: int) -> None:
-    """Split the all-gather output into each parameter's unsharded storage."""
+    """Split the all-gather output (`params` in the order it was gathered in) into each parameter's
+    unsharded storage."""
     if work.output.dtype == torch.uint8 and any(p.gather_hooks for p in params):
         _copy_out_bytes(params, work, world)
         return
     outputs = [p.alloc_unsharded(world) for p in params]
+    widths = [p.shard_numel for p in params]
+    if work.num_flags:  # the flags' columns carry nothing for the eager runtime
+        flags = work.output.new_empty(world, work.num_flags)
+        outputs.insert(work.num_flags, flags)
+        widths.insert(work.num_flags, work.num_flags)
     # Refilling storage autograd saved is not a modification it should see: the values are the
     # ones forward used. Keep the version counters so saved-tensor checks still pass.
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(
         tuple(t for p in params for t in p.unsharded_tensors())
     ):
-        torch.split_with_sizes_copy(
-            work.output.view(world, -1), [p.shard_numel for p in params], dim=1, out=outputs
-        )
+        torch.split_with_sizes_copy(work.output.view(world, -1), widths, dim=1, out=outputs)
         for p in params:
             p.finish_copy_out()
 

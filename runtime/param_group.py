@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import traced
-from .collectives import AllGatherWork, CommContext, CommHook, ReduceControls, all_gather, copy_out, reduce_scatter
+from .collectives import AllGatherWork, CommContext, CommHook, ReduceControls, all_gather, copy_out, reduce_scatter, wire_order
 from .comms import AllGather, ReduceScatter
 from .param import MeshInfo, ShardedParam
 from .policies import MixedPrecisionPolicy
@@ -86,6 +86,7 @@ class ParamGroup:
 
         self.state = ShardedState.SHARDED
         self._all_gather: Optional[AllGatherWork] = None  # issued, not yet copied out
+        self._gather_order: list[ShardedParam] = params  # the params in the issued all-gather's row order
         self._post_forward_shard: Optional[torch.Tensor] = None  # lives from forward to re-gather
 
         # User controls, as in FSDP2.
@@ -141,6 +142,7 @@ class ParamGroup:
             logger.debug("fsdp_graph::all_gather (%s) async=%s", self.name, async_op)
             if self.state is ShardedState.SHARDED_POST_FORWARD:
                 mesh = self.post_forward_mesh
+                self._gather_order = self.params  # as `post_forward_reshard` cut the rows
                 self._all_gather = all_gather(
                     self.params, mesh.group, mesh.size, self.all_gather_dtype, self.comm, async_op,
                     input=self._post_forward_shard, comm=self.custom_all_gather,
@@ -148,9 +150,11 @@ class ParamGroup:
             else:
                 for p in self.params:
                     p.adopt_current_param()
+                # [Note: One wire layout for eager and traced gathers] in runtime/collectives.py
+                self._gather_order, num_flags = wire_order(self.params)
                 self._all_gather = all_gather(
-                    self.params, self.mesh_info.shard_group, self.world, self.all_gather_dtype,
-                    self.comm, async_op, comm=self.custom_all_gather,
+                    self._gather_order, self.mesh_info.shard_group, self.world, self.all_gather_dtype,
+                    self.comm, async_op, comm=self.custom_all_gather, num_flags=num_flags,
                 )
 
     def follow_moved_shards(self) -> None:
@@ -167,7 +171,7 @@ class ParamGroup:
         with torch.profiler.record_function(f"fsdp_graph::copy_out ({self.name})"):
             work.wait(self.comm)
             new_params = [p.unsharded_param is None for p in self.params]
-            copy_out(self.params, work, self.world)
+            copy_out(self._gather_order, work, self.world)
             self.comm.retire(work)
             self._all_gather = None
             self._post_forward_shard = None
@@ -192,11 +196,12 @@ class ParamGroup:
             p.install(sharded=True)
         self.state = ShardedState.SHARDED
 
-    def post_forward_reshard(self) -> None:
-        """Reshard as `reshard_after_forward` says: fully, to the smaller group, or not at all."""
+    def post_forward_reshard(self, full: bool = False) -> None:
+        """Reshard as `reshard_after_forward` says: fully, to the smaller group, or not at all.
+        `full`: an int reshards fully too, as a traced graph does."""
         if self.state is not ShardedState.UNSHARDED or self.reshard_after_forward is False:
             return
-        if self.reshard_after_forward is True or any(p.gather_hooks for p in self.params):
+        if self.reshard_after_forward is True or full or any(p.gather_hooks for p in self.params):
             # A smaller group's re-gather reuses the gathered bytes; all-gather extensions rebuild
             # their parameters from the pre-hook's inputs instead, so such groups reshard fully.
             self.reshard()

@@ -105,6 +105,9 @@ class FSDPState:
         self._num_forwards_done = 0  # modules of this call whose forward finished this step
         self._modules_in_forward: set[nn.Module] = set()  # modules of this call that entered forward
         self._traced_num_forwards = 0  # the same while Dynamo traces; owned by runtime/traced.py
+        # This step's eager forward ran inside a compiled call (a fallback): see
+        # [Note: Fallback groups keep the traced order].
+        self._fell_back = False
         traced.trace_hooks_inside_checkpoint()
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -158,7 +161,8 @@ class FSDPState:
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if torch.compiler.is_compiling():
             return traced.pre_forward(self, module, args, kwargs)
-        if traced.in_compiled_call():
+        self._fell_back = traced.in_compiled_call()
+        if self._fell_back:
             traced.record_fallback(self)
         if _in_backward():
             # Recomputation under activation checkpointing: the group was gathered in pre-backward.
@@ -184,7 +188,7 @@ class FSDPState:
             if self.group is not None:
                 self.group.unshard()
                 self.group.wait_for_unshard()
-            for target in self.forward_prefetch:
+            for target in self.forward_prefetch if not self._fell_back else ():
                 if target.group is not None:
                     target.group.unshard(async_op=True)
             if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
@@ -246,7 +250,8 @@ class FSDPState:
             if self._num_forwards_done >= len(self.modules):
                 if self.group is not None:
                     if tensors:
-                        self.group.post_forward_reshard()
+                        # A traced graph re-gathers from the whole shard group: so does a fallback.
+                        self.group.post_forward_reshard(full=self._fell_back)
                     else:
                         # No backward will read these parameters (no_grad, eval): keep none of
                         # them, so an optimizer step before the next forward is never missed.
@@ -274,6 +279,8 @@ class FSDPState:
                     target.group.unshard(async_op=True)
 
     def _backward_prefetch_targets(self) -> list["FSDPState"]:
+        if self._fell_back:
+            return []  # [Note: Fallback groups keep the traced order]
         if self.backward_prefetch is not None:
             return self.backward_prefetch
         order = self.ctx.forward_order
@@ -303,8 +310,12 @@ class FSDPState:
         with torch.profiler.record_function("fsdp_graph::post_backward_final"):
             logger.debug("fsdp_graph::post_backward_final (%s)", self.name)
             for state in reversed(ctx.forward_order + [s for s in ctx.states if s not in ctx.forward_order]):
-                if state.group is not None:
-                    # Groups with unused or frozen parameters never counted all their gradients.
+                # Groups with unused or frozen parameters never counted all their gradients. A group
+                # whose forward did not run on the eager hooks and that was not gathered otherwise
+                # (`unshard()`) has nothing to reduce: in a compiled step its graph reduced it,
+                # and another rank may have run it on the eager hooks instead
+                # ([Note: Fallback groups keep the traced order] in runtime/traced.py).
+                if state.group is not None and (state in ctx.forward_order or state.group.state is not ShardedState.SHARDED):
                     state.group.post_backward()
             if ctx.is_last_backward:
                 ctx.comm.finish_reduce_scatters()

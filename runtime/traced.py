@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.traceback import annotate
 
-from .collectives import divide_factors
+from .collectives import divide_factors, wire_order
 from .meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
 from .trees import cast_floats
 
@@ -309,10 +309,13 @@ def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
         group.gradient_divide_factor or float(world * mesh_info.replicate_size),
         group.mp_policy.reduce_dtype or group.all_gather_dtype,
     )
-    # Trainable parameters first, in group order: the columns the backward reduces are the eager
-    # runtime's reduce-scatter bucket, so gradients match it bit for bit.
-    trainable = [i for i, p in enumerate(group.params) if p.requires_grad]
-    frozen = [i for i, p in enumerate(group.params) if not p.requires_grad]
+    # Trainable parameters first, in group order, then the flags, then the frozen parameters: the
+    # eager runtime's all-gather row ([Note: One wire layout for eager and traced gathers]), and the
+    # columns the backward reduces are its reduce-scatter bucket, so gradients match it bit for bit.
+    order, num_flags = wire_order(group.params)
+    position = {id(p): i for i, p in enumerate(group.params)}
+    trainable = [position[id(p)] for p in order[:num_flags]]
+    frozen = [position[id(p)] for p in order[num_flags:]]
     flags = group.grad_flags.to(flat_dtype) if trainable else None  # [Note: Gradient flags in a graph]
     if not trainable:
         trainable, frozen = frozen, []
@@ -586,6 +589,20 @@ def trace_hooks_inside_checkpoint() -> None:
 #   traced group: stays SHARDED in eager terms; autograd writes the DTensor gradients;
 #   eager group:  the usual unshard/reshard/reduce-scatter; the root's final callback finishes it.
 # The root falls back whenever any break propagates up to it, since its call encloses all others.
+
+
+# [Note: Fallback groups keep the traced order]
+# Whether a module call is traced or falls back is decided by Dynamo on each rank: one rank can reach
+# `recompile_limit` for an expert's frame, or break a graph on its data, while the other runs the
+# traced graph of the same group. The two paths then must issue the same collectives in the same
+# order. The bytes are the same ([Note: One wire layout for eager and traced gathers] in
+# runtime/collectives.py); and a group whose forward fell back does what its graph would do, in the
+# same place: it prefetches nothing (the graph's gather of the next group is in that group's own
+# graph), and an int `reshard_after_forward` reshards fully, so backward re-gathers from the whole
+# shard group as the graph does. Its reduce-scatter runs when its gradients are ready, where the
+# graph's backward runs it. What this does not cover: a graph whose passes merged or reordered
+# collectives of several groups, when another rank runs one of those groups on the eager hooks
+# (README, differences from FSDP2).
 
 
 # [Note: Groups that stay on the eager hooks]

@@ -1,0 +1,108 @@
+"""Ranks that take different paths for one group in a compiled step: traced on one, eager on another.
+
+Two gloo ranks. Dynamo decides per rank whether a module call is traced or runs on the eager hooks
+([Note: Fallback groups keep the traced order] in runtime/traced.py), so the two paths must put the
+same collectives on the wire. Each test trains the unsharded model, the eager runtime and the
+compiled model on the same global batch and compares every loss, gradient and final parameter
+(`train_compiled_and_compare`), and checks that the ranks really did take different paths.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp_graph
+from _compile_helpers import train_compiled_and_compare
+from _harness import run_ranks
+from _models import MLPBlock, MLPStack
+from fsdp_graph import fully_shard
+
+
+class MoEStack(nn.Module):
+    """Top-1 routing to experts with data-dependent row counts (each rank routes its own tokens).
+    `nonzero` breaks the graph inside the experts' loop, so every expert call is a frame of its own
+    and Dynamo counts cache entries per rank: with different limits the ranks diverge."""
+
+    def __init__(self, dim: int = 13, hidden: int = 5, num_experts: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.gate = nn.Linear(dim, num_experts)
+        self.experts = nn.ModuleList(MLPBlock(dim, hidden) for _ in range(num_experts))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        route = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = (route == e).nonzero().squeeze(1)
+            out = out.index_add(0, rows, expert(x.index_select(0, rows)))
+        return self.head(x + out).squeeze(-1)
+
+
+def _shard_experts(model: MoEStack) -> MoEStack:
+    for expert in model.experts:
+        fully_shard(expert)
+    fully_shard(model)
+    return model
+
+
+def _fallbacks_per_rank(fallbacks: dict) -> list[set]:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, set(fallbacks))
+    return gathered
+
+
+def _moe_with_per_rank_recompile_limit(rank, world_size, compiler):
+    torch.manual_seed(0)
+    # Rank 0 traces the experts' shared forward frame once and then runs experts on the eager
+    # hooks; rank 1 traces every expert: the same group is traced on one rank and eager on the other.
+    torch._dynamo.config.recompile_limit = 1 if rank == 0 else 64
+    backend = fsdp_graph.backend(compiler=compiler)
+    result = train_compiled_and_compare(
+        MoEStack(), _shard_experts, backend, rank, world_size, steps=3, global_batch=16,
+        bitwise=compiler == "aot_eager",
+    )
+    return _fallbacks_per_rank(result["fallbacks"])
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_expert_traced_on_one_rank_and_eager_on_the_other(compiler):
+    on_rank0, on_rank1 = run_ranks(_moe_with_per_rank_recompile_limit, 2, compiler, timeout_s=400)
+    experts = {f"experts.{e}" for e in range(4)}
+    # Some expert ran on the eager hooks on rank 0 while rank 1 traced it.
+    assert (on_rank0 - on_rank1) & experts, (on_rank0, on_rank1)
+
+
+@torch.compiler.disable
+def _rank0_only_helper(x: torch.Tensor) -> torch.Tensor:
+    return x * 1.0
+
+
+class BlockBreaksOnRank0(MLPBlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.up(x))
+        if dist.get_rank() == 0:  # a graph break on one rank only
+            hidden = _rank0_only_helper(hidden)
+        return x + self.down(hidden)
+
+
+def _shard_blocks(model: MLPStack) -> MLPStack:
+    model.blocks[1].__class__ = BlockBreaksOnRank0
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _graph_break_on_one_rank(rank, world_size):
+    torch.manual_seed(0)
+    backend = fsdp_graph.backend(compiler="aot_eager", rank_divergent_graphs=True)
+    result = train_compiled_and_compare(MLPStack(num_blocks=4), _shard_blocks, backend, rank, world_size)
+    return _fallbacks_per_rank(result["fallbacks"])
+
+
+def test_graph_break_on_one_rank_with_rank_divergent_graphs():
+    on_rank0, on_rank1 = run_ranks(_graph_break_on_one_rank, 2)
+    assert "blocks.1" in on_rank0 and "blocks.1" not in on_rank1, (on_rank0, on_rank1)
