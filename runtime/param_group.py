@@ -148,6 +148,7 @@ class ParamGroup:
             else:
                 for p in self.params:
                     p.adopt_current_param()
+                    p.refresh_gather_hooks()  # [Note: Extensions found on the tensor instance]
                 self._all_gather = all_gather(
                     self.params, self.mesh_info.shard_group, self.world, self.all_gather_dtype,
                     self.comm, async_op, comm=self.custom_all_gather,

@@ -281,7 +281,8 @@ def _reshards_after_forward(group: "ParamGroup") -> bool:
 def unshard(group: "ParamGroup") -> list[torch.Tensor]:
     """Trace the all-gather of `group`; returns one unsharded tensor per `group.params` entry, as
     the module computes with it. See [Note: Traced tensor-parallel parameters]."""
-    gather = _unshard_with_extensions if any(p.gather_hooks for p in group.params) else _unshard_plain
+    hooked = [p.has_gather_hooks() for p in group.params]  # looked up at every trace, as eager does
+    gather = _unshard_with_extensions if any(hooked) else _unshard_plain
     unsharded = gather(group)
     return [t if p.tp is None else p.tp_dtensor(t) for p, t in zip(group.params, unsharded)]
 
@@ -361,8 +362,10 @@ def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
 #   unsharded    = type(shard).fsdp_post_all_gather(shard, pieces, meta, dtype)[0][:dim0]
 #   params       = _RouteGradients(bucket, flags, *flat_shards, *unsharded)  # identity forward
 #
-# The hooks are called through the class: Dynamo inlines that, while a method call on a tensor
-# subclass is an op it tries to put in the graph, and gives up. Both hooks run under no_grad, as in
+# The hooks are found and called as the eager runtime does ([Note: Extensions found on the tensor
+# instance] in runtime/param.py): a class's through the class, which Dynamo inlines (a method call on
+# a tensor subclass is an op it tries to put in the graph, and gives up), one set on the tensor
+# instance as stored, which Dynamo also inlines, guarding on the attribute. Both hooks run under no_grad, as in
 # FSDP2 and the eager runtime: the bytes and their casts carry no gradient (an fp8 cast has none
 # worth having). The gradient of the rebuilt parameter is the unsharded gradient, reduce-scattered
 # to the shard as for any parameter: `_RouteGradients` hands the rebuilt tensors through
@@ -442,7 +445,7 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
     with annotate(annotation), torch.no_grad():
         pieces, layouts = [], []  # layouts: per parameter, (metadata, [(dtype, shape)] per input)
         for p in group.params:
-            if p.gather_hooks:
+            if p.has_gather_hooks():
                 inputs, metadata = p.call_pre_all_gather(p.local_shard)
                 pieces += [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
                 layouts.append((metadata, [(t.dtype, (world * t.shape[0], *t.shape[1:])) for t in inputs]))
