@@ -138,6 +138,14 @@ def _allocate(comm: Optional[Comm], numel: int, dtype: torch.dtype, device: torc
     return comm.allocate((numel,), dtype=dtype, device=device)
 
 
+# [Note: One rank issues no collectives]
+# With one rank on the shard axis (world size 1, or HSDP with shards of one rank) the all-gather
+# output is this rank's shard and the reduce-scatter output is its input, so, as FSDP2 does, neither
+# is issued (nor a custom comm): the shard is copied into the bucket, the packed gradient is divided
+# in place. With one replica the HSDP all-reduce is skipped too. The numbers are the same; the
+# traced steps do the same in the graph (runtime/traced.py), which then holds no collective.
+
+
 @torch.no_grad()
 def all_gather(
     params: list[ShardedParam],
@@ -155,6 +163,12 @@ def all_gather(
     if input is None and any(p.gather_hooks for p in params):
         input, dtype = _copy_in_bytes(params, dtype), torch.uint8
     total = input.numel() if input is not None else sum(p.shard_numel for p in params)
+    if world == 1:  # [Note: One rank issues no collectives]
+        if ctx.uses_streams:
+            ctx.release_retired()  # else the retired buffers would pile up: no stream waits here
+        if input is None:
+            input = _copy_in(params, _allocate(comm, total, dtype, device), 0)
+        return AllGatherWork(input, input, done=True)
     rank = dist.get_rank(group)
     if not ctx.uses_streams:
         output = _allocate(comm, world * total, dtype, device)
@@ -289,7 +303,8 @@ class ReduceScatterWork:
         if self.mesh_info.is_hsdp:
             if not controls.all_reduce:
                 return  # `finish` keeps the sum as the next reduction's partial
-            dist.all_reduce(self.output, group=self.mesh_info.replicate_group)
+            if self.mesh_info.replicate_size > 1:  # [Note: One rank issues no collectives]
+                dist.all_reduce(self.output, group=self.mesh_info.replicate_group)
         hook = controls.all_reduce_hook
         grads = self.output[: self.output.numel() - len(self.params)]
         # FSDP2 hands the hook an already averaged output when its collectives average (fp32/bf16
@@ -393,6 +408,10 @@ def reduce_scatter(
             comm_hook(packed.view(-1), output, shard_group)
             work.reduce_across_replicas_and_divide()
             return work
+        if world == 1:  # [Note: One rank issues no collectives]
+            output.copy_(packed.view(-1))
+            work.reduce_across_replicas_and_divide()
+            return work
         if comm is not None:
             work.handle = comm(output, packed.view(-1), shard_group, dist.ReduceOp.SUM, async_op=True)
         else:
@@ -412,6 +431,8 @@ def reduce_scatter(
             packed.div_(pre)
         if comm_hook is not None:
             comm_hook(packed.view(-1), output, shard_group)
+        elif world == 1:  # [Note: One rank issues no collectives]
+            output.copy_(packed.view(-1))
         elif comm is not None:
             comm(output, packed.view(-1), shard_group, dist.ReduceOp.SUM)
         else:

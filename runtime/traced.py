@@ -202,6 +202,8 @@ class _AllGatherShards(torch.autograd.Function):
         ctx.divide_factor = divide_factor
         ctx.trainable_numel = trainable.numel()
         flat = trainable if frozen is None else torch.cat([trainable, frozen])
+        if world == 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
+            return flat.to(all_gather_dtype, copy=True)
         gathered = _C10D.all_gather_into_tensor(flat.to(all_gather_dtype), world, group_name)
         return _C10D.wait_tensor(gathered)
 
@@ -224,7 +226,10 @@ def _reduce_scatter(
     grad = grad.contiguous()
     if pre != 1:
         grad = grad / pre
-    reduced = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", world, reduce_group))
+    if world == 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
+        reduced = grad
+    else:
+        reduced = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", world, reduce_group))
     if replicate is not None:
         reduced = _C10D.wait_tensor(_C10D.all_reduce(reduced, "sum", replicate))
     return reduced / post
@@ -305,7 +310,7 @@ def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
     orig_dtypes = {p.orig_dtype for p in group.params}
     flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else group.all_gather_dtype
     mesh_info = group.mesh_info
-    replicate = mesh_info.replicate_group_name
+    replicate = _replicate_group_name(mesh_info)
     divide_factor = divide_factors(
         group.gradient_divide_factor or float(world * mesh_info.replicate_size),
         group.mp_policy.reduce_dtype or group.all_gather_dtype,
@@ -454,8 +459,9 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
                 pieces.append(F.pad(shard, (0, p.shard_numel - shard.numel())).view(torch.uint8))
                 layouts.append(None)
         widths = [piece.numel() for piece in pieces]
-        gathered = _C10D.all_gather_into_tensor(torch.cat(pieces), world, mesh_info.shard_group_name)
-        gathered = _C10D.wait_tensor(gathered)
+        gathered = torch.cat(pieces)
+        if world > 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
+            gathered = _C10D.wait_tensor(_C10D.all_gather_into_tensor(gathered, world, mesh_info.shard_group_name))
         outputs = iter(torch.ops.fsdp_graph.copy_out(gathered, world, widths, [world * w for w in widths], -1))
         rebuilt = []  # shard dim first, as the collectives move them
         for p, layout in zip(group.params, layouts):
@@ -478,7 +484,7 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
             reduce_dtype,
             gathered.device,
             _reduce_group_name(group),
-            mesh_info.replicate_group_name or "",
+            _replicate_group_name(mesh_info) or "",
             divide_factors(group.gradient_divide_factor or float(world * mesh_info.replicate_size), reduce_dtype),
         )
         with annotate(annotation):
@@ -491,6 +497,11 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
         for i, tensor in zip(trainable, routed):
             rebuilt[i] = tensor
     return [_to_param_layout(p, tensor) for p, tensor in zip(group.params, rebuilt)]
+
+
+def _replicate_group_name(mesh_info) -> Optional[str]:
+    """The group of the HSDP all-reduce; None without one, or with one replica (nothing to reduce)."""
+    return mesh_info.replicate_group_name if mesh_info.replicate_size > 1 else None
 
 
 def _reduce_group_name(group: "ParamGroup") -> str:
