@@ -8,11 +8,13 @@ import logging
 import os
 import types
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -377,6 +379,7 @@ def fully_shard(
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
+        _register_as_fully_shard(m)
     state.claim_root()
     return module
 
@@ -447,6 +450,24 @@ def _fsdp_class(cls: type) -> type:
     fsdp_cls.__module__ = __name__
     globals()[name] = fsdp_cls
     return fsdp_cls
+
+
+def _register_as_fully_shard(module: nn.Module) -> None:
+    """Mark `module` in torch's composable-API registry as managed by `fully_shard`.
+
+    [Note: Known to torch's composable APIs as fully_shard]
+    torch's composable APIs keep, on each module they were applied to, a registry of API names
+    (`torch.distributed._composable.contract`: `module.__dict__[REGISTRY_KEY]`, an ordered dict
+    from the API's function name to a `RegistryItem`) and read it with `_get_registry`. `replicate`
+    leaves modules whose registry holds "fully_shard" to that API: it neither turns their DTensor
+    parameters into local tensors nor all-reduces their gradients. So a model whose blocks
+    fsdp_graph sharded composes with `replicate` around it as with torch's `fully_shard`. Only the
+    registry entry is written, as `contract` writes it; the state `contract` also stores belongs to
+    torch's own `fully_shard` and is not ours to fake. torch's `fully_shard` on the same module then
+    refuses, as it would after itself.
+    """
+    registry = module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())
+    registry.setdefault("fully_shard", RegistryItem())
 
 
 def _new_for_unpickling(cls: type, *args):
