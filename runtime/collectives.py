@@ -156,10 +156,13 @@ def all_gather(
     async_op: bool,
     input: Optional[torch.Tensor] = None,
     comm: Optional[AllGather] = None,
+    allocator: Optional[Comm] = None,
 ) -> AllGatherWork:
     """Gather `params` as one bucket. `input` replaces the copy-in (a post-forward shard); `comm`
-    replaces `all_gather_single` and its buffer (`set_custom_all_gather`)."""
+    replaces `all_gather_single` and its buffer (`set_custom_all_gather`); `allocator` only the
+    buffer (`ProcessGroupAllocator`)."""
     device = ctx.device
+    buffers = comm if comm is not None else allocator
     if input is None and any(p.gather_hooks for p in params):
         input, dtype = _copy_in_bytes(params, dtype), torch.uint8
     total = input.numel() if input is not None else sum(p.shard_numel for p in params)
@@ -167,11 +170,11 @@ def all_gather(
         if ctx.uses_streams:
             ctx.release_retired()  # else the retired buffers would pile up: no stream waits here
         if input is None:
-            input = _copy_in(params, _allocate(comm, total, dtype, device), 0)
+            input = _copy_in(params, _allocate(buffers, total, dtype, device), 0)
         return AllGatherWork(input, input, done=True)
     rank = dist.get_rank(group)
     if not ctx.uses_streams:
-        output = _allocate(comm, world * total, dtype, device)
+        output = _allocate(buffers, world * total, dtype, device)
         if input is None:
             input = _copy_in(params, output, rank)
         if comm is not None:
@@ -184,7 +187,7 @@ def all_gather(
     ctx.release_retired()
     ctx.copy_in_waits_for_optimizer()
     with mod.stream(ctx.copy_in_stream):
-        output = _allocate(comm, world * total, dtype, device)
+        output = _allocate(buffers, world * total, dtype, device)
         if input is None:
             input = _copy_in(params, output, rank)
     ctx.all_gather_stream.wait_stream(ctx.copy_in_stream)
@@ -269,6 +272,7 @@ class ReduceControls:
 
     all_reduce: bool = True  # HSDP: False reduce-scatters but skips the replica all-reduce
     all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None  # runs on the reduced output
+    all_reduce_hook_stream: object = None  # CUDA: the stream the hook runs on; see `run_all_reduce_hook`
     force_sum: bool = False  # how FSDP2's collectives reduce; ours always sum, see the hook order
     partial: Optional[torch.Tensor] = None  # HSDP: reduce-scattered sums waiting for the all-reduce
     # `set_separate_reduce_scatter_group`: reduce-scatter on a process group of its own, so it can
@@ -295,7 +299,9 @@ class ReduceScatterWork:
     # allocated on the current one; they die in `finish`, after the current stream waited `event`.
     keep_alive: list = field(default_factory=list)
 
-    def reduce_across_replicas_and_divide(self) -> None:
+    def reduce_across_replicas_and_divide(self, ctx: Optional[CommContext] = None) -> None:
+        """The replica all-reduce, the all-reduce hook and the division; `ctx` when this runs on the
+        reduce-scatter stream (CUDA), for the hook's own stream."""
         controls = self.controls
         if controls.partial is not None:  # reduce-scattered earlier without the replica all-reduce
             self.output.add_(controls.partial)
@@ -311,10 +317,30 @@ class ReduceScatterWork:
         # without forced sums), and the sum before the post-divide otherwise.
         divide_first = not controls.force_sum and self.output.dtype in (torch.float32, torch.bfloat16)
         if hook is not None and not divide_first:
-            hook(grads)
+            self.run_all_reduce_hook(grads, ctx)
         self.output.div_(self.divide_factor)
         if hook is not None and divide_first:
-            hook(grads)
+            self.run_all_reduce_hook(grads, ctx)
+
+    def run_all_reduce_hook(self, grads: torch.Tensor, ctx: Optional[CommContext]) -> None:
+        """Run the all-reduce hook on `grads`.
+
+        [Note: The all-reduce hook's stream]
+        `set_all_reduce_hook(hook, stream=s)` runs the hook on `s`, as FSDP2 does: `s` first waits for
+        the reduce-scatter stream (the reduced gradients), the hook's kernels go to `s`, and the
+        reduce-scatter stream then waits for `s` before it divides and records the event the current
+        stream waits for, so the optimizer reads the hook's result. `grads` outlives that event
+        (`finish` keeps it), so nothing is freed while `s` may still use it. Without streams (CPU)
+        the hook just runs.
+        """
+        stream = self.controls.all_reduce_hook_stream
+        if stream is None or ctx is None or not ctx.uses_streams:
+            self.controls.all_reduce_hook(grads)
+            return
+        stream.wait_stream(ctx.reduce_scatter_stream)
+        with ctx._device_module.stream(stream):
+            self.controls.all_reduce_hook(grads)
+        ctx.reduce_scatter_stream.wait_stream(stream)
 
     @torch.no_grad()
     def finish(self, ctx: CommContext) -> None:
@@ -378,6 +404,7 @@ def reduce_scatter(
     comm_hook: Optional[CommHook] = None,
     controls: Optional["ReduceControls"] = None,
     comm: Optional[ReduceScatter] = None,
+    allocator: Optional[Comm] = None,
 ) -> ReduceScatterWork:
     """Reduce-scatter the unsharded gradients of `params` as one bucket and average them.
 
@@ -387,21 +414,23 @@ def reduce_scatter(
     The sum is divided explicitly afterwards: gloo has no PREMUL_SUM, and one code path for every
     backend keeps eager and compiled numerics identical. A `comm_hook` replaces the
     reduce-scatter itself (it runs synchronously); HSDP's all-reduce and the division stay ours.
-    A custom `comm` (`set_custom_reduce_scatter`) allocates the buffers and runs the SUM.
+    A custom `comm` (`set_custom_reduce_scatter`) allocates the buffers and runs the SUM; else an
+    `allocator` (`ProcessGroupAllocator`) may allocate them.
     """
+    buffers = comm if comm is not None else allocator
     world = mesh_info.shard_size
     dtype = reduce_dtype or params[0].unsharded_dtype
     total = sum(p.shard_numel for p in params) + len(params)  # gradients, then one flag per parameter
     grads = [p.take_unsharded_grad() for p in params]
     # Allocated on the current stream, which later reads it for the optimizer.
-    output = _allocate(comm, total, dtype, ctx.device)
+    output = _allocate(buffers, total, dtype, ctx.device)
     pre, post = divide_factors(divide_factor, dtype)
     controls = controls or ReduceControls()
     work = ReduceScatterWork(params, output, mesh_info, post, [grad is not None for grad in grads], controls)
     shard_group = controls.reduce_scatter_group or mesh_info.shard_group
 
     if not ctx.uses_streams:
-        packed = _pack(params, grads, world, dtype, ctx.device, comm)
+        packed = _pack(params, grads, world, dtype, ctx.device, buffers)
         if pre != 1:
             packed.div_(pre)
         if comm_hook is not None:
@@ -426,7 +455,7 @@ def reduce_scatter(
     mod = ctx._device_module
     ctx.reduce_scatter_stream.wait_stream(ctx.current_stream())
     with mod.stream(ctx.reduce_scatter_stream):
-        packed = _pack(params, grads, world, dtype, ctx.device, comm)
+        packed = _pack(params, grads, world, dtype, ctx.device, buffers)
         if pre != 1:
             packed.div_(pre)
         if comm_hook is not None:
@@ -437,7 +466,7 @@ def reduce_scatter(
             comm(output, packed.view(-1), shard_group, dist.ReduceOp.SUM)
         else:
             dist.reduce_scatter_single(output, packed.view(-1), op=dist.ReduceOp.SUM, group=shard_group)
-        work.reduce_across_replicas_and_divide()
+        work.reduce_across_replicas_and_divide(ctx)
         work.event = ctx.reduce_scatter_stream.record_event()
     work.keep_alive = [packed, grads]
     return work
