@@ -8,11 +8,13 @@ import logging
 import os
 import types
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -219,16 +221,24 @@ class FSDPModule:
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
         """Run `hook(reduced)` on this module's reduced gradients (flat, this rank's shard): after
         the replica all-reduce with HSDP, after the reduce-scatter otherwise; it may change them in
-        place. As in FSDP2, `stream` is refused with HSDP. The hook runs on the reduce-scatter
-        stream (CUDA), which `stream` would replace; steps with a hook run on the eager hooks."""
+        place. On CUDA the hook runs on `stream` if given (ordered after the reduction and before
+        the gradients are used, as in FSDP2), else on the reduce-scatter stream; without streams
+        (CPU) it just runs. As in FSDP2, `stream` is refused with HSDP. Steps with a hook run on the
+        eager hooks when compiled."""
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook expects a callable, got {hook!r}")
+        if stream is not None and not callable(getattr(stream, "wait_stream", None)):
+            raise TypeError(
+                f"set_all_reduce_hook: stream must be a stream (e.g. torch.cuda.Stream()) or None, got "
+                f"{type(stream).__name__}"
+            )
         group = self._fsdp_state.group
         if group is None:
             return
         if stream is not None and group.mesh_info.is_hsdp:
             raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (a 2-D mesh)")
         group.reduce_controls.all_reduce_hook = hook
+        group.reduce_controls.all_reduce_hook_stream = stream
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Replace this module's all-gather (and its output buffer) with `comm`: an `AllGather`
@@ -262,16 +272,25 @@ class FSDPModule:
         self._fsdp_state.ctx.comm.post_optim_event = event
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """FSDP2: allocate the collectives' staging buffers from the process group's own allocator
-        (NCCL's, for zero-copy transfers). fsdp_graph allocates them from the caching allocator;
-        `False` is that and accepted, `True` raises a ValueError saying so."""
+        """Allocate this module's collective buffers from the process group's own allocator, where
+        its backend has one (NCCL's, for zero-copy transfers), as FSDP2 does; a backend without one
+        (gloo) keeps the caching allocator, so there it changes nothing. Refused after
+        `set_custom_all_gather` / `set_custom_reduce_scatter`, whose comms allocate their own
+        buffers, as in FSDP2. Compiled steps of a group that does allocate from the process group
+        run on the eager hooks (a graph allocates its buffers itself)."""
         _check_bool("enable", enable)
-        if enable:
+        group = self._fsdp_state.group
+        if group is None:
+            return
+        if group.custom_all_gather is not None or group.custom_reduce_scatter is not None:
             raise ValueError(
-                "set_allocate_memory_from_process_group_for_comm(True): fsdp_graph allocates communication "
-                "buffers from the caching allocator and does not support a process group's allocator (NCCL "
-                "zero-copy) yet; leave it unset, or call it with False"
+                f"set_allocate_memory_from_process_group_for_comm({enable}) on '{self._fsdp_state.name}', which "
+                f"has a custom all-gather or reduce-scatter (set_custom_all_gather / set_custom_reduce_scatter): "
+                f"its allocate() chooses the buffers; allocate from the process group there, or call this "
+                f"instead of setting a custom comm"
             )
+        group.allocate_from_process_group = enable
+        group.uses_process_group_allocator = group.process_group_allocates()
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """FSDP2: all-gather staging buffers in NCCL symmetric memory. Not supported by fsdp_graph:
@@ -377,6 +396,7 @@ def fully_shard(
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
+        _register_as_fully_shard(m)
     state.claim_root()
     return module
 
@@ -447,6 +467,24 @@ def _fsdp_class(cls: type) -> type:
     fsdp_cls.__module__ = __name__
     globals()[name] = fsdp_cls
     return fsdp_cls
+
+
+def _register_as_fully_shard(module: nn.Module) -> None:
+    """Mark `module` in torch's composable-API registry as managed by `fully_shard`.
+
+    [Note: Known to torch's composable APIs as fully_shard]
+    torch's composable APIs keep, on each module they were applied to, a registry of API names
+    (`torch.distributed._composable.contract`: `module.__dict__[REGISTRY_KEY]`, an ordered dict
+    from the API's function name to a `RegistryItem`) and read it with `_get_registry`. `replicate`
+    leaves modules whose registry holds "fully_shard" to that API: it neither turns their DTensor
+    parameters into local tensors nor all-reduces their gradients. So a model whose blocks
+    fsdp_graph sharded composes with `replicate` around it as with torch's `fully_shard`. Only the
+    registry entry is written, as `contract` writes it; the state `contract` also stores belongs to
+    torch's own `fully_shard` and is not ours to fake. torch's `fully_shard` on the same module then
+    refuses, as it would after itself.
+    """
+    registry = module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())
+    registry.setdefault("fully_shard", RegistryItem())
 
 
 def _new_for_unpickling(cls: type, *args):

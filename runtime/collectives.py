@@ -172,6 +172,14 @@ def _allocate(comm: Optional[Comm], numel: int, dtype: torch.dtype, device: torc
     return comm.allocate((numel,), dtype=dtype, device=device)
 
 
+# [Note: One rank issues no collectives]
+# With one rank on the shard axis (world size 1, or HSDP with shards of one rank) the all-gather
+# output is this rank's shard and the reduce-scatter output is its input, so, as FSDP2 does, neither
+# is issued (nor a custom comm): the shard is copied into the bucket, the packed gradient is divided
+# in place. With one replica the HSDP all-reduce is skipped too. The numbers are the same; the
+# traced steps do the same in the graph (runtime/traced.py), which then holds no collective.
+
+
 @torch.no_grad()
 def all_gather(
     params: list[ShardedParam],
@@ -182,18 +190,26 @@ def all_gather(
     async_op: bool,
     input: Optional[torch.Tensor] = None,
     comm: Optional[AllGather] = None,
+    allocator: Optional[Comm] = None,
     num_flags: int = 0,
 ) -> AllGatherWork:
     """Gather `params` as one bucket, in the order and with the flags of `wire_order`. `input`
     replaces the copy-in (a post-forward shard); `comm` replaces `all_gather_single` and its buffer
-    (`set_custom_all_gather`)."""
+    (`set_custom_all_gather`); `allocator` only the buffer (`ProcessGroupAllocator`)."""
     device = ctx.device
+    buffers = comm if comm is not None else allocator
     if input is None and any(p.gather_hooks for p in params):
         input, dtype, num_flags = _copy_in_bytes(params, dtype), torch.uint8, 0
     total = input.numel() if input is not None else sum(_block_numels(params, num_flags))
+    if world == 1:  # [Note: One rank issues no collectives]
+        if ctx.uses_streams:
+            ctx.release_retired()  # else the retired buffers would pile up: no stream waits here
+        if input is None:
+            input = _copy_in(params, _allocate(buffers, total, dtype, device), 0, num_flags)
+        return AllGatherWork(input, input, done=True, num_flags=num_flags)
     rank = dist.get_rank(group)
     if not ctx.uses_streams:
-        output = _allocate(comm, world * total, dtype, device)
+        output = _allocate(buffers, world * total, dtype, device)
         if input is None:
             input = _copy_in(params, output, rank, num_flags)
         if comm is not None:
@@ -206,7 +222,7 @@ def all_gather(
     ctx.release_retired()
     ctx.copy_in_waits_for_optimizer()
     with mod.stream(ctx.copy_in_stream):
-        output = _allocate(comm, world * total, dtype, device)
+        output = _allocate(buffers, world * total, dtype, device)
         if input is None:
             input = _copy_in(params, output, rank, num_flags)
     ctx.all_gather_stream.wait_stream(ctx.copy_in_stream)
@@ -295,6 +311,7 @@ class ReduceControls:
 
     all_reduce: bool = True  # HSDP: False reduce-scatters but skips the replica all-reduce
     all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None  # runs on the reduced output
+    all_reduce_hook_stream: object = None  # CUDA: the stream the hook runs on; see `run_all_reduce_hook`
     force_sum: bool = False  # how FSDP2's collectives reduce; ours always sum, see the hook order
     partial: Optional[torch.Tensor] = None  # HSDP: reduce-scattered sums waiting for the all-reduce
     # `set_separate_reduce_scatter_group`: reduce-scatter on a process group of its own, so it can
@@ -321,7 +338,9 @@ class ReduceScatterWork:
     # allocated on the current one; they die in `finish`, after the current stream waited `event`.
     keep_alive: list = field(default_factory=list)
 
-    def reduce_across_replicas_and_divide(self) -> None:
+    def reduce_across_replicas_and_divide(self, ctx: Optional[CommContext] = None) -> None:
+        """The replica all-reduce, the all-reduce hook and the division; `ctx` when this runs on the
+        reduce-scatter stream (CUDA), for the hook's own stream."""
         controls = self.controls
         if controls.partial is not None:  # reduce-scattered earlier without the replica all-reduce
             self.output.add_(controls.partial)
@@ -329,17 +348,38 @@ class ReduceScatterWork:
         if self.mesh_info.is_hsdp:
             if not controls.all_reduce:
                 return  # `finish` keeps the sum as the next reduction's partial
-            dist.all_reduce(self.output, group=self.mesh_info.replicate_group)
+            if self.mesh_info.replicate_size > 1:  # [Note: One rank issues no collectives]
+                dist.all_reduce(self.output, group=self.mesh_info.replicate_group)
         hook = controls.all_reduce_hook
         grads = self.output[: self.output.numel() - len(self.params)]
         # FSDP2 hands the hook an already averaged output when its collectives average (fp32/bf16
         # without forced sums), and the sum before the post-divide otherwise.
         divide_first = not controls.force_sum and self.output.dtype in (torch.float32, torch.bfloat16)
         if hook is not None and not divide_first:
-            hook(grads)
+            self.run_all_reduce_hook(grads, ctx)
         self.output.div_(self.divide_factor)
         if hook is not None and divide_first:
-            hook(grads)
+            self.run_all_reduce_hook(grads, ctx)
+
+    def run_all_reduce_hook(self, grads: torch.Tensor, ctx: Optional[CommContext]) -> None:
+        """Run the all-reduce hook on `grads`.
+
+        [Note: The all-reduce hook's stream]
+        `set_all_reduce_hook(hook, stream=s)` runs the hook on `s`, as FSDP2 does: `s` first waits for
+        the reduce-scatter stream (the reduced gradients), the hook's kernels go to `s`, and the
+        reduce-scatter stream then waits for `s` before it divides and records the event the current
+        stream waits for, so the optimizer reads the hook's result. `grads` outlives that event
+        (`finish` keeps it), so nothing is freed while `s` may still use it. Without streams (CPU)
+        the hook just runs.
+        """
+        stream = self.controls.all_reduce_hook_stream
+        if stream is None or ctx is None or not ctx.uses_streams:
+            self.controls.all_reduce_hook(grads)
+            return
+        stream.wait_stream(ctx.reduce_scatter_stream)
+        with ctx._device_module.stream(stream):
+            self.controls.all_reduce_hook(grads)
+        ctx.reduce_scatter_stream.wait_stream(stream)
 
     @torch.no_grad()
     def finish(self, ctx: CommContext) -> None:
@@ -403,6 +443,7 @@ def reduce_scatter(
     comm_hook: Optional[CommHook] = None,
     controls: Optional["ReduceControls"] = None,
     comm: Optional[ReduceScatter] = None,
+    allocator: Optional[Comm] = None,
 ) -> ReduceScatterWork:
     """Reduce-scatter the unsharded gradients of `params` as one bucket and average them.
 
@@ -412,25 +453,31 @@ def reduce_scatter(
     The sum is divided explicitly afterwards: gloo has no PREMUL_SUM, and one code path for every
     backend keeps eager and compiled numerics identical. A `comm_hook` replaces the
     reduce-scatter itself (it runs synchronously); HSDP's all-reduce and the division stay ours.
-    A custom `comm` (`set_custom_reduce_scatter`) allocates the buffers and runs the SUM.
+    A custom `comm` (`set_custom_reduce_scatter`) allocates the buffers and runs the SUM; else an
+    `allocator` (`ProcessGroupAllocator`) may allocate them.
     """
+    buffers = comm if comm is not None else allocator
     world = mesh_info.shard_size
     dtype = reduce_dtype or params[0].unsharded_dtype
     total = sum(p.shard_numel for p in params) + len(params)  # gradients, then one flag per parameter
     grads = [p.take_unsharded_grad() for p in params]
     # Allocated on the current stream, which later reads it for the optimizer.
-    output = _allocate(comm, total, dtype, ctx.device)
+    output = _allocate(buffers, total, dtype, ctx.device)
     pre, post = divide_factors(divide_factor, dtype)
     controls = controls or ReduceControls()
     work = ReduceScatterWork(params, output, mesh_info, post, [grad is not None for grad in grads], controls)
     shard_group = controls.reduce_scatter_group or mesh_info.shard_group
 
     if not ctx.uses_streams:
-        packed = _pack(params, grads, world, dtype, ctx.device, comm)
+        packed = _pack(params, grads, world, dtype, ctx.device, buffers)
         if pre != 1:
             packed.div_(pre)
         if comm_hook is not None:
             comm_hook(packed.view(-1), output, shard_group)
+            work.reduce_across_replicas_and_divide()
+            return work
+        if world == 1:  # [Note: One rank issues no collectives]
+            output.copy_(packed.view(-1))
             work.reduce_across_replicas_and_divide()
             return work
         if comm is not None:
@@ -447,16 +494,18 @@ def reduce_scatter(
     mod = ctx._device_module
     ctx.reduce_scatter_stream.wait_stream(ctx.current_stream())
     with mod.stream(ctx.reduce_scatter_stream):
-        packed = _pack(params, grads, world, dtype, ctx.device, comm)
+        packed = _pack(params, grads, world, dtype, ctx.device, buffers)
         if pre != 1:
             packed.div_(pre)
         if comm_hook is not None:
             comm_hook(packed.view(-1), output, shard_group)
+        elif world == 1:  # [Note: One rank issues no collectives]
+            output.copy_(packed.view(-1))
         elif comm is not None:
             comm(output, packed.view(-1), shard_group, dist.ReduceOp.SUM)
         else:
             dist.reduce_scatter_single(output, packed.view(-1), op=dist.ReduceOp.SUM, group=shard_group)
-        work.reduce_across_replicas_and_divide()
+        work.reduce_across_replicas_and_divide(ctx)
         work.event = ctx.reduce_scatter_stream.record_event()
     work.keep_alive = [packed, grads]
     return work

@@ -7,6 +7,7 @@ for FSDP2 work here unchanged (duck typing); these classes are for new ones.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Optional, Sequence
 
@@ -39,3 +40,24 @@ class ReduceScatter(Comm):
         async_op: bool = False,
     ) -> Optional[dist.Work]:
         """Reduce `input_tensor` over ranks with `op`, this rank's slice into `output_tensor`."""
+
+
+class ProcessGroupAllocator(Comm):
+    """Collective buffers from `group`'s own allocator where its backend has one (NCCL's, which
+    registers them for zero-copy transfers), else from the caching allocator, as FSDP2 does for
+    `set_allocate_memory_from_process_group_for_comm(True)`. Gloo has none."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        backend = self.group._get_backend(device)
+        if backend.supports_tensor_alloc(device):
+            return backend.allocate_tensor(math.prod(size), dtype=dtype, device=device).view(*size)
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+def has_own_allocator(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether `group`'s backend allocates tensors itself on `device` (NCCL can; gloo cannot)."""
+    backend = group._get_backend(device)
+    return bool(getattr(backend, "supports_tensor_alloc", None)) and backend.supports_tensor_alloc(device)

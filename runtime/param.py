@@ -19,8 +19,9 @@ layout as the unsharded model; gradients are packed from `grad.movedim(k, 0)`. T
 `Shard(k)`: rank r's slice of dim k, which is the same chunking moved back.
 
 [Note: All-gather extensions]
-FSDP2's contract for tensor subclasses: when the local shard's class defines `fsdp_pre_all_gather`
-and `fsdp_post_all_gather`, the all-gather carries what the pre-hook returns instead of the shard,
+FSDP2's contract for tensor subclasses: when the local shard has `fsdp_pre_all_gather` and
+`fsdp_post_all_gather` (defined by its class, or set on the tensor instance: [Note: Extensions found
+on the tensor instance]), the all-gather carries what the pre-hook returns instead of the shard,
 
     (inputs, metadata) = shard.fsdp_pre_all_gather(mesh, orig_size, orig_stride, module, mp_policy)
     (tensor, to_free)  = shard.fsdp_post_all_gather(outputs, metadata, param_dtype)        # first time
@@ -34,10 +35,9 @@ post-hook's `out=` call refills the parameter autograd may have saved: it must n
 counter (FSDP2 leaves that to the hook too). A group with such a parameter gathers one byte bucket
 (every input, and the other parameters' padded shards, viewed as uint8) and reshards fully after
 forward (an int `reshard_after_forward` would re-gather from bytes the post-hook already consumed).
-Gradients are the unsharded parameter's, reduce-scattered as usual. Both hooks are called through
-the class, `type(shard).fsdp_pre_all_gather(shard, ...)` (`call_pre_all_gather`,
-`call_post_all_gather`), which Dynamo inlines, so compiled steps trace them into the graph:
-[Note: Traced all-gather extensions] in runtime/traced.py.
+Gradients are the unsharded parameter's, reduce-scattered as usual. Both runtimes call the hooks
+through `call_pre_all_gather` and `call_post_all_gather`, in a form Dynamo inlines, so compiled
+steps trace them into the graph: [Note: Traced all-gather extensions] in runtime/traced.py.
 
 [Note: Sharding a tensor-parallel parameter]
 A parameter that tensor parallelism already made a DTensor (`parallelize_module` on a `tp` mesh) is
@@ -201,34 +201,12 @@ class ShardedParam:
         local = local.clone() if local.is_meta else local.to(shard_device, copy=True)
         local = local.contiguous()
         self.sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
-        # [Note: All-gather extensions]
-        self.gather_hooks = hasattr(type(local), "fsdp_pre_all_gather")
-        if self.gather_hooks != hasattr(type(local), "fsdp_post_all_gather"):
-            raise ValueError(
-                f"Parameter '{fqn}' is a {type(local).__name__}, which defines only one of "
-                f"fsdp_pre_all_gather and fsdp_post_all_gather; define both or neither"
-            )
-        if self.gather_hooks and shard_dim != 0:
-            raise ValueError(
-                f"Parameter '{fqn}' has fsdp_pre_all_gather, which fsdp_graph supports on dim 0 only; "
-                f"return Shard(0) or None from shard_placement_fn for it"
-            )
-        if self.gather_hooks and self.tp is not None:
-            raise ValueError(
-                f"Parameter '{fqn}' has fsdp_pre_all_gather and is a tensor-parallel DTensor; fsdp_graph "
-                f"supports all-gather extensions on plain parameters only: apply the subclass to a model "
-                f"without tensor parallelism, or use a plain parameter here"
-            )
         self.mp_policy = mp_policy  # passed to fsdp_pre_all_gather
-        if self.gather_hooks:
-            self._shard_mesh = self._hook_mesh()
-            self._pre_all_gather_num_args = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
-            if self._pre_all_gather_num_args not in (1, 5):
-                raise TypeError(
-                    f"fsdp_pre_all_gather of '{fqn}' ({type(local).__name__}) takes "
-                    f"{self._pre_all_gather_num_args} arguments; FSDP2's contract is "
-                    f"(mesh, orig_size, orig_stride, module, mp_policy), or (mesh) in its older form"
-                )
+        # [Note: All-gather extensions]: the hooks are looked up on the local shard before every
+        # all-gather; `gather_hooks` is what the eager runtime found last time.
+        self._shard_mesh = self._hook_mesh()
+        self.gather_hooks = self.has_gather_hooks()
+        self._check_hooks_survived_sharding(type(local))
         self._gather_metadata = None  # the pre-hook's metadata, until the post-hook takes it
         self._gather_outputs: list[torch.Tensor] = []  # one per pre-hook input, (world * rows, ...)
         self._to_free: tuple[torch.Tensor, ...] = ()  # what the post-hook asked to free on reshard
@@ -419,21 +397,101 @@ class ShardedParam:
                 _refill(self._unsharded_local)
         return self._unsharded_padded.view(world, self.shard_numel)
 
-    def call_pre_all_gather(self, local: torch.Tensor) -> tuple[list[torch.Tensor], object]:
-        """`(inputs, metadata)` of the pre-hook on this rank's shard `local`, checked.
+    def _find_hook(self, name: str):
+        """`(hook, on_instance)`: the all-gather extension `name` of the local shard, or `(None, False)`.
 
-        Called through the class, not as a method of `local`: Dynamo inlines the former, while a
-        method call on a tensor subclass is an op it tries to put in the graph, and gives up. Both
-        runtimes call it; see [Note: All-gather extensions].
+        [Note: Extensions found on the tensor instance]
+        FSDP2 looks the hooks up on the sharded parameter's local tensor at every all-gather, as
+        `local.fsdp_pre_all_gather(...)`: a user may set them on the tensor instance (after
+        `fully_shard`, or after `to_empty()`, which makes new local tensors), with or without a
+        subclass. So the lookup happens here each time, on `sharded_param._local_tensor` (the object
+        the user patched; `to_local()` returns a new alias without its attributes). An instance
+        attribute wins, as in Python, and is called as stored (a bound method, or a function that
+        takes no self); a class's hook is called through the class with the shard as self, which
+        Dynamo inlines (a method call on a subclass instance is an op to Dynamo), and under Dynamo
+        `getattr` on a subclass instance does not see the class's hook at all, hence the fallback.
         """
-        hook = type(local).fsdp_pre_all_gather
-        if self._pre_all_gather_num_args == 1:  # FSDP2's older signature: the mesh only
-            result = hook(local, self._shard_mesh)
-        else:
-            result = hook(
-                local, self._shard_mesh, self.orig_size, _contiguous_stride(self.orig_size), self.owners[0][0],
-                self.mp_policy,
+        owner = self.sharded_param._local_tensor
+        class_hook = getattr(type(owner), name, None)
+        hook = getattr(owner, name, None)
+        if hook is None or (class_hook is not None and getattr(hook, "__func__", None) is class_hook):
+            return class_hook, False
+        return hook, True
+
+    def has_gather_hooks(self) -> bool:
+        """Whether the local shard has all-gather extensions now, checked; both runtimes ask before
+        each all-gather. See [Note: Extensions found on the tensor instance]."""
+        pre, pre_on_instance = self._find_hook("fsdp_pre_all_gather")
+        post, _ = self._find_hook("fsdp_post_all_gather")
+        if (pre is None) != (post is None):
+            raise ValueError(
+                f"Parameter '{self.fqn}' is a {type(self.sharded_param._local_tensor).__name__}, which defines only "
+                f"one of fsdp_pre_all_gather and fsdp_post_all_gather; define both or neither"
             )
+        if pre is None:
+            return False
+        if self.shard_dim != 0:
+            raise ValueError(
+                f"Parameter '{self.fqn}' has fsdp_pre_all_gather, which fsdp_graph supports on dim 0 only; "
+                f"return Shard(0) or None from shard_placement_fn for it"
+            )
+        if self.tp is not None:
+            raise ValueError(
+                f"Parameter '{self.fqn}' has fsdp_pre_all_gather and is a tensor-parallel DTensor; fsdp_graph "
+                f"supports all-gather extensions on plain parameters only: apply the subclass to a model "
+                f"without tensor parallelism, or use a plain parameter here"
+            )
+        if self._shard_mesh is None:
+            raise ValueError(
+                f"Parameter '{self.fqn}' has fsdp_pre_all_gather, which is given the shard axis' mesh, but the "
+                f"{self.mesh_info.mesh.ndim}-D mesh has no dim names to slice it by; build it with "
+                f"init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
+            )
+        num_args = _num_hook_args(pre, pre_on_instance)
+        if num_args not in (1, 5):
+            raise TypeError(
+                f"fsdp_pre_all_gather of '{self.fqn}' ({type(self.sharded_param._local_tensor).__name__}) "
+                f"takes {num_args} arguments; FSDP2's contract is (mesh, orig_size, orig_stride, module, "
+                f"mp_policy), or (mesh) in its older form"
+            )
+        return True
+
+    def _check_hooks_survived_sharding(self, cls: type) -> None:
+        """At `fully_shard`: a parameter whose class has the hooks must still have them on its shard."""
+        pre, post = hasattr(cls, "fsdp_pre_all_gather"), hasattr(cls, "fsdp_post_all_gather")
+        if pre != post:
+            raise ValueError(
+                f"Parameter '{self.fqn}' is a {cls.__name__}, which defines only one of fsdp_pre_all_gather "
+                f"and fsdp_post_all_gather; define both or neither"
+            )
+        if pre and not self.gather_hooks:
+            raise ValueError(
+                f"Parameter '{self.fqn}' is a {cls.__name__} with fsdp_pre_all_gather, but its shard (the "
+                f"DTensor's local tensor) is a {type(self.sharded_param._local_tensor).__name__}: the subclass "
+                f"does not survive detach, slicing and views, so its hooks would never run; keep the subclass "
+                f"through those ops in its __torch_dispatch__, or set the hooks on the local tensor after fully_shard"
+            )
+
+    def refresh_gather_hooks(self) -> bool:
+        """Eager runtime, before an all-gather: look the hooks up again. Set or removed since the
+        last all-gather, the unsharded parameter is rebuilt from scratch (the post-hook's first-time
+        form makes it, or a plain gather fills a new one); the group is sharded then."""
+        found = self.has_gather_hooks()
+        if found != self.gather_hooks:
+            self._unsharded_padded = self._unsharded_local = self.unsharded_param = None
+            self._gather_outputs, self._to_free, self._gather_metadata = [], (), None
+            self.gather_hooks = found
+        return found
+
+    def call_pre_all_gather(self, local: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+        """`(inputs, metadata)` of the pre-hook on this rank's shard `local`, checked. Both
+        runtimes call it; see [Note: All-gather extensions]."""
+        hook, on_instance = self._find_hook("fsdp_pre_all_gather")
+        if _num_hook_args(hook, on_instance) == 1:  # FSDP2's older signature: the mesh only
+            args = (self._shard_mesh,)
+        else:
+            args = (self._shard_mesh, self.orig_size, _contiguous_stride(self.orig_size), self.owners[0][0], self.mp_policy)
+        result = hook(*args) if on_instance else hook(local, *args)
         inputs = self._check_pre_all_gather_result(result)
         padded_size = (self.padded_dim0, *self.orig_size[1:])
         if self.num_valid_rows != self.padded_dim0 and any(tuple(t.shape) != padded_size for t in inputs):
@@ -447,11 +505,16 @@ class ShardedParam:
         return inputs, result[1]
 
     def call_post_all_gather(
-        self, local: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: object
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The post-hook's first-time form, through the class as `call_pre_all_gather`: the
-        unsharded parameter (its valid rows) and what to free on reshard, checked."""
-        result = type(local).fsdp_post_all_gather(local, outputs, metadata, self.unsharded_dtype)
+        self, local: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: object, out: torch.Tensor | None = None
+    ):
+        """The post-hook, found as the pre-hook. Its first-time form (no `out`) returns the unsharded
+        parameter (its valid rows) and what to free on reshard, checked; with `out` it refills it."""
+        hook, on_instance = self._find_hook("fsdp_post_all_gather")
+        args = (outputs, metadata, self.unsharded_dtype)
+        kwargs = {} if out is None else {"out": out}
+        result = hook(*args, **kwargs) if on_instance else hook(local, *args, **kwargs)
+        if out is not None:
+            return None
         tensor = result[0] if isinstance(result, tuple) and len(result) == 2 else None
         if not isinstance(tensor, torch.Tensor) or tensor.shape[0] < self.orig_size[0] or (
             tensor.shape[1:] != self.orig_size[1:]
@@ -482,17 +545,14 @@ class ShardedParam:
             )
         return [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
 
-    def _hook_mesh(self) -> DeviceMesh:
-        """The mesh the pre-hook is given: the shard axis' (FSDP2's `shard_mesh`), 1-D under HSDP too."""
+    def _hook_mesh(self) -> DeviceMesh | None:
+        """The mesh the pre-hook is given: the shard axis' (FSDP2's `shard_mesh`), 1-D under HSDP too;
+        None for a 2-D mesh without dim names (an error once a parameter has the hooks)."""
         mesh = self.mesh_info.mesh
         if mesh.ndim == 1:
             return mesh
         if mesh.mesh_dim_names is None:
-            raise ValueError(
-                f"Parameter '{self.fqn}' has fsdp_pre_all_gather, which is given the shard axis' mesh, but the "
-                f"{mesh.ndim}-D mesh has no dim names to slice it by; build it with "
-                f"init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
-            )
+            return None
         return mesh[mesh.mesh_dim_names[self.mesh_info.shard_axis]]
 
     def _check_pre_all_gather_result(self, result) -> list[torch.Tensor]:
@@ -523,9 +583,7 @@ class ShardedParam:
         else:
             for t in self._to_free:
                 _refill(t)
-            local.fsdp_post_all_gather(
-                tuple(self._gather_outputs), self._gather_metadata, self.unsharded_dtype, out=self.unsharded_param
-            )
+            self.call_post_all_gather(local, tuple(self._gather_outputs), self._gather_metadata, out=self.unsharded_param)
         self._gather_metadata = None
 
     def _wrap_tp(self, local: torch.Tensor) -> torch.Tensor:
@@ -649,6 +707,13 @@ class ShardedParam:
         if self.host_copy_pending:
             torch.cuda.current_stream(self.device).synchronize()
             self.host_copy_pending = False
+
+
+def _num_hook_args(hook, on_instance: bool) -> int:
+    """How many arguments a pre-hook takes after self: all of an instance attribute's (bound, or
+    a function called without self), a class function's but the first."""
+    num = len(inspect.signature(hook).parameters)
+    return num if on_instance or inspect.ismethod(hook) else num - 1
 
 
 def _refill(tensor: torch.Tensor) -> None:

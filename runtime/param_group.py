@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import traced
 from .collectives import AllGatherWork, CommContext, CommHook, ReduceControls, all_gather, copy_out, reduce_scatter, wire_order
-from .comms import AllGather, ReduceScatter
+from .comms import AllGather, ProcessGroupAllocator, ReduceScatter, has_own_allocator
 from .param import MeshInfo, ShardedParam
 from .policies import MixedPrecisionPolicy
 
@@ -98,6 +98,10 @@ class ParamGroup:
         self.unshard_in_backward = True  # False: backward needs none of these parameters (FSDP2)
         self.custom_all_gather: Optional[AllGather] = None  # replace the collectives (FSDP2's API)
         self.custom_reduce_scatter: Optional[ReduceScatter] = None
+        # `set_allocate_memory_from_process_group_for_comm`: the eager collectives' buffers come from
+        # the process group's allocator (where its backend has one: `ProcessGroupAllocator`).
+        self.allocate_from_process_group = False
+        self.uses_process_group_allocator = False  # ... and the backend has one (read when tracing)
         # Unsharded gradients kept unreduced by a backward without sync (accumulation), until a
         # backward with sync reduces them together with its own.
         self.holds_unreduced_grads = False
@@ -146,15 +150,18 @@ class ParamGroup:
                 self._all_gather = all_gather(
                     self.params, mesh.group, mesh.size, self.all_gather_dtype, self.comm, async_op,
                     input=self._post_forward_shard, comm=self.custom_all_gather,
+                    allocator=self._allocator(mesh.group),
                 )
             else:
                 for p in self.params:
                     p.adopt_current_param()
+                    p.refresh_gather_hooks()  # [Note: Extensions found on the tensor instance]
                 # [Note: One wire layout for eager and traced gathers] in runtime/collectives.py
                 self._gather_order, num_flags = wire_order(self.params)
                 self._all_gather = all_gather(
                     self._gather_order, self.mesh_info.shard_group, self.world, self.all_gather_dtype,
-                    self.comm, async_op, comm=self.custom_all_gather, num_flags=num_flags,
+                    self.comm, async_op, comm=self.custom_all_gather,
+                    allocator=self._allocator(self.mesh_info.shard_group), num_flags=num_flags,
                 )
 
     def follow_moved_shards(self) -> None:
@@ -246,6 +253,7 @@ class ParamGroup:
                 work = reduce_scatter(
                     trainable, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm, self.comm_hook,
                     self.reduce_controls, self.custom_reduce_scatter,
+                    self._allocator(self.reduce_controls.reduce_scatter_group or self.mesh_info.shard_group),
                 )
                 self.comm.add_reduce_scatter(work)
                 self.holds_unreduced_grads = False
@@ -268,6 +276,13 @@ class ParamGroup:
             made[ranks] = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
         self.reduce_controls.reduce_scatter_group = made[ranks]
 
+    def _allocator(self, group: dist.ProcessGroup) -> Optional[ProcessGroupAllocator]:
+        return ProcessGroupAllocator(group) if self.allocate_from_process_group else None
+
+    def process_group_allocates(self) -> bool:
+        """Whether `allocate_from_process_group` changes anything: a shard group with its own allocator."""
+        return self.allocate_from_process_group and has_own_allocator(self.mesh_info.shard_group, self.device)
+
     def eager_only_reason(self) -> Optional[str]:
         """Why this group cannot be traced into a graph right now, or None. See runtime/traced.py,
         [Note: Groups that stay on the eager hooks]."""
@@ -285,6 +300,11 @@ class ParamGroup:
             return "an all-reduce hook is set (set_all_reduce_hook); hooks run on the eager runtime"
         if self.custom_all_gather is not None or self.custom_reduce_scatter is not None:
             return "a custom all-gather or reduce-scatter is set; custom comms run on the eager runtime"
+        if self.uses_process_group_allocator:
+            return (
+                "set_allocate_memory_from_process_group_for_comm(True) on a backend with its own allocator: "
+                "the eager collectives allocate from it, a graph allocates its buffers itself"
+            )
         if not self.unshard_in_backward:
             return "set_unshard_in_backward(False): the graph's backward reads the gathered parameters"
         return None

@@ -202,6 +202,8 @@ class _AllGatherShards(torch.autograd.Function):
         ctx.divide_factor = divide_factor
         ctx.trainable_numel = trainable.numel()
         flat = trainable if frozen is None else torch.cat([trainable, frozen])
+        if world == 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
+            return flat.to(all_gather_dtype, copy=True)
         gathered = _C10D.all_gather_into_tensor(flat.to(all_gather_dtype), world, group_name)
         return _C10D.wait_tensor(gathered)
 
@@ -224,7 +226,10 @@ def _reduce_scatter(
     grad = grad.contiguous()
     if pre != 1:
         grad = grad / pre
-    reduced = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", world, reduce_group))
+    if world == 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
+        reduced = grad
+    else:
+        reduced = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", world, reduce_group))
     if replicate is not None:
         reduced = _C10D.wait_tensor(_C10D.all_reduce(reduced, "sum", replicate))
     return reduced / post
@@ -281,7 +286,8 @@ def _reshards_after_forward(group: "ParamGroup") -> bool:
 def unshard(group: "ParamGroup") -> list[torch.Tensor]:
     """Trace the all-gather of `group`; returns one unsharded tensor per `group.params` entry, as
     the module computes with it. See [Note: Traced tensor-parallel parameters]."""
-    gather = _unshard_with_extensions if any(p.gather_hooks for p in group.params) else _unshard_plain
+    hooked = [p.has_gather_hooks() for p in group.params]  # looked up at every trace, as eager does
+    gather = _unshard_with_extensions if any(hooked) else _unshard_plain
     unsharded = gather(group)
     return [t if p.tp is None else p.tp_dtensor(t) for p, t in zip(group.params, unsharded)]
 
@@ -304,7 +310,7 @@ def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
     orig_dtypes = {p.orig_dtype for p in group.params}
     flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else group.all_gather_dtype
     mesh_info = group.mesh_info
-    replicate = mesh_info.replicate_group_name
+    replicate = _replicate_group_name(mesh_info)
     divide_factor = divide_factors(
         group.gradient_divide_factor or float(world * mesh_info.replicate_size),
         group.mp_policy.reduce_dtype or group.all_gather_dtype,
@@ -364,8 +370,10 @@ def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
 #   unsharded    = type(shard).fsdp_post_all_gather(shard, pieces, meta, dtype)[0][:dim0]
 #   params       = _RouteGradients(bucket, flags, *flat_shards, *unsharded)  # identity forward
 #
-# The hooks are called through the class: Dynamo inlines that, while a method call on a tensor
-# subclass is an op it tries to put in the graph, and gives up. Both hooks run under no_grad, as in
+# The hooks are found and called as the eager runtime does ([Note: Extensions found on the tensor
+# instance] in runtime/param.py): a class's through the class, which Dynamo inlines (a method call on
+# a tensor subclass is an op it tries to put in the graph, and gives up), one set on the tensor
+# instance as stored, which Dynamo also inlines, guarding on the attribute. Both hooks run under no_grad, as in
 # FSDP2 and the eager runtime: the bytes and their casts carry no gradient (an fp8 cast has none
 # worth having). The gradient of the rebuilt parameter is the unsharded gradient, reduce-scattered
 # to the shard as for any parameter: `_RouteGradients` hands the rebuilt tensors through
@@ -445,7 +453,7 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
     with annotate(annotation), torch.no_grad():
         pieces, layouts = [], []  # layouts: per parameter, (metadata, [(dtype, shape)] per input)
         for p in group.params:
-            if p.gather_hooks:
+            if p.has_gather_hooks():
                 inputs, metadata = p.call_pre_all_gather(p.local_shard)
                 pieces += [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
                 layouts.append((metadata, [(t.dtype, (world * t.shape[0], *t.shape[1:])) for t in inputs]))
@@ -454,8 +462,9 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
                 pieces.append(F.pad(shard, (0, p.shard_numel - shard.numel())).view(torch.uint8))
                 layouts.append(None)
         widths = [piece.numel() for piece in pieces]
-        gathered = _C10D.all_gather_into_tensor(torch.cat(pieces), world, mesh_info.shard_group_name)
-        gathered = _C10D.wait_tensor(gathered)
+        gathered = torch.cat(pieces)
+        if world > 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
+            gathered = _C10D.wait_tensor(_C10D.all_gather_into_tensor(gathered, world, mesh_info.shard_group_name))
         outputs = iter(torch.ops.fsdp_graph.copy_out(gathered, world, widths, [world * w for w in widths], -1))
         rebuilt = []  # shard dim first, as the collectives move them
         for p, layout in zip(group.params, layouts):
@@ -478,7 +487,7 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
             reduce_dtype,
             gathered.device,
             _reduce_group_name(group),
-            mesh_info.replicate_group_name or "",
+            _replicate_group_name(mesh_info) or "",
             divide_factors(group.gradient_divide_factor or float(world * mesh_info.replicate_size), reduce_dtype),
         )
         with annotate(annotation):
@@ -491,6 +500,11 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
         for i, tensor in zip(trainable, routed):
             rebuilt[i] = tensor
     return [_to_param_layout(p, tensor) for p, tensor in zip(group.params, rebuilt)]
+
+
+def _replicate_group_name(mesh_info) -> Optional[str]:
+    """The group of the HSDP all-reduce; None without one, or with one replica (nothing to reduce)."""
+    return mesh_info.replicate_group_name if mesh_info.replicate_size > 1 else None
 
 
 def _reduce_group_name(group: "ParamGroup") -> str:

@@ -3,7 +3,9 @@
 Several checks share one spawn of ranks to keep the suite fast.
 """
 
+import contextlib
 import copy
+import types
 import warnings
 
 import pytest
@@ -252,6 +254,35 @@ def _controls(rank, world_size):
     with pytest.raises(TypeError, match="allocate"):
         ours.set_custom_all_gather(lambda *args: None)
 
+    # set_allocate_memory_from_process_group_for_comm(True): gloo's backend has no allocator of its
+    # own, so both keep the caching allocator: same gradients. After a custom comm both refuse it.
+    cpu = torch.device("cpu")
+    assert not dist.group.WORLD._get_backend(cpu).supports_tensor_alloc(cpu)
+    ours, theirs = _pair()
+    for model in (ours, theirs):
+        for module in model.modules():
+            if hasattr(module, "set_allocate_memory_from_process_group_for_comm"):
+                module.set_allocate_memory_from_process_group_for_comm(True)
+        _step(model, 0, rank)
+        model.blocks[0].set_custom_reduce_scatter(CountingReduceScatter())
+    _assert_same_grads(ours, theirs, what="allocate from the process group")
+    assert ours.blocks[0]._fsdp_state.group.allocate_from_process_group
+    with pytest.raises(ValueError, match="custom all-gather or reduce-scatter"):
+        ours.blocks[0].set_allocate_memory_from_process_group_for_comm(True)
+    with pytest.raises(AssertionError, match="custom"):
+        theirs.blocks[0].set_allocate_memory_from_process_group_for_comm(True)
+
+    # set_all_reduce_hook(hook, stream=...): the stream is kept (CUDA runs the hook on it: see
+    # test_all_reduce_hook_runs_on_its_stream); the gradients are torch's with the same hook.
+    ours, theirs = _pair()
+    for model in (ours, theirs):
+        model.set_all_reduce_hook(lambda reduced: reduced.mul_(3), stream=torch.cpu.Stream())
+        _step(model, 0, rank)
+    _assert_same_grads(ours, theirs, what="all-reduce hook with a stream")
+    assert isinstance(ours._fsdp_state.group.reduce_controls.all_reduce_hook_stream, torch.cpu.Stream)
+    with pytest.raises(TypeError, match="stream must be a stream"):
+        ours.set_all_reduce_hook(lambda reduced: None, stream="side")
+
     # set_separate_reduce_scatter_group: reduce-scatters on a group of their own, same gradients.
     ours, theirs = _pair()
     for model in (ours, theirs):
@@ -395,6 +426,8 @@ def _compiled(rank, world_size):
     results = {}
     for name, control in (
         ("separate_rs_group", lambda m: m.set_separate_reduce_scatter_group()),
+        # gloo has no allocator of its own: the graph runs, numbers as the unsharded model's
+        ("pg_allocator", lambda m: [b.set_allocate_memory_from_process_group_for_comm(True) for b in (*m.blocks, m)]),
         ("all_reduce_hook", lambda m: m.set_all_reduce_hook(lambda reduced: reduced.mul_(0.5))),
     ):
         torch.manual_seed(0)
@@ -414,7 +447,7 @@ def _compiled(rank, world_size):
             results[name] = train_compiled_and_compare(
                 model, lambda m: shard(m, control), backend, rank, world_size, steps=2
             )["fallbacks"]
-    assert results["separate_rs_group"] == {}
+    assert results["separate_rs_group"] == {} and results["pg_allocator"] == {}
     assert results["all_reduce_hook"], results
     return results
 
@@ -423,9 +456,61 @@ def test_compiled_steps_honour_the_controls():
     print(run_ranks(_compiled, 2))
 
 
+def test_all_reduce_hook_runs_on_its_stream():
+    """[Note: The all-reduce hook's stream] with stand-in streams (the order FSDP2 gives CUDA):
+    the hook's stream waits for the reduction, the hook runs on it, the reduce-scatter stream (which
+    divides and signals the gradients ready) waits for it."""
+    events = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(f"{self.name} waits for {other.name}")
+
+    class DeviceModule:
+        @contextlib.contextmanager
+        def stream(self, stream):
+            events.append(f"on {stream.name}")
+            yield
+            events.append(f"off {stream.name}")
+
+    ctx = types.SimpleNamespace(uses_streams=True, reduce_scatter_stream=Stream("rs"), _device_module=DeviceModule())
+    controls = collectives.ReduceControls(all_reduce_hook=lambda g: events.append("hook"), all_reduce_hook_stream=Stream("s"))
+    work = collectives.ReduceScatterWork([], torch.zeros(2), None, 1.0, [], controls)
+    work.run_all_reduce_hook(work.output, ctx)
+    assert events == ["s waits for rs", "on s", "hook", "off s", "rs waits for s"]
+
+
+def test_process_group_allocator_uses_the_backends_allocator_where_it_has_one():
+    """FSDP2's `set_allocate_memory_from_process_group_for_comm`: a backend that allocates (NCCL)
+    gives the buffers; one that cannot (gloo, here a stand-in) leaves them to the caching allocator."""
+    from fsdp_graph.runtime.comms import ProcessGroupAllocator
+
+    calls = []
+
+    class Backend:
+        def __init__(self, allocates):
+            self.allocates = allocates
+
+        def supports_tensor_alloc(self, device):
+            return self.allocates
+
+        def allocate_tensor(self, numel, *, dtype, device):
+            calls.append((numel, dtype, device))
+            return torch.zeros(numel, dtype=dtype, device=device)
+
+    for allocates in (True, False):
+        group = types.SimpleNamespace(_get_backend=lambda device, b=Backend(allocates): b)
+        buffer = ProcessGroupAllocator(group).allocate((6,), dtype=torch.bfloat16, device=torch.device("cpu"))
+        assert buffer.shape == (6,) and buffer.dtype == torch.bfloat16
+    assert calls == [(6, torch.bfloat16, torch.device("cpu"))]
+
+
 def test_every_fsdp2_method_exists_and_the_unsupported_ones_say_so():
-    """Every public method of torch's FSDPModule is callable on ours; the two we do not support
-    raise a ValueError naming the call (never an AttributeError)."""
+    """Every public method of torch's FSDPModule is callable on ours; the one we do not support
+    raises a ValueError naming the call (never an AttributeError)."""
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
     from _harness import fake_process_group
@@ -436,8 +521,7 @@ def test_every_fsdp2_method_exists_and_the_unsupported_ones_say_so():
     with fake_process_group(2):
         model = fully_shard(nn.Linear(4, 4))
         model.set_allocate_memory_from_process_group_for_comm(False)
-        with pytest.raises(ValueError, match="set_allocate_memory_from_process_group_for_comm\\(True\\)"):
-            model.set_allocate_memory_from_process_group_for_comm(True)
+        model.set_allocate_memory_from_process_group_for_comm(True)
         with pytest.raises(ValueError, match="set_symm_mem_for_comm\\('NCCL'\\)"):
             model.set_symm_mem_for_comm("NCCL")
 
