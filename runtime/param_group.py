@@ -112,6 +112,10 @@ class ParamGroup:
         # Per-backward bookkeeping, reset by `reset_backward_state`.
         self._num_grads_ready = 0
         self.reduced_this_backward = False
+        # Forward calls (with inputs that need a gradient) whose backward has not reached their
+        # inputs yet; counted for groups with frozen parameters only. See [Note: Frozen parameters
+        # outlive the gradients].
+        self._num_input_grads_pending = 0
 
     @property
     def world(self) -> int:
@@ -248,8 +252,36 @@ class ParamGroup:
                 self.holds_unreduced_grads = True
                 for p in trainable:  # FSDP2 accumulates unreduced gradients in reduce_dtype
                     p.accumulate_unreduced_grad(self.mp_policy.reduce_dtype)
-            if self.reshard_after_backward:
+            if self.reshard_after_backward and self._num_input_grads_pending == 0:
                 self.reshard()
+
+    # [Note: Frozen parameters outlive the gradients]
+    # A trainable parameter's gradient accumulates only after every backward op that saved the
+    # parameter ran (the op computes the input's and the parameter's gradient together), so once all
+    # of a group's gradients are here, no trainable parameter is read again. A frozen parameter has
+    # no gradient to say so: in a LoRA block `adapter(frozen(x))` the adapter's gradients are ready
+    # while the gradient of `x` still needs the frozen weight. So for a group with frozen parameters
+    # each forward call whose inputs need a gradient routes them through `InputGradsDone`, whose
+    # backward runs once the call's backward reached its inputs (FSDP2 resharding hooks its inputs
+    # the same way), and the group reshards only when every such call got there and its gradients
+    # are reduced (frozen-only groups: when the calls got there). A call whose inputs need no
+    # gradient has no backward op left that reads the group once its gradients are here. A forward
+    # without a backward leaves a call pending: the group then reshards at the end of the next
+    # backward, which resets the count.
+
+    def expect_input_grads(self) -> None:
+        """A forward call whose inputs need a gradient: hold the reshard until `input_grads_done`."""
+        self._num_input_grads_pending += 1
+
+    def input_grads_done(self) -> None:
+        """A forward call's backward reached its inputs; reshard if it was the last one pending."""
+        self._num_input_grads_pending -= 1
+        if (
+            self._num_input_grads_pending == 0
+            and (self.reduced_this_backward or self.num_trainable == 0)
+            and self.reshard_after_backward
+        ):
+            self.reshard()
 
     def set_separate_reduce_scatter_group(self, enable: bool, made: dict) -> None:
         """Reduce-scatter on a new process group over the shard ranks (`made`: ranks -> group, so
@@ -287,3 +319,4 @@ class ParamGroup:
     def reset_backward_state(self) -> None:
         self._num_grads_ready = 0
         self.reduced_this_backward = False
+        self._num_input_grads_pending = 0

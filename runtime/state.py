@@ -28,7 +28,7 @@ from . import traced
 from .collectives import CommContext
 from .param_group import ParamGroup, ShardedState
 from .policies import MixedPrecisionPolicy
-from .trees import cast_floats, tensors_in
+from .trees import cast_floats, map_tensors, tensors_in
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,21 @@ class RootContext:
             if not group.all_grads_ready:
                 return
             group.post_backward()
+
+
+class _InputGradsDone(torch.autograd.Function):
+    """The identity on a forward call's inputs; its backward tells the group that the call's
+    backward reached them. See [Note: Frozen parameters outlive the gradients]."""
+
+    @staticmethod
+    def forward(ctx, group: ParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        ctx.group.input_grads_done()
+        return (None, *grads)
 
 
 def _in_backward() -> bool:
@@ -168,7 +183,7 @@ class FSDPState:
             return args, kwargs
         if self.training_state is TrainingState.FORWARD and module not in self._modules_in_forward:
             self._modules_in_forward.add(module)  # a second module of fully_shard([a, b])
-            return args, kwargs
+            return self._prepare_inputs(args, kwargs)
         if self.is_root:
             self._root_pre_forward()
             if self.device.type != "cpu":  # as FSDP2's root: inputs go where the parameters are
@@ -187,9 +202,25 @@ class FSDPState:
             for target in self.forward_prefetch:
                 if target.group is not None:
                     target.group.unshard(async_op=True)
-            if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
-                args, kwargs = cast_floats((args, kwargs), self.mp_policy.param_dtype)
+            args, kwargs = self._prepare_inputs(args, kwargs)
         return args, kwargs
+
+    def _prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """What every module call of this state does to its inputs, each module of
+        `fully_shard([a, b])` too: cast them (`cast_forward_inputs`), and, for a group with frozen
+        parameters, hold its reshard until their gradients are computed ([Note: Frozen parameters
+        outlive the gradients] in runtime/param_group.py)."""
+        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        group = self.group
+        if group is None or group.num_trainable == len(group.params) or not torch.is_grad_enabled():
+            return args, kwargs
+        needing_grad = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        if not needing_grad:
+            return args, kwargs
+        group.expect_input_grads()
+        hooked = dict(zip(map(id, needing_grad), _InputGradsDone.apply(group, *needing_grad)))
+        return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
 
     def _root_pre_forward(self) -> None:
         # Gradients of the last step must be final before parameters are read again, and a
