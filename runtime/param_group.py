@@ -84,6 +84,9 @@ class ParamGroup:
         self.name = "<unnamed>"  # the module FQN(s), set when a root claims the group, for logs and profiler ranges
         self.comm: Optional[CommContext] = None  # the root's, set when a root claims the group
 
+        # See [Note: Byte buckets] in runtime/collectives.py.
+        self.gathers_bytes = any(p.gather_hooks for p in params) or len({p.unsharded_dtype for p in params}) > 1
+
         self.state = ShardedState.SHARDED
         self._all_gather: Optional[AllGatherWork] = None  # issued, not yet copied out
         self._post_forward_shard: Optional[torch.Tensor] = None  # lives from forward to re-gather
@@ -154,7 +157,7 @@ class ParamGroup:
                     p.adopt_current_param()
                 self._all_gather = all_gather(
                     self.params, self.mesh_info.shard_group, self.world, self.all_gather_dtype,
-                    self.comm, async_op, comm=self.custom_all_gather,
+                    self.comm, async_op, comm=self.custom_all_gather, as_bytes=self.gathers_bytes,
                 )
 
     def follow_moved_shards(self) -> None:
@@ -200,9 +203,10 @@ class ParamGroup:
         """Reshard as `reshard_after_forward` says: fully, to the smaller group, or not at all."""
         if self.state is not ShardedState.UNSHARDED or self.reshard_after_forward is False:
             return
-        if self.reshard_after_forward is True or any(p.gather_hooks for p in self.params):
-            # A smaller group's re-gather reuses the gathered bytes; all-gather extensions rebuild
-            # their parameters from the pre-hook's inputs instead, so such groups reshard fully.
+        if self.reshard_after_forward is True or self.gathers_bytes:
+            # A smaller group's re-gather reuses the gathered rows of one dtype; all-gather
+            # extensions rebuild their parameters from the pre-hook's inputs instead, and mixed
+            # dtypes have no one dtype, so byte buckets reshard fully.
             self.reshard()
             return
         mesh = self.post_forward_mesh

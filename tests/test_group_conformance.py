@@ -185,3 +185,58 @@ def _cast_each_module(rank, world_size):
 
 def test_every_module_of_a_group_casts_its_inputs():
     assert run_ranks(_cast_each_module, 2) == {}
+
+
+# -- item 4: a frozen float8 weight beside fp32 parameters, no param_dtype ------------------------------
+
+
+class Float8Frozen(nn.Module):
+    """A frozen float8 weight, registered first (the group's first parameter), then fp32 ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w8 = nn.Parameter(torch.randn(6, 8).to(torch.float8_e4m3fn), requires_grad=False)
+        self.proj = nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.w8.dtype == torch.float8_e4m3fn  # the module computes with its own dtype
+        return self.proj(F.linear(x, self.w8.to(torch.float32)))
+
+
+def _float8_beside_fp32(rank, world_size):
+    torch.manual_seed(0)
+    net = nn.Sequential(Float8Frozen(), Float8Frozen())
+    models = {}
+    for name, fs in (("torch", torch_fully_shard), ("eager", fully_shard), ("compiled", fully_shard)):
+        model = copy.deepcopy(net)
+        for block in model:
+            fs(block)
+        models[name] = fs(model)
+    runs = {name: _compile(m) if name == "compiled" else m for name, m in models.items()}
+    optimizers = {
+        name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for name, m in models.items()
+    }
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        losses = {}
+        for name, run in runs.items():
+            loss = run(x).pow(2).mean()
+            loss.backward()
+            losses[name] = loss.item()
+        for name in ("eager", "compiled"):
+            torch.testing.assert_close(losses[name], losses["torch"], rtol=1e-6, atol=0)
+            _assert_same_grads(models[name], models["torch"], f"float8 {name} step {step}")
+        for opt in optimizers.values():
+            opt.step()
+            opt.zero_grad()
+    expected = dict(models["torch"].named_parameters())
+    for name in ("eager", "compiled"):
+        for fqn, p in models[name].named_parameters():
+            assert p.dtype == expected[fqn].dtype, fqn
+            torch.testing.assert_close(_local(p).float(), _local(expected[fqn]).float(), rtol=1e-5, atol=1e-6)
+    return dict(models["compiled"]._fsdp_state.ctx.fallbacks)
+
+
+def test_float8_frozen_weight_beside_fp32_parameters():
+    assert run_ranks(_float8_beside_fp32, 2) == {}
+
