@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map
 
 from . import traced
 from .collectives import CommContext
+from .param import MetaParameterError
 from .param_group import ParamGroup, ShardedState
 from .policies import MixedPrecisionPolicy
 from .trees import cast_floats, map_tensors, tensors_in
@@ -51,6 +52,7 @@ class RootContext:
         self.forward_order: list[FSDPState] = []  # states by first pre-forward this step
         self.final_callback_queued = False
         self.is_last_backward = True
+        self.materialized = False  # every parameter was seen off the meta device (checked until then)
         # State name -> why its hooks ran eagerly inside a compiled call; see runtime/traced.py.
         self.fallbacks: dict[str, str] = {}
 
@@ -222,7 +224,33 @@ class FSDPState:
         hooked = dict(zip(map(id, needing_grad), _InputGradsDone.apply(group, *needing_grad)))
         return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
 
+    def check_materialized(self) -> None:
+        """Root only: raise once, naming every parameter under this root still on the meta device.
+
+        Eager roots check until a forward passed; traced roots check every trace (the flag would be
+        a guard, and setting it a recompile), where `is_meta` is a constant of the graph inputs.
+        """
+        tracing = torch.compiler.is_compiling()
+        if not tracing and self.ctx.materialized:
+            return
+        sharded = [p.sharded_param for s in self.ctx.states if s.group is not None for p in s.group.params]
+        if not any(param.is_meta for param in sharded):
+            if not tracing:
+                self.ctx.materialized = True
+            return
+        self._raise_for_meta_params({id(param) for param in sharded})
+
+    def _raise_for_meta_params(self, sharded: set[int]) -> None:
+        fqns = []
+        for index, module in enumerate(self.modules):
+            prefix = f"[{index}]." if len(self.modules) > 1 else ""
+            for name, param in module.named_parameters():
+                if id(param) in sharded and param.is_meta:
+                    fqns.append(prefix + name)
+        raise MetaParameterError(fqns)
+
     def _root_pre_forward(self) -> None:
+        self.check_materialized()
         # Gradients of the last step must be final before parameters are read again, and a
         # forward or backward that raised must not leave groups gathered or states half-way.
         self.ctx.comm.finish_reduce_scatters()

@@ -533,6 +533,8 @@ def pre_forward(state: "FSDPState", module: torch.nn.Module, args: tuple, kwargs
     a graph is entered (the last post-forward resets it), so Dynamo's guard on it always holds.
     """
     num_forwards = state._traced_num_forwards
+    if state.is_root and num_forwards == 0:
+        state.check_materialized()
     if state.group is not None and num_forwards == 0:
         _install(state.group, unshard(state.group))
     state._traced_num_forwards = num_forwards + 1

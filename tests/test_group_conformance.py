@@ -240,3 +240,60 @@ def _float8_beside_fp32(rank, world_size):
 def test_float8_frozen_weight_beside_fp32_parameters():
     assert run_ranks(_float8_beside_fp32, 2) == {}
 
+
+# -- item 6: ignored_params may hold parameters of other modules -------------------------------------
+
+
+def _one_ignored_set_for_every_call(rank, world_size):
+    torch.manual_seed(0)
+    net = LoraNet()
+    net.requires_grad_(True)
+    models = {}
+    for name, fs in (("torch", torch_fully_shard), ("eager", fully_shard)):
+        model = copy.deepcopy(net)
+        ignored = {model.head.weight, model.blocks[1].base.weight}  # one set, passed to every call
+        for block in model.blocks:
+            fs(block, ignored_params=ignored)
+        models[name] = fs(model, ignored_params=ignored)
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(rank))
+    for model in models.values():
+        model(x).pow(2).mean().backward()
+    for model in models.values():
+        assert not isinstance(model.head.weight, DTensor) and not isinstance(model.blocks[1].base.weight, DTensor)
+        assert isinstance(model.head.bias, DTensor) and isinstance(model.blocks[1].base.bias, DTensor)
+    _assert_same_grads(models["eager"], models["torch"], "ignored_params")  # ignored ones: local gradients
+
+
+def test_ignored_params_may_hold_other_modules_parameters():
+    run_ranks(_one_ignored_set_for_every_call, 2)
+
+
+# -- item 12: parameters left on the meta device -----------------------------------------------------
+
+
+def _meta_parameters(rank, world_size):
+    errors = {}
+    for name, fs in (("torch", torch_fully_shard), ("eager", fully_shard), ("compiled", fully_shard)):
+        with torch.device("meta"):
+            model = LoraNet(num_blocks=2)
+        for block in model.blocks:
+            fs(block)
+        fs(model)
+        model.blocks[0].to_empty(device="cpu")  # materialized: not named in the error
+        run = _compile(model) if name == "compiled" else model
+        try:
+            run(torch.randn(2, 12))
+        except RuntimeError as e:  # what code written against FSDP2 catches
+            errors[name] = e
+    assert set(errors) == {"torch", "eager", "compiled"}, errors
+    meta = ["inp.weight", "inp.bias", "blocks.1.base.weight", "blocks.1.base.bias", "blocks.1.lora_a.weight",
+            "blocks.1.lora_b.weight", "head.weight", "head.bias"]
+    for name in ("eager", "compiled"):
+        assert isinstance(errors[name], ValueError), type(errors[name])
+        message = str(errors[name])
+        assert f"Parameters {meta} are still on the meta device" in message, message
+        assert "model.to_empty(device=...)" in message and "reset_parameters()" in message, message
+
+
+def test_meta_parameters_raise_runtime_error_naming_all():
+    run_ranks(_meta_parameters, 2)
