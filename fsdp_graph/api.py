@@ -639,15 +639,11 @@ def _check_ignored_params(ignored_params, modules) -> set[int]:
         return set()
     if not isinstance(ignored_params, (set, frozenset, list, tuple)):
         raise TypeError(f"ignored_params must be a set of nn.Parameter, got {type(ignored_params).__name__}")
-    in_modules = {id(p) for m in modules for p in m.parameters()}
+    # Parameters of other modules are allowed and ignored, as in FSDP2: one set of every ignored
+    # parameter of the model can be passed to each fully_shard call.
     for p in ignored_params:
         if not isinstance(p, nn.Parameter):
             raise TypeError(f"ignored_params must hold nn.Parameter objects, got {type(p).__name__}")
-        if id(p) not in in_modules:
-            raise ValueError(
-                f"ignored_params holds a parameter of shape {tuple(p.shape)} that is not in the "
-                f"module(s) being sharded; pass only parameters of the module given to fully_shard"
-            )
     return {id(p) for p in ignored_params}
 
 

@@ -192,14 +192,16 @@ def all_gather(
     comm: Optional[AllGather] = None,
     allocator: Optional[Comm] = None,
     num_flags: int = 0,
+    as_bytes: bool = False,
 ) -> AllGatherWork:
-    """Gather `params` as one bucket, in the order and with the flags of `wire_order`. `input`
-    replaces the copy-in (a post-forward shard); `comm` replaces `all_gather_single` and its buffer
+    """Gather `params` as one bucket, in the order and with the flags of `wire_order`, of `dtype`
+    or, `as_bytes`, of bytes ([Note: Byte buckets]: group order, no flags). `input` replaces the
+    copy-in (a post-forward shard); `comm` replaces `all_gather_single` and its buffer
     (`set_custom_all_gather`); `allocator` only the buffer (`ProcessGroupAllocator`)."""
     device = ctx.device
     buffers = comm if comm is not None else allocator
-    if input is None and any(p.gather_hooks for p in params):
-        input, dtype, num_flags = _copy_in_bytes(params, dtype), torch.uint8, 0
+    if input is None and as_bytes:
+        input, dtype, num_flags = _copy_in_bytes(params), torch.uint8, 0
     total = input.numel() if input is not None else sum(_block_numels(params, num_flags))
     if world == 1:  # [Note: One rank issues no collectives]
         if ctx.uses_streams:
@@ -238,15 +240,25 @@ def all_gather(
     return work
 
 
-def _copy_in_bytes(params: list[ShardedParam], dtype: torch.dtype) -> torch.Tensor:
-    """This rank's row of a byte bucket: the pre-hooks' inputs of parameters with all-gather
-    extensions, the padded shards (cast to `dtype`) of the others. See [Note: All-gather extensions]."""
+# [Note: Byte buckets]
+# A group whose parameters are gathered in more than one dtype (a frozen float8 weight beside fp32
+# ones, no `param_dtype`), or that has a parameter with all-gather extensions, gathers one uint8
+# bucket: each parameter's piece is its padded shard in its own unsharded dtype (`param_dtype`, else
+# its dtype), or its pre-hook's inputs, viewed as bytes, in group order. Casting every shard to one
+# dtype instead would round fp32 weights to float8 where the float8 one comes first. FSDP2 gathers
+# such groups as bytes too. The traced unshard builds the same bytes (runtime/traced.py,
+# `_unshard_bytes`), so a compiled rank and an eager rank gather the same bucket.
+
+
+def _copy_in_bytes(params: list[ShardedParam]) -> torch.Tensor:
+    """This rank's row of a byte bucket ([Note: Byte buckets]): the pre-hooks' inputs of parameters
+    with all-gather extensions, the padded shards (in their unsharded dtype) of the others."""
     pieces = []
     for p in params:
         if p.gather_hooks:
             pieces += p.pre_all_gather()
         else:
-            shard = p.flat_local_shard().to(dtype)
+            shard = p.flat_local_shard().to(p.unsharded_dtype)
             pieces.append(F.pad(shard, (0, p.shard_numel - shard.numel())).view(torch.uint8))
     return torch.cat(pieces)
 
@@ -254,7 +266,7 @@ def _copy_in_bytes(params: list[ShardedParam], dtype: torch.dtype) -> torch.Tens
 def copy_out(params: list[ShardedParam], work: AllGatherWork, world: int) -> None:
     """Split the all-gather output (`params` in the order it was gathered in) into each parameter's
     unsharded storage."""
-    if work.output.dtype == torch.uint8 and any(p.gather_hooks for p in params):
+    if work.output.dtype == torch.uint8:  # a byte bucket, or uint8 parameters: either splits as bytes
         _copy_out_bytes(params, work, world)
         return
     outputs = [p.alloc_unsharded(world) for p in params]
@@ -278,7 +290,7 @@ def _copy_out_bytes(params: list[ShardedParam], work: AllGatherWork, world: int)
     outputs = []
     for p in params:
         outputs += p.alloc_gather_outputs(world) if p.gather_hooks else [p.alloc_unsharded(world).view(torch.uint8)]
-    unsharded = tuple(p.unsharded_param for p in params if p.unsharded_param is not None)
+    unsharded = tuple(t for p in params if p.unsharded_param is not None for t in p.unsharded_tensors())
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unsharded):
         torch.split_with_sizes_copy(work.output.view(world, -1), [o.shape[1] for o in outputs], dim=1, out=outputs)
         for p in params:

@@ -68,6 +68,21 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .policies import MixedPrecisionPolicy
 
 
+class MetaParameterError(ValueError, RuntimeError):
+    """Parameters still on the meta device when a forward needs them.
+
+    A ValueError like our other user mistakes, and a RuntimeError, the type FSDP2 raises here, so
+    code written against either catches it.
+    """
+
+    def __init__(self, fqns: list[str]) -> None:
+        super().__init__(
+            f"Parameters {fqns} are still on the meta device; materialize and initialize the model "
+            f"before its first forward: model.to_empty(device=...), then initialize the parameters "
+            f"(e.g. call reset_parameters() on each module that has one)"
+        )
+
+
 @dataclass(frozen=True)
 class MeshInfo:
     """The mesh a group is sharded over and the ranks that play each role in it.
@@ -307,12 +322,8 @@ class ShardedParam:
                 f"{self.orig_dtype}); convert the module before fully_shard, or keep fp32 shards and "
                 f"set MixedPrecisionPolicy(param_dtype={param.dtype})"
             )
-        if param.is_meta:
-            raise ValueError(
-                f"Parameter '{self.fqn}' is still on the meta device; materialize and initialize the "
-                f"model before its first forward: model.to_empty(device=...), then initialize the "
-                f"parameters (e.g. reset_parameters())"
-            )
+        if param.is_meta:  # the root checked every group first; see `FSDPState.check_materialized`
+            raise MetaParameterError([self.fqn])
 
     def watch_grad_before_backward(self) -> None:
         """Record in `grad_was_none`, each time autograd is about to accumulate into the sharded

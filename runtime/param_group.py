@@ -84,6 +84,7 @@ class ParamGroup:
         self.name = "<unnamed>"  # the module FQN(s), set when a root claims the group, for logs and profiler ranges
         self.comm: Optional[CommContext] = None  # the root's, set when a root claims the group
 
+
         self.state = ShardedState.SHARDED
         self._all_gather: Optional[AllGatherWork] = None  # issued, not yet copied out
         self._gather_order: list[ShardedParam] = params  # the params in the issued all-gather's row order
@@ -117,10 +118,20 @@ class ParamGroup:
         # Per-backward bookkeeping, reset by `reset_backward_state`.
         self._num_grads_ready = 0
         self.reduced_this_backward = False
+        # Forward calls (with inputs that need a gradient) whose backward has not reached their
+        # inputs yet; counted for groups with frozen parameters only. See [Note: Frozen parameters
+        # outlive the gradients].
+        self._num_input_grads_pending = 0
 
     @property
     def world(self) -> int:
         return self.mesh_info.shard_size
+
+    @property
+    def gathers_bytes(self) -> bool:
+        """Whether the group gathers one byte bucket: see [Note: Byte buckets] in runtime/collectives.py.
+        Read at each gather: extensions set on a shard later, or `.to(dtype)`, change it."""
+        return any(p.has_gather_hooks() for p in self.params) or len({p.unsharded_dtype for p in self.params}) > 1
 
     @property
     def all_gather_dtype(self) -> torch.dtype:
@@ -157,11 +168,13 @@ class ParamGroup:
                     p.adopt_current_param()
                     p.refresh_gather_hooks()  # [Note: Extensions found on the tensor instance]
                 # [Note: One wire layout for eager and traced gathers] in runtime/collectives.py
-                self._gather_order, num_flags = wire_order(self.params)
+                as_bytes = self.gathers_bytes  # byte buckets keep group order, without flags
+                self._gather_order, num_flags = (self.params, 0) if as_bytes else wire_order(self.params)
                 self._all_gather = all_gather(
                     self._gather_order, self.mesh_info.shard_group, self.world, self.all_gather_dtype,
                     self.comm, async_op, comm=self.custom_all_gather,
                     allocator=self._allocator(self.mesh_info.shard_group), num_flags=num_flags,
+                    as_bytes=as_bytes,
                 )
 
     def follow_moved_shards(self) -> None:
@@ -208,9 +221,10 @@ class ParamGroup:
         `full`: an int reshards fully too, as a traced graph does."""
         if self.state is not ShardedState.UNSHARDED or self.reshard_after_forward is False:
             return
-        if self.reshard_after_forward is True or full or any(p.gather_hooks for p in self.params):
-            # A smaller group's re-gather reuses the gathered bytes; all-gather extensions rebuild
-            # their parameters from the pre-hook's inputs instead, so such groups reshard fully.
+        if self.reshard_after_forward is True or full or self.gathers_bytes:
+            # A smaller group's re-gather reuses the gathered rows of one dtype; all-gather
+            # extensions rebuild their parameters from the pre-hook's inputs instead, and mixed
+            # dtypes have no one dtype, so byte buckets reshard fully.
             self.reshard()
             return
         mesh = self.post_forward_mesh
@@ -261,8 +275,36 @@ class ParamGroup:
                 self.holds_unreduced_grads = True
                 for p in trainable:  # FSDP2 accumulates unreduced gradients in reduce_dtype
                     p.accumulate_unreduced_grad(self.mp_policy.reduce_dtype)
-            if self.reshard_after_backward:
+            if self.reshard_after_backward and self._num_input_grads_pending == 0:
                 self.reshard()
+
+    # [Note: Frozen parameters outlive the gradients]
+    # A trainable parameter's gradient accumulates only after every backward op that saved the
+    # parameter ran (the op computes the input's and the parameter's gradient together), so once all
+    # of a group's gradients are here, no trainable parameter is read again. A frozen parameter has
+    # no gradient to say so: in a LoRA block `adapter(frozen(x))` the adapter's gradients are ready
+    # while the gradient of `x` still needs the frozen weight. So for a group with frozen parameters
+    # each forward call whose inputs need a gradient routes them through `InputGradsDone`, whose
+    # backward runs once the call's backward reached its inputs (FSDP2 resharding hooks its inputs
+    # the same way), and the group reshards only when every such call got there and its gradients
+    # are reduced (frozen-only groups: when the calls got there). A call whose inputs need no
+    # gradient has no backward op left that reads the group once its gradients are here. A forward
+    # without a backward leaves a call pending: the group then reshards at the end of the next
+    # backward, which resets the count.
+
+    def expect_input_grads(self) -> None:
+        """A forward call whose inputs need a gradient: hold the reshard until `input_grads_done`."""
+        self._num_input_grads_pending += 1
+
+    def input_grads_done(self) -> None:
+        """A forward call's backward reached its inputs; reshard if it was the last one pending."""
+        self._num_input_grads_pending -= 1
+        if (
+            self._num_input_grads_pending == 0
+            and (self.reduced_this_backward or self.num_trainable == 0)
+            and self.reshard_after_backward
+        ):
+            self.reshard()
 
     def set_separate_reduce_scatter_group(self, enable: bool, made: dict) -> None:
         """Reduce-scatter on a new process group over the shard ranks (`made`: ranks -> group, so
@@ -312,3 +354,4 @@ class ParamGroup:
     def reset_backward_state(self) -> None:
         self._num_grads_ready = 0
         self.reduced_this_backward = False
+        self._num_input_grads_pending = 0

@@ -26,9 +26,10 @@ from torch.utils._pytree import tree_map
 
 from . import traced
 from .collectives import CommContext
+from .param import MetaParameterError
 from .param_group import ParamGroup, ShardedState
 from .policies import MixedPrecisionPolicy
-from .trees import cast_floats, tensors_in
+from .trees import cast_floats, map_tensors, tensors_in
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class RootContext:
         self.forward_order: list[FSDPState] = []  # states by first pre-forward this step
         self.final_callback_queued = False
         self.is_last_backward = True
+        self.materialized = False  # every parameter was seen off the meta device (checked until then)
         # State name -> why its hooks ran eagerly inside a compiled call; see runtime/traced.py.
         self.fallbacks: dict[str, str] = {}
 
@@ -74,6 +76,21 @@ class RootContext:
             if not group.all_grads_ready:
                 return
             group.post_backward()
+
+
+class _InputGradsDone(torch.autograd.Function):
+    """The identity on a forward call's inputs; its backward tells the group that the call's
+    backward reached them. See [Note: Frozen parameters outlive the gradients]."""
+
+    @staticmethod
+    def forward(ctx, group: ParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        ctx.group.input_grads_done()
+        return (None, *grads)
 
 
 def _in_backward() -> bool:
@@ -172,7 +189,7 @@ class FSDPState:
             return args, kwargs
         if self.training_state is TrainingState.FORWARD and module not in self._modules_in_forward:
             self._modules_in_forward.add(module)  # a second module of fully_shard([a, b])
-            return args, kwargs
+            return self._prepare_inputs(args, kwargs)
         if self.is_root:
             self._root_pre_forward()
             if self.device.type != "cpu":  # as FSDP2's root: inputs go where the parameters are
@@ -191,11 +208,53 @@ class FSDPState:
             for target in self.forward_prefetch if not self._fell_back else ():
                 if target.group is not None:
                     target.group.unshard(async_op=True)
-            if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
-                args, kwargs = cast_floats((args, kwargs), self.mp_policy.param_dtype)
+            args, kwargs = self._prepare_inputs(args, kwargs)
         return args, kwargs
 
+    def _prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """What every module call of this state does to its inputs, each module of
+        `fully_shard([a, b])` too: cast them (`cast_forward_inputs`), and, for a group with frozen
+        parameters, hold its reshard until their gradients are computed ([Note: Frozen parameters
+        outlive the gradients] in runtime/param_group.py)."""
+        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        group = self.group
+        if group is None or group.num_trainable == len(group.params) or not torch.is_grad_enabled():
+            return args, kwargs
+        needing_grad = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        if not needing_grad:
+            return args, kwargs
+        group.expect_input_grads()
+        hooked = dict(zip(map(id, needing_grad), _InputGradsDone.apply(group, *needing_grad)))
+        return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
+
+    def check_materialized(self) -> None:
+        """Root only: raise once, naming every parameter under this root still on the meta device.
+
+        Eager roots check until a forward passed; traced roots check every trace (the flag would be
+        a guard, and setting it a recompile), where `is_meta` is a constant of the graph inputs.
+        """
+        tracing = torch.compiler.is_compiling()
+        if not tracing and self.ctx.materialized:
+            return
+        sharded = [p.sharded_param for s in self.ctx.states if s.group is not None for p in s.group.params]
+        if not any(param.is_meta for param in sharded):
+            if not tracing:
+                self.ctx.materialized = True
+            return
+        self._raise_for_meta_params({id(param) for param in sharded})
+
+    def _raise_for_meta_params(self, sharded: set[int]) -> None:
+        fqns = []
+        for index, module in enumerate(self.modules):
+            prefix = f"[{index}]." if len(self.modules) > 1 else ""
+            for name, param in module.named_parameters():
+                if id(param) in sharded and param.is_meta:
+                    fqns.append(prefix + name)
+        raise MetaParameterError(fqns)
+
     def _root_pre_forward(self) -> None:
+        self.check_materialized()
         # Gradients of the last step must be final before parameters are read again, and a
         # forward or backward that raised must not leave groups gathered or states half-way.
         self.ctx.comm.finish_reduce_scatters()

@@ -286,8 +286,7 @@ def _reshards_after_forward(group: "ParamGroup") -> bool:
 def unshard(group: "ParamGroup") -> list[torch.Tensor]:
     """Trace the all-gather of `group`; returns one unsharded tensor per `group.params` entry, as
     the module computes with it. See [Note: Traced tensor-parallel parameters]."""
-    hooked = [p.has_gather_hooks() for p in group.params]  # looked up at every trace, as eager does
-    gather = _unshard_with_extensions if any(hooked) else _unshard_plain
+    gather = _unshard_bytes if group.gathers_bytes else _unshard_plain  # hooks looked up at every trace, as eager does
     unsharded = gather(group)
     return [t if p.tp is None else p.tp_dtensor(t) for p, t in zip(group.params, unsharded)]
 
@@ -442,12 +441,12 @@ def _route_gradients(bucket: _GradientBucket, flags: torch.Tensor, *tensors: tor
     return _RouteGradients.apply(bucket, flags, *tensors)
 
 
-def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
-    """`unshard` for a group with all-gather extensions: one uint8 all-gather of what the pre-hooks
-    return and the other shards, the post-hooks, and the gradients routed to the shards. See
-    [Note: Traced all-gather extensions]."""
+def _unshard_bytes(group: "ParamGroup") -> list[torch.Tensor]:
+    """`unshard` for a group gathered as bytes (all-gather extensions, or parameters of several
+    dtypes): one uint8 all-gather of what the pre-hooks return and the other shards, the post-hooks,
+    and the gradients routed to the shards. See [Note: Traced all-gather extensions] and
+    [Note: Byte buckets] in runtime/collectives.py (the eager runtime gathers the same bytes)."""
     world = group.world
-    dtype = group.all_gather_dtype  # what the parameters without hooks are gathered in, as eager
     mesh_info = group.mesh_info
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
     with annotate(annotation), torch.no_grad():
@@ -458,7 +457,7 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
                 pieces += [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
                 layouts.append((metadata, [(t.dtype, (world * t.shape[0], *t.shape[1:])) for t in inputs]))
             else:
-                shard = p.flat_local_shard().to(dtype)
+                shard = p.flat_local_shard().to(p.unsharded_dtype)
                 pieces.append(F.pad(shard, (0, p.shard_numel - shard.numel())).view(torch.uint8))
                 layouts.append(None)
         widths = [piece.numel() for piece in pieces]
@@ -469,7 +468,7 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
         rebuilt = []  # shard dim first, as the collectives move them
         for p, layout in zip(group.params, layouts):
             if layout is None:
-                rebuilt.append(next(outputs).view(dtype)[: p.local_size.numel()].view(p.moved_size))
+                rebuilt.append(next(outputs).view(p.unsharded_dtype)[: p.local_size.numel()].view(p.moved_size))
                 continue
             metadata, input_layouts = layout
             gathered_inputs = tuple(next(outputs).view(t_dtype).view(size) for t_dtype, size in input_layouts)
@@ -550,6 +549,8 @@ def pre_forward(state: "FSDPState", module: torch.nn.Module, args: tuple, kwargs
     a graph is entered (the last post-forward resets it), so Dynamo's guard on it always holds.
     """
     num_forwards = state._traced_num_forwards
+    if state.is_root and num_forwards == 0:
+        state.check_materialized()
     if state.group is not None and num_forwards == 0:
         _install(state.group, unshard(state.group))
     state._traced_num_forwards = num_forwards + 1

@@ -91,8 +91,9 @@ def test_parameter_shared_with_another_group():
     assert "fully_shard([module_a, module_b])" in str(err)
 
 
-def test_ignored_params_must_belong_to_module():
-    _raises(ValueError, "not in the module", fully_shard, nn.Linear(2, 2), ignored_params={nn.Parameter(torch.ones(2))})
+def test_ignored_params_must_be_parameters():
+    # Parameters of other modules are ignored, as in FSDP2: tests/test_group_conformance.py.
+    _raises(TypeError, "hold nn.Parameter objects", fully_shard, nn.Linear(2, 2), ignored_params={torch.ones(2)})
     _raises(TypeError, "set of nn.Parameter", fully_shard, nn.Linear(2, 2), ignored_params=nn.Parameter(torch.ones(2)))
 
 

@@ -14,6 +14,7 @@ from _harness import fake_process_group
 from test_errors import _raises
 from _models import MLPStack
 from fsdp_graph import fully_shard, register_fsdp_forward_method
+from fsdp_graph.runtime.param import MetaParameterError
 
 
 @pytest.fixture(autouse=True)
@@ -136,7 +137,8 @@ def test_meta_parameters_at_first_forward():
     with torch.device("meta"):
         model = MLPStack()
     fully_shard(model)
-    _raises(ValueError, "still on the meta device.*to_empty", _step, model)
+    # A ValueError and a RuntimeError (FSDP2's type): tests/test_group_conformance.py.
+    _raises(MetaParameterError, "still on the meta device.*to_empty", _step, model)
     model.to_empty(device="cpu")
     for m in model.modules():
         if isinstance(m, nn.Linear):
