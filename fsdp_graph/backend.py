@@ -26,6 +26,7 @@ from torch.fx import GraphModule
 from .cache_key import local_shapes, own_sources_digest, stable_cache_keys
 from .dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
+from .passes.check_collectives import check_collectives
 from .passes.nodes import fsdp_meta
 from .passes.cost_model import CostModel, Profile
 from .passes.pipeline import GraphPass, PassPipeline
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "fsdp_graph"
 DUMP_ENV = "FSDP_GRAPH_DUMP"  # read when a backend with no dump_dir compiles a graph
+# Read when a backend whose check_collectives is None compiles a graph; "1" turns the checks on.
+CHECK_COLLECTIVES_ENV = "FSDP_GRAPH_CHECK_COLLECTIVES"
 TRACE_ENV = "TORCH_TRACE"  # torch's structured trace (tlparse): the dump goes there too, see fsdp_graph/dump.py
 
 # Joint-graph passes, in order (`BackendConfig.joint_passes`). Names are what `disabled_passes` accepts.
@@ -72,6 +75,8 @@ class BackendConfig:
         bucket_cap_bytes: auto-bucketing merges latency-bound buckets up to this size and splits
             larger buckets.
         max_bytes_in_flight: the most collective bytes issued and not yet waited on; None: no limit.
+        max_collectives_in_flight: the most collectives issued and not yet waited on; None: no
+            limit ([Note: Collectives in flight on gloo] in passes/reorder.py).
         memory_budget_bytes: the predicted peak memory one graph may allocate (inputs excluded)
             when reordering; prefetch gets shallower to stay within it. None: the unscheduled
             peak plus two of the largest buckets. Given explicitly, it is also the budget for
@@ -85,6 +90,11 @@ class BackendConfig:
             order] in runtime/traced.py): the passes that merge or reorder collectives of several
             groups ("auto_bucket", "reorder_for_overlap") are left out, at the cost of their overlap.
             Graphs of one group each (every expert call a frame of its own) need no such care.
+        check_collectives: check at run time that no buffer of an in-flight collective is written,
+            freed or resized before its wait, and raise `CollectiveBufferError` naming it if so
+            ([Note: Checking in-flight collectives] in passes/check_collectives.py); a copy of
+            every collective input per step, for debugging. None: on when the
+            `FSDP_GRAPH_CHECK_COLLECTIVES` environment variable is "1".
     """
 
     compiler: Compiler = Compiler.INDUCTOR
@@ -93,8 +103,10 @@ class BackendConfig:
     hardware_profile: Any = None
     bucket_cap_bytes: int = 1 << 30
     max_bytes_in_flight: Optional[int] = None
+    max_collectives_in_flight: Optional[int] = None
     memory_budget_bytes: Optional[int] = None
     rank_divergent_graphs: bool = False
+    check_collectives: Optional[bool] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -120,6 +132,8 @@ class BackendConfig:
                     problems.append(f"disabled_passes names {name!r}, which is not a pass; passes: {known}")
             object.__setattr__(self, "disabled_passes", frozenset(self.disabled_passes))
         problems += self._scheduling_problems()
+        if self.check_collectives not in (None, True, False):
+            problems.append(f"check_collectives must be True, False or None, got {self.check_collectives!r}")
         if problems:
             raise ValueError("Invalid fsdp_graph backend config:\n" + "\n".join(f"  - {p}" for p in problems))
 
@@ -137,6 +151,9 @@ class BackendConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 problems.append(f"{name} must be a non-negative int or None, got {value!r}")
+        value = self.max_collectives_in_flight
+        if value is not None and (not isinstance(value, int) or value < 1):
+            problems.append(f"max_collectives_in_flight must be a positive int or None, got {value!r}")
         return problems
 
     def cost_model(self) -> CostModel:
@@ -150,10 +167,24 @@ class BackendConfig:
         return [GraphPass("unshard_selection", select), GraphPass("reshard_after_forward", tag_reshard_after_forward)]
 
     def scheduling_passes(self) -> list[GraphPass]:
-        passes = scheduling_passes(self.cost_model(), self.bucket_cap_bytes, self.max_bytes_in_flight, self.memory_budget_bytes)
+        passes = scheduling_passes(
+            self.cost_model(), self.bucket_cap_bytes, self.max_bytes_in_flight, self.memory_budget_bytes,
+            self.max_collectives_in_flight,
+        )
         if self.rank_divergent_graphs:
             passes = [p for p in passes if p.name not in CROSS_GROUP_PASS_NAMES]
         return passes
+
+    def check_passes(self) -> list[GraphPass]:
+        """Debug passes run on the scheduled forward and backward graphs, after the program for the
+        inspector is written (they add no collective and move none)."""
+        return [GraphPass("check_collectives", check_collectives)] if self.checking_collectives() else []
+
+    def checking_collectives(self) -> bool:
+        """Whether compiled graphs get the in-flight collective checks (`check_collectives`)."""
+        if self.check_collectives is not None:
+            return self.check_collectives
+        return os.environ.get(CHECK_COLLECTIVES_ENV) == "1"
 
     @classmethod
     def from_options(cls, options: Optional[dict[str, Any]]) -> "BackendConfig":
@@ -242,11 +273,13 @@ class FSDPGraphBackend:
             return partition(joint(joint_gm, graph_id), joint_inputs, **kwargs)
 
         schedule = PassPipeline("schedule", self.config.scheduling_passes(), self.config.disabled_passes, dump)
+        checks = PassPipeline("schedule", self.config.check_passes(), self.config.disabled_passes, dump)
 
         def inner(kind: str):
             def compile_graph(graph: GraphModule, _inputs):
                 _log_graph(graph_id, kind, graph, dump)
                 graph = _schedule(schedule, graph_id, kind, graph, dump)
+                graph = checks(graph, f"{graph_id}.{kind}")
                 return make_boxed_func(graph.forward)
 
             return compile_graph
@@ -268,10 +301,11 @@ class FSDPGraphBackend:
             "custom_partitioner_fn": InductorPartitioner(),
         }
         # pin_order runs after the program is written for the inspector: its control_deps wrappers
-        # would hide the collectives and waits from it, and it changes no order.
+        # would hide the collectives and waits from it, and it changes no order. The checks go
+        # before it, so the order it pins keeps each check between its collective and the wait.
         disabled = self.config.disabled_passes
         schedule = PassPipeline("schedule", self.config.scheduling_passes(), disabled, dump)
-        pin = PassPipeline("schedule", [PIN_ORDER], disabled, dump)
+        pin = PassPipeline("schedule", self.config.check_passes() + [PIN_ORDER], disabled, dump)
         patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump, schedule, pin, self.config)
         with stable_cache_keys():  # see [Note: Rank-independent cache keys]
             return compile_fx(gm, example_inputs, config_patches=patches)
@@ -335,7 +369,7 @@ class _InductorLogPass(CustomGraphPass):
         return (
             f"fsdp_graph.schedule:{own_sources_digest()[:16]}:{','.join(names)}:"
             f"off={','.join(sorted(self.schedule.disabled))}:{c.cost_model().profile}:{c.bucket_cap_bytes}:"
-            f"{c.max_bytes_in_flight}:{c.memory_budget_bytes}"
+            f"{c.max_bytes_in_flight}:{c.max_collectives_in_flight}:{c.memory_budget_bytes}"
         )
 
 

@@ -20,7 +20,7 @@ from torch.fx import GraphModule
 
 from .passes.cost_model import CostModel
 from .dump import format_bytes
-from .passes.simulator import CollectiveSpan, Op, Program, Simulation, program_of, simulate
+from .passes.simulator import CollectiveSpan, Op, Program, Simulation, in_flight, program_of, simulate
 
 PROGRAM_SUFFIX = ".program.json"
 
@@ -70,6 +70,7 @@ def format_schedule(label: str, sim: Simulation, program: Program) -> str:
         f"{label} on {sim.profile}: step {_ms(sim.total_s)}, compute {_ms(sim.compute_s)}, "
         f"comm {_ms(sim.comm_s)}, exposed comm {_ms(sim.exposed_comm_s)} ({100 * sim.exposed_fraction:.1f}%), "
         f"peak memory {_mib(sim.memory.peak_bytes)} per rank (at {sim.memory.peak_at})",
+        f"  max collectives in flight: {in_flight(program)[1]}",
         f"  {'collective':<32} {'groups (bucket)':<36} {'per rank':>12} {'all ranks':>12} {'issue':>6} {'wait':>6} "
         f"{'prefetch':>8} {'exposed':>11}",
     ]

@@ -28,8 +28,8 @@ Each move is one candidate, tried in graph order; it is kept only if afterwards
       the largest buckets (see [Note: Default memory headroom]), and
     - the simulated exposed communication does not grow (among prefetch depths, the smallest with
       the least exposure wins).
-Where a collective runs on gloo, a move is also kept only if at most one collective is in flight at
-any point ([Note: One collective at a time on gloo]).
+With `max_collectives_in_flight` set, a move is also kept only if at most that many collectives are
+in flight at any point ([Note: Collectives in flight on gloo]).
 So a tighter budget gives shallower prefetch (down to none), never an error. Decisions depend only
 on shapes and the cost model, hence are the same on every rank. Rejections are logged with the
 reason and recorded in `gm.meta[SCHEDULE_META]`.
@@ -45,7 +45,7 @@ from torch.fx import GraphModule, Node
 
 from .cost_model import CostModel
 from .nodes import (
-    PASS_META, backend_of, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_reduce_scatter,
+    PASS_META, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_reduce_scatter,
     is_wait_tensor, tensor_bytes, wait_of,
 )
 from .simulator import Op, OpKind, _kind, in_flight, op_of, simulate
@@ -185,18 +185,16 @@ def _largest_bucket_bytes(nodes: list[Node]) -> int:
     return max(sizes)
 
 
-# [Note: One collective at a time on gloo]
-# torch 2.13's gloo corrupts the heap when several asynchronous collectives of one process group are
-# in flight at once: a compiled 400-step run of examples/train_llama.py (2 ranks) whose forward had
-# three all-gathers in flight aborted with "malloc(): unaligned tcache chunk detected" (or
-# "malloc_consolidate(): unaligned fastbin chunk", "double free") in 9 of 10 runs, and once hung
-# with a gloo worker spinning in ~UnboundBuffer. Every abort under gdb was in a gloo worker thread,
-# in malloc inside gloo's allgather/allreduce (once allocating a tcp UnboundBuffer's 24-byte block);
-# both ranks issued the same collectives in the same order, and no write hit a freed large buffer.
-# With at most one collective in flight (prefetch then issues AG(i+1) just after wait(AG(i)), still
-# before compute(i): `_prefetch_after_wait`) the same command finished all 400 steps in 5 of 5 runs
-# (Inductor) and 2 of 2 (aot_eager). So on gloo the schedule keeps one collective in flight; NCCL
-# (and any other backend) is not limited.
+# [Note: Collectives in flight on gloo]
+# Until 2026-11-24 the schedule kept one collective in flight on gloo, blaming torch 2.13's gloo for
+# heap corruption ("malloc(): unaligned tcache chunk detected" in gloo worker threads) seen in
+# compiled 400-step runs of examples/train_llama.py with three all-gathers in flight. Torch alone
+# never reproduced it (4 to 12 async collectives in flight, 2000-3000 iterations), and at this
+# commit the same runs with several collectives in flight finish (aot_eager and Inductor, 400 steps;
+# Inductor, 300 steps, 3 of 3), while `check_collectives=True` (passes/check_collectives.py), which
+# checks every collective's buffers between issue and wait, finds nothing written, freed or resized.
+# So there is no limit by default on any backend; `max_collectives_in_flight` stays as an option
+# (BackendConfig) for a backend that needs one.
 
 
 class _Scheduler:
@@ -235,7 +233,7 @@ class _Scheduler:
     def _too_many_in_flight(self, count: int) -> Optional[str]:
         limit = self.max_collectives_in_flight
         if limit is not None and count > limit and count > self.in_flight[1]:
-            return f"{count} collectives in flight > {limit} ([Note: One collective at a time on gloo])"
+            return f"{count} collectives in flight > max_collectives_in_flight={limit}"
         return None
 
     def _check(self, body: list[Node]) -> tuple[Optional[str], float]:
@@ -410,7 +408,7 @@ class _Scheduler:
 
     def _prefetch_after_wait(self, ag: Node, wait: Node, reasons: list[str]) -> Optional[tuple[float, int, list[Node]]]:
         """AG(i+1) issued just after wait(AG(i)) instead of before it: still under compute(i), with
-        one collective in flight, where issuing it earlier was rejected (e.g. on gloo). Returns
+        one collective in flight, where issuing it earlier was rejected (e.g. by `max_collectives_in_flight`). Returns
         (exposed, 1, body) when that hides some of it, else None."""
         index = {n: i for i, n in enumerate(self.body)}
         moving = _inputs_after(ag, index[wait], index)
@@ -443,8 +441,7 @@ def reorder_for_overlap(
     max_collectives_in_flight: Optional[int] = None,
 ) -> GraphModule:
     """Schedule the graph's collectives for overlap; see the module docstring for the schedule.
-    `max_collectives_in_flight` None: one where a collective runs on gloo
-    ([Note: One collective at a time on gloo]), else no limit.
+    `max_collectives_in_flight` None: no limit ([Note: Collectives in flight on gloo]).
 
     Assumes: a partitioned forward or backward graph whose collectives are each waited on once.
     Guarantees: the same nodes with the same arguments, in a topological order; only all-gathers
@@ -454,8 +451,6 @@ def reorder_for_overlap(
     """
     if not any(is_collective(n) for n in gm.graph.nodes):
         return gm
-    if max_collectives_in_flight is None and any(backend_of(n) == "gloo" for n in gm.graph.nodes if is_collective(n)):
-        max_collectives_in_flight = 1
     scheduler = _Scheduler(gm, cost_model, max_bytes_in_flight, memory_budget_bytes, max_collectives_in_flight)
     scheduler.issue_reduce_scatters_early()
     scheduler._measure_current()

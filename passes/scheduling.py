@@ -31,6 +31,7 @@ def scheduling_passes(
     bucket_cap_bytes: int,
     max_bytes_in_flight: Optional[int],
     memory_budget_bytes: Optional[int],
+    max_collectives_in_flight: Optional[int] = None,
 ) -> list[GraphPass]:
     """The passes that decide the order; `PIN_ORDER` makes it binding for Inductor."""
     return [
@@ -43,6 +44,7 @@ def scheduling_passes(
                 cost_model=cost_model,
                 max_bytes_in_flight=max_bytes_in_flight,
                 memory_budget_bytes=memory_budget_bytes,
+                max_collectives_in_flight=max_collectives_in_flight,
             ),
         ),
     ]

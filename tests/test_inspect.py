@@ -23,8 +23,8 @@ from _models import MLPStack
 from fsdp_graph import fully_shard
 from fsdp_graph.dump import load_summary
 from fsdp_graph.inspect import main as inspect_main
-from fsdp_graph.passes.simulator import CollectiveSpan, MemoryProfile, Simulation
-from fsdp_graph.timeline import timeline_svg
+from fsdp_graph.passes.simulator import CollectiveSpan, MemoryProfile, Simulation, in_flight
+from fsdp_graph.timeline import load_programs, timeline_svg
 
 
 @pytest.fixture(autouse=True)
@@ -125,6 +125,18 @@ def test_trace_of_the_predicted_schedule_beside_a_measured_one(tmp_path, capsys)
         assert e["args"]["issue node"] and e["args"]["wait node"], e
     memory = [e for e in events if e["ph"] == "C"]
     assert memory and max(e["args"]["MiB"] for e in memory) > 0
+
+
+def test_text_view_prints_the_collectives_in_flight_of_every_graph(tmp_path, capsys):
+    _step(_compiled_mlp(tmp_path / "dump"))
+    capsys.readouterr()
+    assert inspect_main([str(tmp_path / "dump")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    programs = load_programs(tmp_path / "dump")
+    assert set(programs) == {"frame_0_0.forward", "frame_0_0.backward"}, programs.keys()
+    for label, program in programs.items():
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"{label} on cpu-gloo:"))
+        assert lines[at + 1] == f"  max collectives in flight: {in_flight(program)[1]}", lines[at : at + 2]
 
 
 def test_measured_trace_that_is_not_json_names_the_fix(tmp_path, capsys):

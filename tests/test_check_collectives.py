@@ -1,0 +1,76 @@
+"""The in-flight collective checks (passes/check_collectives.py, `check_collectives=True`).
+
+The negative tests run hand-built graphs that break the rule on one process with a fake process
+group; the compiled steps with several collectives in flight under the checks, on two gloo ranks,
+are in tests/test_compile_parity.py (`test_gloo_keeps_several_collectives_in_flight_under_the_check`).
+"""
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+
+from _harness import fake_process_group
+from fsdp_graph.backend import CHECK_COLLECTIVES_ENV, BackendConfig
+from fsdp_graph.passes.check_collectives import CollectiveBufferError, check_collectives
+
+_C10D = torch.ops._c10d_functional
+
+
+def _free_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _graph(between=None) -> fx.GraphModule:
+    """x -> all_gather(x) -> [between(x)] -> wait -> * 2: `between` runs while the gather is in flight."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    gathered = graph.call_function(_C10D.all_gather_into_tensor.default, (x, 8, torch.distributed.group.WORLD.group_name))
+    if between is not None:
+        graph.call_function(between, (x,))
+    waited = graph.call_function(_C10D.wait_tensor.default, (gathered,))
+    graph.output(graph.call_function(operator.mul, (waited, 2)))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.fixture
+def fake_group():
+    with fake_process_group(8):
+        yield
+
+
+def test_untouched_buffers_pass(fake_group):
+    gm = check_collectives(_graph())
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"].count(
+        torch.ops.fsdp_graph.check_collective.default
+    ) == 1
+    out = gm(torch.randn(16))
+    assert out.shape == (128,)
+
+
+def test_a_write_into_an_in_flight_input_raises(fake_group):
+    gm = check_collectives(_graph(between=_add_one))
+    with pytest.raises(CollectiveBufferError, match=r"all_gather_into_tensor_default \(\[0\]\) was in flight when 32 of its input's 64 bytes"):
+        gm(torch.zeros(16))
+
+
+def _add_one(t: torch.Tensor) -> None:
+    t.add_(1)
+
+
+def test_freeing_an_in_flight_input_raises(fake_group):
+    gm = check_collectives(_graph(between=_free_storage))
+    with pytest.raises(CollectiveBufferError, match=r"input's storage was resized from 64 to 0 bytes"):
+        gm(torch.zeros(16))
+
+
+def test_the_environment_variable_turns_the_checks_on(monkeypatch):
+    monkeypatch.delenv(CHECK_COLLECTIVES_ENV, raising=False)
+    assert not BackendConfig().checking_collectives()
+    monkeypatch.setenv(CHECK_COLLECTIVES_ENV, "1")
+    assert BackendConfig().checking_collectives()
+    assert [p.name for p in BackendConfig().check_passes()] == ["check_collectives"]
+    assert not BackendConfig(check_collectives=False).checking_collectives()
+    with pytest.raises(ValueError, match="check_collectives must be True, False or None"):
+        BackendConfig(check_collectives="yes")
