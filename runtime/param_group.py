@@ -13,7 +13,7 @@ import torch.distributed as dist
 from . import traced
 from .collectives import AllGatherWork, CommContext, CommHook, ReduceControls, all_gather, copy_out, reduce_scatter
 from .comms import AllGather, ReduceScatter
-from .param import MeshInfo, ShardedParam
+from .param import MeshInfo, ShardedParam, hook_even_if_frozen
 from .policies import MixedPrecisionPolicy
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class ParamGroup:
         reshard_after_forward: Optional[Union[bool, int]],
     ) -> None:
         self.params = params
+        # Recounted at each pre-forward unshard: [Note: Parameters changed after fully_shard].
         self.num_trainable = sum(p.requires_grad for p in params)
         self.mesh_info = mesh_info
         self.device = device
@@ -148,6 +149,7 @@ class ParamGroup:
             else:
                 for p in self.params:
                     p.adopt_current_param()
+                self.num_trainable = sum(p.requires_grad for p in self.params)
                 self._all_gather = all_gather(
                     self.params, self.mesh_info.shard_group, self.world, self.all_gather_dtype,
                     self.comm, async_op, comm=self.custom_all_gather,
@@ -172,8 +174,11 @@ class ParamGroup:
             self._all_gather = None
             self._post_forward_shard = None
             for p, is_new in zip(self.params, new_params):
-                if is_new and p.requires_grad:
-                    p.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                unsharded = p.unsharded_param
+                if is_new:
+                    hook_even_if_frozen(unsharded, lambda t: t.register_post_accumulate_grad_hook(self._on_grad_ready))
+                if unsharded.requires_grad != p.requires_grad:  # [Note: Parameters changed after fully_shard]
+                    unsharded.requires_grad_(p.requires_grad)
                 p.install(sharded=False)
             self.state = ShardedState.UNSHARDED
 

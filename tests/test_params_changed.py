@@ -1,0 +1,123 @@
+"""Parameters changed between steps, and backwards that write no parameter gradient (issue #29 items
+1, 2 and 13), against torch's `fully_shard` and an unsharded model, eager and compiled, on 2 gloo ranks.
+
+FSDP2 accepts `requires_grad_` and `model.to(dtype)` on a sharded model: see [Note: Parameters
+changed after fully_shard] in runtime/param.py. It issues no reduce-scatter for a backward that
+writes no parameter gradient: see [Note: A backward that writes no parameter gradient] in
+runtime/state.py.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fsdp_graph
+from _harness import run_ranks
+from _models import MLPStack, batch_for_step, check_grads_match, check_params_match, loss_fn
+from fsdp_graph import MixedPrecisionPolicy, fully_shard
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Collectives by op name, and the dtypes each moved. CommDebugMode's module tracker cannot run
+    `torch.autograd.grad` on a leaf input ("A leaf node was passed to _will_engine_execute_node"),
+    so this counts at dispatch only: eager c10d ops and the graphs' functional collectives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+        self.dtypes: dict[str, set] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
+            name = func.__name__.split(".")[0]
+            self.counts[name] = self.counts.get(name, 0) + 1
+            first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+            self.dtypes.setdefault(name, set()).add(str(first.dtype).removeprefix("torch."))
+        return func(*args, **(kwargs or {}))
+
+
+def _shard(model, fs, **kwargs):
+    for block in model.blocks:
+        fs(block, **kwargs)
+    return fs(model, **kwargs)
+
+
+def _models(dtype=torch.float32, frozen=(), **kwargs):
+    """(unsharded reference, ours, torch's) copies of one seeded MLPStack, `frozen` parameters
+    frozen before sharding."""
+    torch.manual_seed(0)
+    model = MLPStack().to(dtype)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    ours_kwargs = {k: MixedPrecisionPolicy(**v) for k, v in kwargs.items()}
+    theirs_kwargs = {k: TorchMixedPrecisionPolicy(**v) for k, v in kwargs.items()}
+    return (
+        copy.deepcopy(model),
+        _shard(copy.deepcopy(model), fully_shard, **ours_kwargs),
+        _shard(copy.deepcopy(model), torch_fully_shard, **theirs_kwargs),
+    )
+
+
+def _check_same_grads(ours, theirs):
+    theirs_params = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        q = theirs_params[name]
+        assert (p.grad is None) == (q.grad is None), f"{name}: grad is None {p.grad is None} vs torch's {q.grad is None}"
+        if p.grad is not None:
+            assert p.grad.dtype == q.grad.dtype, name
+            torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def _block(i):
+    return {f"blocks.{i}.{layer}.{kind}" for layer in ("up", "down") for kind in ("weight", "bias")}
+
+
+# Names frozen before each step, the first already before fully_shard: whole groups (blocks.2,
+# then blocks.0) and parts of groups (a LoRA-style split), unfrozen again later, then all trainable.
+_FROZEN = [
+    _block(2) | {"blocks.1.up.weight"},
+    _block(0) | {"head.weight"},
+    {"blocks.0.down.weight", "blocks.0.down.bias", "inp.weight", "blocks.2.up.weight"},
+    set(),
+]
+
+
+def _freeze_and_unfreeze(rank, world_size, compiled):
+    reference, ours, theirs = _models(frozen=_FROZEN[0])
+    models = (reference, ours, theirs) if not compiled else (reference, ours)
+    # Built once, before any freezing: a parameter unfrozen later was in the param groups all along.
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    run = torch.compile(ours, backend=fsdp_graph.backend(compiler="aot_eager")) if compiled else ours
+    torch._dynamo.utils.counters.clear()
+    for step, frozen in enumerate(_FROZEN):
+        for m in models:
+            for name, p in m.named_parameters():
+                p.requires_grad_(name not in frozen)
+        x, y, lx, ly = batch_for_step(reference, step, 8, rank, world_size)
+        loss_fn(reference, reference(x), y).backward()
+        loss_fn(ours, run(lx), ly).backward()
+        if not compiled:
+            loss_fn(theirs, theirs(lx), ly).backward()
+            _check_same_grads(ours, theirs)
+        check_grads_match(ours, reference)  # values, and None exactly where the reference has None
+        assert {name for name, p in ours.named_parameters() if p.grad is None} == frozen, step
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    check_params_match(ours, reference, atol=1e-5)
+    if compiled:
+        assert ours._fsdp_state.ctx.fallbacks == {}
+        return dict(torch._dynamo.utils.counters["stats"])
+    return None
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_freeze_and_unfreeze_between_steps(compiled):
+    stats = run_ranks(_freeze_and_unfreeze, 2, compiled)
+    if compiled:  # Dynamo guards on requires_grad: each new set of frozen parameters recompiles
+        assert stats["unique_graphs"] >= 3, stats
