@@ -121,3 +121,89 @@ def test_freeze_and_unfreeze_between_steps(compiled):
     stats = run_ranks(_freeze_and_unfreeze, 2, compiled)
     if compiled:  # Dynamo guards on requires_grad: each new set of frozen parameters recompiles
         assert stats["unique_graphs"] >= 3, stats
+
+
+def _steps(models, run, steps, rank, world_size, dtype, theirs=None):
+    """Train `models` (reference first, ours second) `steps` steps in `dtype`, ours through `run`,
+    checking every gradient against the reference and torch's `theirs`; returns the dtypes our
+    backward's collectives moved (its re-gathers and reduce-scatters)."""
+    reference, ours = models[:2]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    counter = CollectiveCounter()
+    for step in steps:
+        x, y, lx, ly = batch_for_step(reference, step, 8, rank, world_size)
+        loss_fn(reference, reference(x.to(dtype)), y.to(dtype)).backward()
+        out = run(lx.to(dtype))
+        with counter:  # backward only: Dynamo does not trace under a dispatch mode
+            loss_fn(ours, out, ly.to(out.dtype)).backward()
+        if theirs is not None:
+            out = theirs(lx.to(dtype))
+            loss_fn(theirs, out, ly.to(out.dtype)).backward()
+            _check_same_grads(ours, theirs)
+        assert all(p.dtype == dtype and p.grad.dtype == dtype for p in ours.parameters())
+        check_grads_match(ours, reference)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    check_params_match(ours, reference, atol=1e-5)
+    return {name: sorted(dtypes) for name, dtypes in counter.dtypes.items()}
+
+
+def _convert_dtype(rank, world_size, compiled):
+    results = {}
+
+    def compile(model):
+        torch._dynamo.reset()  # each model's own recompiles, not Dynamo's limit over all of them
+        return torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager"))
+
+    if not compiled:
+        # fp32 shards converted to fp64 after a step, and back (FSDP2 refuses a conversion after
+        # its first forward, so only the unsharded model to compare with). Compiled, torch itself
+        # refuses: see test_convert_dtype_after_fully_shard.
+        reference, ours, _ = _models()
+        results["fp32"] = _steps((reference, ours), ours, [0], rank, world_size, torch.float32)
+        for m in (reference, ours):
+            m.to(torch.float64)
+        results["fp32 -> fp64"] = _steps((reference, ours), ours, [1, 2], rank, world_size, torch.float64)
+        for m in (reference, ours):
+            m.to(torch.float32)
+        results["fp64 -> fp32"] = _steps((reference, ours), ours, [3], rank, world_size, torch.float32)
+    # Converted after fully_shard, before the first forward, as torch's fully_shard allows: a bf16
+    # model to fp32, and an fp32 model under a policy that gathers and reduces in fp32 to fp64.
+    cases = {
+        "bf16 -> fp32": (torch.bfloat16, torch.float32, {}),
+        "fp32 -> fp64, policy fp32": (
+            torch.float32, torch.float64, {"mp_policy": {"param_dtype": torch.float32, "reduce_dtype": torch.float32}},
+        ),
+    }
+    for name, (dtype, new_dtype, kwargs) in cases.items():
+        reference, ours, theirs = _models(dtype, **kwargs)
+        for m in (reference, ours, theirs):
+            m.to(new_dtype)
+        run = compile(ours) if compiled else ours
+        results[name] = _steps(
+            (reference, ours, theirs), run, [0, 1], rank, world_size, new_dtype, theirs=None if compiled else theirs
+        )
+        assert ours._fsdp_state.ctx.fallbacks == {}, (name, ours._fsdp_state.ctx.fallbacks)
+    if compiled:
+        # After a compiled step the conversion fails in torch: nn.Module._apply swaps DTensor
+        # parameters (swap_tensors), which refuses a tensor with weak references, and the fake
+        # tensor caches of the compilation keep some to every parameter.
+        with pytest.raises(RuntimeError, match="Couldn't swap"):
+            ours.to(torch.float32)
+    return results
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_convert_dtype_after_fully_shard(compiled):
+    dtypes = run_ranks(_convert_dtype, 2, compiled)
+    all_gather, reduce_scatter = ("all_gather_into_tensor", "reduce_scatter_tensor") if compiled else (
+        "_allgather_base_", "_reduce_scatter_base_"
+    )
+    # The shards' dtype is the collectives' dtype, unless the policy names one.
+    expected = {"bf16 -> fp32": "float32", "fp32 -> fp64, policy fp32": "float32"}
+    if not compiled:
+        expected.update({"fp32": "float32", "fp32 -> fp64": "float64", "fp64 -> fp32": "float32"})
+    assert sorted(dtypes) == sorted(expected)
+    for name, dtype in expected.items():
+        assert dtypes[name][all_gather] == [dtype] and dtypes[name][reduce_scatter] == [dtype], (name, dtypes[name])
