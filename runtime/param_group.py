@@ -105,6 +105,9 @@ class ParamGroup:
         # Called once every trainable gradient of a backward has accumulated; the root sets it to
         # reduce the groups in an order all ranks share (runtime/state.py, RootContext).
         self.on_all_grads_ready: Callable[[], None] = self.post_backward
+        # Whether the running backward writes any parameter's `.grad` under the root; the root sets
+        # it. See [Note: A backward that writes no parameter gradient] in runtime/state.py.
+        self.backward_writes_param_grads: Callable[[], bool] = lambda: True
 
         # The flags a compiled backward reduces with the gradients; see runtime/traced.py.
         self.grad_flags: Optional[torch.Tensor] = None
@@ -238,7 +241,9 @@ class ParamGroup:
         with torch.profiler.record_function(f"fsdp_graph::post_backward ({self.name})"):
             logger.debug("fsdp_graph::post_backward (%s)", self.name)
             trainable = [p for p in self.params if p.requires_grad]
-            if trainable and self.requires_gradient_sync:
+            if trainable and self.requires_gradient_sync and self._nothing_to_reduce(trainable):
+                logger.debug("fsdp_graph::post_backward (%s): this backward writes no parameter gradient", self.name)
+            elif trainable and self.requires_gradient_sync:
                 # The previous group's reduce-scatter had this group's backward to finish: wait
                 # for it first, so at most one packed gradient buffer is alive at a time.
                 self.comm.finish_reduce_scatters()
@@ -255,6 +260,15 @@ class ParamGroup:
                     p.accumulate_unreduced_grad(self.mp_policy.reduce_dtype)
             if self.reshard_after_backward:
                 self.reshard()
+
+    def _nothing_to_reduce(self, trainable: list[ShardedParam]) -> bool:
+        """No rank has a gradient of this group to reduce: [Note: A backward that writes no
+        parameter gradient] in runtime/state.py. Asks the root only when this rank has none."""
+        if self.holds_unreduced_grads or self.reduce_controls.partial is not None:
+            return False
+        if any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in trainable):
+            return False
+        return not self.backward_writes_param_grads()
 
     def set_separate_reduce_scatter_group(self, enable: bool, made: dict) -> None:
         """Reduce-scatter on a new process group over the shard ranks (`made`: ranks -> group, so

@@ -207,3 +207,56 @@ def test_convert_dtype_after_fully_shard(compiled):
     assert sorted(dtypes) == sorted(expected)
     for name, dtype in expected.items():
         assert dtypes[name][all_gather] == [dtype] and dtypes[name][reduce_scatter] == [dtype], (name, dtypes[name])
+
+
+def _input_gradient_only(rank, world_size, compiled):
+    """An ordinary step, `torch.autograd.grad(loss, inputs=[x])`, an ordinary step: the collectives
+    of each backward, ours and torch's, and every gradient against the unsharded model."""
+    reference, ours, theirs = _models()
+    run = torch.compile(ours, backend=fsdp_graph.backend(compiler="aot_eager")) if compiled else ours
+    counts = {"ours": [], "theirs": []}
+    for step, kind in enumerate(["backward", "input grad", "backward"]):
+        x, y, lx, ly = batch_for_step(reference, step, 8, rank, world_size)
+        x.requires_grad_(True)
+        ref_loss = loss_fn(reference, reference(x), y)
+        for name, model, call in (("ours", ours, run), ("theirs", theirs, theirs)):
+            local = lx.clone().requires_grad_(True)
+            loss = loss_fn(model, call(local), ly)
+            counter = CollectiveCounter()
+            with counter:  # backward only: Dynamo does not trace under a dispatch mode
+                if kind == "backward":
+                    loss.backward()
+                else:
+                    (input_grad,) = torch.autograd.grad(loss, inputs=[local])
+            counts[name].append(counter.counts)
+            if kind == "backward":
+                continue
+            assert all(p.grad is None for p in model.parameters()), name
+            # The local loss averages world_size times fewer samples than the global one.
+            (ref_input_grad,) = torch.autograd.grad(ref_loss, inputs=[x], retain_graph=True)
+            rows = slice(rank * lx.shape[0], (rank + 1) * lx.shape[0])
+            torch.testing.assert_close(input_grad, ref_input_grad[rows] * world_size, rtol=1e-5, atol=1e-7)
+        if kind == "backward":
+            ref_loss.backward()
+            _check_same_grads(ours, theirs)
+            check_grads_match(ours, reference)
+            for model in (reference, ours, theirs):
+                model.zero_grad()
+    assert ours._fsdp_state.ctx.fallbacks == {}
+    return counts
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_input_gradient_only_reduces_nothing(compiled):
+    counts = run_ranks(_input_gradient_only, 2, compiled)
+    ours, theirs = counts["ours"], counts["theirs"]
+    assert theirs[1] == {"_allgather_base_": 3}  # torch's: the blocks' re-gathers, no reduce-scatter
+    assert theirs[0] == theirs[2] == {"_allgather_base_": 3, "_reduce_scatter_base_": 4}
+    if not compiled:
+        assert ours == theirs
+        return
+    # Compiled, the backward is one autograd node whose graph reduce-scatters every group (in the
+    # buckets the passes made); it runs whole for torch.autograd.grad too, so that backward issues
+    # the collectives of an ordinary one (the first backward's count includes compiling it). The
+    # parameters' `.grad` stay None all the same: checked in _input_gradient_only.
+    assert ours[1] == ours[2] and ours[1]["reduce_scatter_tensor"] >= 1, ours
