@@ -239,6 +239,10 @@ def _reduce_scatter(
 # shards, and its gradient, after the reduce-scatter, is the sum over ranks of "had a gradient".
 # Once the backward ends, a parameter whose flag is 0 on every rank and whose `.grad` was None
 # before this backward gets None back. Only then are the flags read (a device sync on CUDA).
+# A backward that writes no parameter gradient (`torch.autograd.grad(loss, inputs=[x])`) still runs
+# the graph's reduce-scatters: the compiled backward is one autograd node that computes all its
+# outputs, and only the accumulators after it are skipped, so `.grad` (and the flags) stay as they
+# were. The eager runtime skips them: [Note: A backward that writes no parameter gradient].
 
 
 def track_gradient_flags(group: "ParamGroup") -> None:
@@ -264,12 +268,10 @@ def new_flags_leaf(group: "ParamGroup") -> None:
     group.grad_flags.register_post_accumulate_grad_hook(flags_ready)
 
 
-def _trainable_flags(group: "ParamGroup", trainable: list[int]) -> torch.Tensor:
-    """The flag slots of the parameters `trainable` (indices into `group.params`), as one tensor
-    whose gradient lands in those slots of the leaf."""
-    if len(trainable) == len(group.params):
-        return group.grad_flags
-    return group.grad_flags[trainable]
+def _trainable_flags(leaf: torch.Tensor, trainable: list[int]) -> torch.Tensor:
+    """The slots of the parameters `trainable` (indices into `group.params`) in the flags `leaf`,
+    as one tensor whose gradient lands in those slots."""
+    return leaf if len(trainable) == leaf.numel() else leaf[trainable]
 
 
 def _restore_none_grads(group: "ParamGroup") -> None:
@@ -323,7 +325,7 @@ def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
     trainable = [i for i, p in enumerate(group.params) if p.requires_grad]
     frozen = [i for i, p in enumerate(group.params) if not p.requires_grad]
     # [Note: Gradient flags in a graph]
-    flags = _trainable_flags(group, trainable).to(flat_dtype) if trainable else None
+    flags = _trainable_flags(group.grad_flags, trainable).to(flat_dtype) if trainable else None
     if not trainable:
         trainable, frozen = frozen, []
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
@@ -491,7 +493,7 @@ def _unshard_with_extensions(group: "ParamGroup") -> list[torch.Tensor]:
         with annotate(annotation):
             routed = _route_gradients(
                 bucket,
-                _trainable_flags(group, trainable).to(reduce_dtype),
+                _trainable_flags(group.grad_flags, trainable).to(reduce_dtype),
                 *[p.flat_local_shard() for p in params],
                 *[rebuilt[i] for i in trainable],
             )
