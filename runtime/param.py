@@ -190,9 +190,8 @@ class ShardedParam:
         self.device = device  # where unsharded parameters live
         self.shard_device = shard_device  # where the shard lives: `device`, or CPU when offloading
         self.orig_size = param.size()  # the global shape, for a tensor-parallel parameter too
-        self.orig_dtype = param.dtype
-        self.unsharded_dtype = param_dtype or param.dtype
-        self.requires_grad = param.requires_grad
+        # The dtype the module computes with when it is not the shard's: see `unsharded_dtype`.
+        self.param_dtype = param_dtype
 
         # See [Note: Sharding a tensor-parallel parameter]: below, `param` is the tp-local tensor.
         self.tp = TensorParallelLayout(param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
@@ -264,6 +263,33 @@ class ShardedParam:
             stride=_contiguous_stride(self.orig_size),
         )
 
+    # [Note: Parameters changed after fully_shard]
+    # Between steps the user may freeze or unfreeze a sharded parameter (`requires_grad_`) or convert
+    # the module (`model.to(torch.float64)`, which converts the shards in place). As in FSDP2, both
+    # are read from the sharded parameter itself, never from what it was at fully_shard:
+    # `requires_grad` and `orig_dtype` below. Each unshard in a pre-forward re-reads them
+    # (`ParamGroup.unshard`): the group recounts its trainable parameters, the unsharded parameter
+    # takes the shard's requires_grad, and one of another dtype is allocated anew. Gradient hooks are
+    # registered on every parameter whatever its requires_grad (`hook_even_if_frozen`), since they
+    # stay through later `requires_grad_` calls. The compiled path reads the same properties while
+    # Dynamo traces, and Dynamo guards on each parameter's requires_grad and dtype, so a change
+    # recompiles. The shards' dtype is the all-gather and reduce dtype unless the
+    # MixedPrecisionPolicy names one.
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.sharded_param.requires_grad
+
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        """The shard's dtype now (it follows `model.to(dtype)`)."""
+        return self.sharded_param.dtype
+
+    @property
+    def unsharded_dtype(self) -> torch.dtype:
+        """The dtype of the unsharded parameter: the policy's param_dtype, else the shard's."""
+        return self.param_dtype or self.orig_dtype
+
     @property
     def local_shard(self) -> torch.Tensor:
         """This rank's valid rows of the sharded parameter (no padding), in the parameter's layout."""
@@ -305,23 +331,14 @@ class ShardedParam:
             self.watch_grad_before_backward()
 
     def _check_unchanged(self) -> None:
-        """The sharded parameter still has what the group was built for (checked before a gather).
+        """Follow the sharded parameter's dtype (checked before a gather), and refuse meta shards.
 
-        The unsharded parameter, the gradient count and the all-gather buffer were fixed by
-        `fully_shard`; changing these afterwards would train silently wrong, so it raises instead.
+        See [Note: Parameters changed after fully_shard]: an unsharded parameter of another dtype
+        than the one now wanted is dropped, and the next copy-out allocates it anew.
         """
         param = self.sharded_param
-        if param.requires_grad != self.requires_grad:
-            raise ValueError(
-                f"Parameter '{self.fqn}' had requires_grad set to {param.requires_grad} after fully_shard; "
-                f"freeze or unfreeze parameters before calling fully_shard"
-            )
-        if param.dtype != self.orig_dtype:
-            raise ValueError(
-                f"Parameter '{self.fqn}' was converted to {param.dtype} after fully_shard (it was "
-                f"{self.orig_dtype}); convert the module before fully_shard, or keep fp32 shards and "
-                f"set MixedPrecisionPolicy(param_dtype={param.dtype})"
-            )
+        if self._unsharded_padded is not None and self._unsharded_padded.dtype != self.unsharded_dtype:
+            self._unsharded_padded = self._unsharded_local = self.unsharded_param = None
         if param.is_meta:  # the root checked every group first; see `FSDPState.check_materialized`
             raise MetaParameterError([self.fqn])
 
@@ -335,7 +352,7 @@ class ShardedParam:
             self.grad_was_none = param.grad is None
             return grad
 
-        param.register_hook(record)
+        hook_even_if_frozen(param, lambda t: t.register_hook(record))
 
     def own_rows(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's valid rows (on the shard dim) of a full tensor of this parameter's (tp-local) shape."""
@@ -725,6 +742,22 @@ def _num_hook_args(hook, on_instance: bool) -> int:
     a function called without self), a class function's but the first."""
     num = len(inspect.signature(hook).parameters)
     return num if on_instance or inspect.ismethod(hook) else num - 1
+
+
+def hook_even_if_frozen(param: torch.Tensor, register) -> None:
+    """`register(param)` a gradient hook whatever `param.requires_grad` is now. Torch refuses hooks
+    on a tensor without requires_grad, but keeps them through later `requires_grad_` calls, so a
+    parameter frozen now is hooked for when it is unfrozen. A parameter that cannot require
+    gradients (integer dtypes) never needs the hook. See [Note: Parameters changed after fully_shard]."""
+    if param.requires_grad:
+        register(param)
+    elif param.is_floating_point() or param.is_complex():
+        with torch.no_grad():  # flipping a leaf's flag, not an op autograd should record
+            param.requires_grad_(True)
+            try:
+                register(param)
+            finally:
+                param.requires_grad_(False)
 
 
 def _refill(tensor: torch.Tensor) -> None:

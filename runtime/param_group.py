@@ -13,7 +13,7 @@ import torch.distributed as dist
 from . import traced
 from .collectives import AllGatherWork, CommContext, CommHook, ReduceControls, all_gather, copy_out, reduce_scatter, wire_order
 from .comms import AllGather, ProcessGroupAllocator, ReduceScatter, has_own_allocator
-from .param import MeshInfo, ShardedParam
+from .param import MeshInfo, ShardedParam, hook_even_if_frozen
 from .policies import MixedPrecisionPolicy
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class ParamGroup:
         reshard_after_forward: Optional[Union[bool, int]],
     ) -> None:
         self.params = params
+        # Recounted at each pre-forward unshard: [Note: Parameters changed after fully_shard].
         self.num_trainable = sum(p.requires_grad for p in params)
         self.mesh_info = mesh_info
         self.device = device
@@ -110,6 +111,9 @@ class ParamGroup:
         # Called once every trainable gradient of a backward has accumulated; the root sets it to
         # reduce the groups in an order all ranks share (runtime/state.py, RootContext).
         self.on_all_grads_ready: Callable[[], None] = self.post_backward
+        # Whether the running backward writes any parameter's `.grad` under the root; the root sets
+        # it. See [Note: A backward that writes no parameter gradient] in runtime/state.py.
+        self.backward_writes_param_grads: Callable[[], bool] = lambda: True
 
         # The flags a compiled backward reduces with the gradients; see runtime/traced.py.
         self.grad_flags: Optional[torch.Tensor] = None
@@ -167,6 +171,7 @@ class ParamGroup:
                 for p in self.params:
                     p.adopt_current_param()
                     p.refresh_gather_hooks()  # [Note: Extensions found on the tensor instance]
+                self.num_trainable = sum(p.requires_grad for p in self.params)
                 # [Note: One wire layout for eager and traced gathers] in runtime/collectives.py
                 as_bytes = self.gathers_bytes  # byte buckets keep group order, without flags
                 self._gather_order, num_flags = (self.params, 0) if as_bytes else wire_order(self.params)
@@ -196,8 +201,11 @@ class ParamGroup:
             self._all_gather = None
             self._post_forward_shard = None
             for p, is_new in zip(self.params, new_params):
-                if is_new and p.requires_grad:
-                    p.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                unsharded = p.unsharded_param
+                if is_new:
+                    hook_even_if_frozen(unsharded, lambda t: t.register_post_accumulate_grad_hook(self._on_grad_ready))
+                if unsharded.requires_grad != p.requires_grad:  # [Note: Parameters changed after fully_shard]
+                    unsharded.requires_grad_(p.requires_grad)
                 p.install(sharded=False)
             self.state = ShardedState.UNSHARDED
 
@@ -259,7 +267,9 @@ class ParamGroup:
         with torch.profiler.record_function(f"fsdp_graph::post_backward ({self.name})"):
             logger.debug("fsdp_graph::post_backward (%s)", self.name)
             trainable = [p for p in self.params if p.requires_grad]
-            if trainable and self.requires_gradient_sync:
+            if trainable and self.requires_gradient_sync and self._nothing_to_reduce(trainable):
+                logger.debug("fsdp_graph::post_backward (%s): this backward writes no parameter gradient", self.name)
+            elif trainable and self.requires_gradient_sync:
                 # The previous group's reduce-scatter had this group's backward to finish: wait
                 # for it first, so at most one packed gradient buffer is alive at a time.
                 self.comm.finish_reduce_scatters()
@@ -305,6 +315,15 @@ class ParamGroup:
             and self.reshard_after_backward
         ):
             self.reshard()
+
+    def _nothing_to_reduce(self, trainable: list[ShardedParam]) -> bool:
+        """No rank has a gradient of this group to reduce: [Note: A backward that writes no
+        parameter gradient] in runtime/state.py. Asks the root only when this rank has none."""
+        if self.holds_unreduced_grads or self.reduce_controls.partial is not None:
+            return False
+        if any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in trainable):
+            return False
+        return not self.backward_writes_param_grads()
 
     def set_separate_reduce_scatter_group(self, enable: bool, made: dict) -> None:
         """Reduce-scatter on a new process group over the shard ranks (`made`: ranks -> group, so

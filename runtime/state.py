@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import register_multi_grad_hook
+from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
@@ -55,6 +55,21 @@ class RootContext:
         self.materialized = False  # every parameter was seen off the meta device (checked until then)
         # State name -> why its hooks ran eagerly inside a compiled call; see runtime/traced.py.
         self.fallbacks: dict[str, str] = {}
+        # `backward_writes_param_grads`' answer for the current backward, None until asked.
+        self._writes_param_grads: Optional[bool] = None
+
+    def backward_writes_param_grads(self) -> bool:
+        """Whether the running backward accumulates into the `.grad` of any trainable parameter
+        under this root. See [Note: A backward that writes no parameter gradient]."""
+        if self._writes_param_grads is None:
+            self._writes_param_grads = not _in_backward() or any(
+                _will_accumulate(p.unsharded_param)
+                for state in self.states
+                if state.group is not None
+                for p in state.group.params
+                if p.unsharded_param is not None and p.unsharded_param.requires_grad
+            )
+        return self._writes_param_grads
 
     def reduce_ready_groups(self) -> None:
         """Reduce-scatter, in reverse forward order, the groups whose gradients are all here, up to
@@ -95,6 +110,35 @@ class _InputGradsDone(torch.autograd.Function):
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+# [Note: A backward that writes no parameter gradient]
+# FSDP2 reduce-scatters only the parameters that got a gradient and skips a group where none did.
+# We cannot decide that from one rank's gradients: ranks may use different parameters, and a rank
+# whose parameters of a group got no gradient still joins the reduce-scatter of a rank whose did
+# ([Note: Every rank packs every parameter] in runtime/collectives.py). The criterion must read
+# the same on every rank without a collective, and one does: whether this backward writes the
+# `.grad` of any parameter at all. `torch.autograd.grad(loss, inputs=[x])` and
+# `loss.backward(inputs=[x])` tell the engine which leaves to produce gradients for, and it marks
+# every other gradient accumulator not to run; every rank passes the same inputs. So when a group
+# with no gradient on this rank is about to reduce, the root asks the engine once per backward
+# (`torch._C._will_engine_execute_node`) whether it runs the accumulator of any trainable
+# unsharded parameter under the root. If it runs none, no group reduce-scatters or all-reduces,
+# and every `.grad` stays as it was, as in torch; the next backward reduces as usual. An ordinary
+# `backward()` runs the accumulator of every parameter its forward used, so it answers yes on
+# every rank whose forward used a trainable parameter (any real loss does), and the groups reduce
+# as always. A group that holds gradients of earlier backwards (accumulated without sync, or HSDP
+# sums kept without the all-reduce) reduces them as usual. Not covered: a backward whose explicit
+# inputs are unsharded parameters taken from inside forward, used on some ranks only.
+# The compiled path cannot skip: see [Note: Gradient flags in a graph] in runtime/traced.py.
+
+
+def _will_accumulate(param: torch.Tensor) -> bool:
+    """Whether the running backward will accumulate a gradient into `param.grad`."""
+    try:
+        return torch._C._will_engine_execute_node(get_gradient_edge(param).node)
+    except RuntimeError:  # `param` is an input of torch.autograd.grad: captured, never accumulated
+        return False
 
 
 class FSDPState:
@@ -161,6 +205,7 @@ class FSDPState:
                 state.group.name = state.name
                 state.group.comm = self.ctx.comm
                 state.group.on_all_grads_ready = self.ctx.reduce_ready_groups
+                state.group.backward_writes_param_grads = self.ctx.backward_writes_param_grads
                 state.group.set_reshard_after_forward(state_raf)
         logger.debug("fsdp_graph::claim_root (%s) states=%d", self.name, len(states))
 
@@ -264,6 +309,7 @@ class FSDPState:
             state._num_forwards_done = 0
         self.ctx.forward_order.clear()
         self.ctx.final_callback_queued = False
+        self.ctx._writes_param_grads = None
 
     def reset_iter_state(self) -> None:
         """Root only: after a forward or backward raised, drop everything of that iteration.
@@ -388,6 +434,7 @@ class FSDPState:
                     state.group.reset_backward_state()
                 state.training_state = TrainingState.IDLE
             ctx.final_callback_queued = False
+            ctx._writes_param_grads = None
 
     # -- state dict ----------------------------------------------------------------------------
 

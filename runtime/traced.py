@@ -244,36 +244,47 @@ def _reduce_scatter(
 # shards, and its gradient, after the reduce-scatter, is the sum over ranks of "had a gradient".
 # Once the backward ends, a parameter whose flag is 0 on every rank and whose `.grad` was None
 # before this backward gets None back. Only then are the flags read (a device sync on CUDA).
+# A backward that writes no parameter gradient (`torch.autograd.grad(loss, inputs=[x])`) still runs
+# the graph's reduce-scatters: the compiled backward is one autograd node that computes all its
+# outputs, and only the accumulators after it are skipped, so `.grad` (and the flags) stay as they
+# were. The eager runtime skips them: [Note: A backward that writes no parameter gradient].
 
 
 def track_gradient_flags(group: "ParamGroup") -> None:
-    """Give `group` its flags leaf and the hooks that restore None gradients after compiled steps."""
-    trainable = [p for p in group.params if p.requires_grad]
-    for p in trainable:
+    """Give `group` its flags leaf and the hooks that restore None gradients after compiled steps.
+
+    Every parameter is watched and has a flag slot, frozen ones too, since `requires_grad_` may
+    change between steps: [Note: Parameters changed after fully_shard] in runtime/param.py.
+    """
+    for p in group.params:
         p.watch_grad_before_backward()
     new_flags_leaf(group)
 
 
 def new_flags_leaf(group: "ParamGroup") -> None:
-    """(Re)make `group.grad_flags` where the shards are now: `shard_device`, meta for a model that
-    was never materialised, and again after `to_empty()` or `.to()` moved them."""
-    trainable = [p for p in group.params if p.requires_grad]
-    group.grad_flags = torch.zeros(len(trainable), device=group.params[0].local_shard.device, requires_grad=True)
-    if not trainable:
-        return
+    """(Re)make `group.grad_flags`, one slot per parameter of the group, where the shards are now:
+    `shard_device`, meta for a model that was never materialised, and again after `to_empty()` or
+    `.to()` moved them. A traced step gathers the slots of the parameters trainable then."""
+    group.grad_flags = torch.zeros(len(group.params), device=group.params[0].local_shard.device, requires_grad=True)
 
     def flags_ready(_flags: torch.Tensor) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _restore_none_grads(group, trainable))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _restore_none_grads(group))
 
     group.grad_flags.register_post_accumulate_grad_hook(flags_ready)
 
 
-def _restore_none_grads(group: "ParamGroup", trainable: list) -> None:
+def _trainable_flags(leaf: torch.Tensor, trainable: list[int]) -> torch.Tensor:
+    """The slots of the parameters `trainable` (indices into `group.params`) in the flags `leaf`,
+    as one tensor whose gradient lands in those slots."""
+    return leaf if len(trainable) == leaf.numel() else leaf[trainable]
+
+
+def _restore_none_grads(group: "ParamGroup") -> None:
     flags, group.grad_flags.grad = group.grad_flags.grad, None
-    if flags.is_meta or not any(p.grad_was_none for p in trainable):
+    if flags.is_meta or not any(p.requires_grad and p.grad_was_none for p in group.params):
         return  # meta: a model traced for its graphs only, with no values to read
-    for p, flag in zip(trainable, flags.tolist()):
-        if flag <= 0 and p.grad_was_none:
+    for p, flag in zip(group.params, flags.tolist()):
+        if p.requires_grad and flag <= 0 and p.grad_was_none:
             p.sharded_param.grad = None
 
 
@@ -321,7 +332,8 @@ def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
     position = {id(p): i for i, p in enumerate(group.params)}
     trainable = [position[id(p)] for p in order[:num_flags]]
     frozen = [position[id(p)] for p in order[num_flags:]]
-    flags = group.grad_flags.to(flat_dtype) if trainable else None  # [Note: Gradient flags in a graph]
+    # [Note: Gradient flags in a graph]
+    flags = _trainable_flags(group.grad_flags, trainable).to(flat_dtype) if trainable else None
     if not trainable:
         trainable, frozen = frozen, []
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
@@ -492,7 +504,7 @@ def _unshard_bytes(group: "ParamGroup") -> list[torch.Tensor]:
         with annotate(annotation):
             routed = _route_gradients(
                 bucket,
-                group.grad_flags.to(reduce_dtype),
+                _trainable_flags(group.grad_flags, trainable).to(reduce_dtype),
                 *[p.flat_local_shard() for p in params],
                 *[rebuilt[i] for i in trainable],
             )

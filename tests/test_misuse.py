@@ -121,18 +121,6 @@ def test_scalar_and_dtensor_parameters_are_listed_together():
     assert "needs both to be named axes of one mesh" in str(err)
 
 
-def test_requires_grad_changed_after_fully_shard():
-    model = _sharded_mlp()
-    model.head.weight.requires_grad_(False)
-    _raises(ValueError, "'head.weight' had requires_grad set to False after fully_shard; freeze .* before", _step, model)
-
-
-def test_dtype_changed_after_fully_shard():
-    model = _sharded_mlp()
-    model.half()
-    _raises(ValueError, r"converted to torch.float16 after fully_shard.*MixedPrecisionPolicy\(param_dtype=torch.float16\)", _step, model)
-
-
 def test_meta_parameters_at_first_forward():
     with torch.device("meta"):
         model = MLPStack()
