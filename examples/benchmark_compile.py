@@ -265,10 +265,10 @@ def predict_8b(args) -> None:
     from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group
     from fsdp_graph.passes.cost_model import CostModel, op_facts
     from fsdp_graph.passes.reorder import reorder_for_overlap
-    from fsdp_graph.chrome_trace import write_trace
+    from fsdp_graph.inspect.chrome_trace import write_trace
     from fsdp_graph.passes.nodes import is_all_gather, tensor_bytes
     from fsdp_graph.passes.simulator import program_of, simulate
-    from fsdp_graph.timeline import write_timeline
+    from fsdp_graph.inspect.timeline import write_timeline
 
     cost_model = CostModel(args.profile)
     cfg = LlamaConfig(vocab_size=128256, dim=4096, num_layers=32, num_heads=32, hidden_dim=14336, max_seq_len=args.predict_seq_len)

@@ -118,7 +118,7 @@ def main() -> None:
             print(f"{row.name:22}{median * 1e3:>10.1f}{median / reference:>16.3f}{row.peak:>11}  {row.collectives}")
     dist.barrier()
     sys.stdout.flush()
-    os._exit(0)  # torch 2.13's gloo teardown can abort (README, Known limits)
+    os._exit(0)  # torch 2.13's gloo teardown can abort (docs/reliability.md, Known limits)
 
 
 def predict_70b(args) -> None:

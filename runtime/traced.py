@@ -591,7 +591,7 @@ def post_forward(state: "FSDPState", module: torch.nn.Module, output: Any) -> An
 # the recompute needs the graph's ops, not them. So the first `fully_shard` turns on Dynamo's
 # `skip_fwd_side_effects_in_bwd_under_checkpoint`: side effects in a checkpointed function run once,
 # in forward. (A user's own side effect in a checkpointed function is then also not run again in
-# backward; see README, Compiled training.) The recomputed region gathers its group once, like the
+# backward; see docs/compiler.md, Compiled training.) The recomputed region gathers its group once, like the
 # reshard_after_forward re-gather: tests/test_compile_features.py counts them.
 
 
@@ -629,7 +629,7 @@ def trace_hooks_inside_checkpoint() -> None:
 # shard group as the graph does. Its reduce-scatter runs when its gradients are ready, where the
 # graph's backward runs it. What this does not cover: a graph whose passes merged or reordered
 # collectives of several groups, when another rank runs one of those groups on the eager hooks
-# (README, differences from FSDP2).
+# (README, Differences from FSDP2; docs/compiler.md).
 
 
 # [Note: Groups that stay on the eager hooks]
