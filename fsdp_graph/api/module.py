@@ -1,10 +1,12 @@
 """`FSDPModule`, mixed into every module `fully_shard` was applied to: FSDP2's methods, one by one,
-with the checks of their arguments, and `UnshardHandle`."""
+with the checks of their arguments; `UnshardHandle`; and the `FSDP<Cls>` classes, made here so that
+pickle finds them and their `__call__` in this module."""
 
 from __future__ import annotations
 
 import copyreg
 import logging
+import types
 import functools
 import warnings
 from typing import Callable, Optional
@@ -370,3 +372,42 @@ def _fsdp_states(model: nn.Module, caller: str) -> list[FSDPState]:
     if not states:
         raise ValueError(f"{caller} found no module that fully_shard was applied to; call fully_shard first")
     return states
+
+
+@functools.lru_cache(maxsize=None)
+def _fsdp_class(cls: type) -> type:
+    """`FSDP<Cls>`, made once per class, and findable by pickle as an attribute of this module.
+
+    Dynamo's saved guards and compiled functions (`torch.compiler.load_compiled_function`) pickle
+    classes by module and qualified name, and refuse a class whose qualified name is not its name.
+    So the name is `FSDP<Cls>`, with a number after it when another class of that name was sharded
+    first; a new process that shards the same models in the same order makes the same names.
+    """
+    name = f"FSDP{cls.__name__}"
+    n = 1
+    while name in globals():  # another sharded class's, or this module's own (a user class `Module`)
+        n += 1
+        name = f"FSDP{cls.__name__}{n}"
+    fsdp_cls = type(name, (FSDPModule, cls), {"__call__": _own_call(cls, name)})
+    fsdp_cls.__module__ = __name__
+    globals()[name] = fsdp_cls
+    return fsdp_cls
+
+
+def _own_call(cls: type, class_qualname: str):
+    """`FSDPModule.__call__` under a code object of this class's own.
+
+    Dynamo keeps what it learned about a frame (input shapes seen, hence which dims to make
+    dynamic; cache entries; the recompile limit) per code object, keyed by file, line and name.
+    Were every FSDP class to share one `__call__`, compiling a second model in the same process
+    would count as a recompile with new shapes and trace it with dynamic shapes.
+    """
+    call = FSDPModule.__call__
+    # Module and qualified name: two classes called `Block` in different files stay apart.
+    name = f"FSDP{cls.__qualname__}.__call__ ({cls.__module__})"
+    code = call.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):  # Python 3.11+
+        code = code.replace(co_qualname=name)
+    own = types.FunctionType(code, call.__globals__, name, call.__defaults__, call.__closure__)
+    own.__qualname__ = f"{class_qualname}.__call__"  # found through the class, as pickle looks it up
+    return own

@@ -4,7 +4,6 @@ makes its class `FSDP<Cls>`; also `register_fsdp_forward_method` and `share_comm
 from __future__ import annotations
 
 import functools
-import types
 from collections import OrderedDict
 from typing import Callable, Optional, Union
 
@@ -18,7 +17,7 @@ from ..runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPo
 from ..runtime.param import MeshInfo, ShardedParam
 from ..runtime.param_group import ParamGroup
 from ..runtime.state import FSDPState
-from .module import _OWNER_ATTR, FSDPModule
+from .module import _OWNER_ATTR, FSDPModule, _fsdp_class
 from .checks import (
     _check_devices,
     _check_ignored_params,
@@ -172,26 +171,6 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
                 state.group.comm = comm
 
 
-@functools.lru_cache(maxsize=None)
-def _fsdp_class(cls: type) -> type:
-    """`FSDP<Cls>`, made once per class, and findable by pickle as an attribute of this module.
-
-    Dynamo's saved guards and compiled functions (`torch.compiler.load_compiled_function`) pickle
-    classes by module and qualified name, and refuse a class whose qualified name is not its name.
-    So the name is `FSDP<Cls>`, with a number after it when another class of that name was sharded
-    first; a new process that shards the same models in the same order makes the same names.
-    """
-    name = f"FSDP{cls.__name__}"
-    n = 1
-    while name in globals():  # another sharded class's, or this module's own (a user class `Module`)
-        n += 1
-        name = f"FSDP{cls.__name__}{n}"
-    fsdp_cls = type(name, (FSDPModule, cls), {"__call__": _own_call(cls, name)})
-    fsdp_cls.__module__ = __name__
-    globals()[name] = fsdp_cls
-    return fsdp_cls
-
-
 def _register_as_fully_shard(module: nn.Module) -> None:
     """Mark `module` in torch's composable-API registry as managed by `fully_shard`.
 
@@ -208,25 +187,6 @@ def _register_as_fully_shard(module: nn.Module) -> None:
     """
     registry = module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())
     registry.setdefault("fully_shard", RegistryItem())
-
-
-def _own_call(cls: type, class_qualname: str):
-    """`FSDPModule.__call__` under a code object of this class's own.
-
-    Dynamo keeps what it learned about a frame (input shapes seen, hence which dims to make
-    dynamic; cache entries; the recompile limit) per code object, keyed by file, line and name.
-    Were every FSDP class to share one `__call__`, compiling a second model in the same process
-    would count as a recompile with new shapes and trace it with dynamic shapes.
-    """
-    call = FSDPModule.__call__
-    # Module and qualified name: two classes called `Block` in different files stay apart.
-    name = f"FSDP{cls.__qualname__}.__call__ ({cls.__module__})"
-    code = call.__code__.replace(co_name=name)
-    if hasattr(code, "co_qualname"):  # Python 3.11+
-        code = code.replace(co_qualname=name)
-    own = types.FunctionType(code, call.__globals__, name, call.__defaults__, call.__closure__)
-    own.__qualname__ = f"{class_qualname}.__call__"  # found through the class, as pickle looks it up
-    return own
 
 
 def _collect_params(modules, ignored: set[int]):
