@@ -3,6 +3,7 @@
 CPU / gloo:
     torchrun --nproc-per-node 2 examples/benchmark.py                      # fp32 and ZeRO-2 rows
     torchrun --nproc-per-node 2 examples/benchmark.py --configs bf16 --dim 128 --seq-len 32
+    torchrun --nproc-per-node 2 examples/benchmark.py --markdown eager.md   # also the table for docs/benchmarks.md
 
 Configs: fp32 (FSDP2 defaults), zero2 (reshard_after_forward=False), bf16 (bf16 parameters, fp32
 reduction; slow on CPUs without bf16 units, so use a smaller model), frozen (LoRA-style: each
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from llama import Llama, LlamaConfig, shard_llama
+from bench_report import write_markdown
 
 from fsdp_graph import MixedPrecisionPolicy, fully_shard
 
@@ -47,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--configs", default="fp32,zero2", help="comma-separated: fp32, zero2, bf16, frozen")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the results as a markdown table, with date, machine and command")
     args = parser.parse_args()
     args.configs = args.configs.split(",")
     unknown = set(args.configs) - set(CONFIGS)
@@ -171,6 +174,23 @@ def report(name: str, sides: list[Side]) -> None:
           f"collectives equal: {ours.collectives == theirs.collectives}", flush=True)
 
 
+def write_markdown_report(args, cfg: LlamaConfig, world_size: int, results: dict[str, list[Side]]) -> str:
+    """The rows `report` prints, one per config, as docs/benchmarks.md's eager table."""
+    rows = []
+    for name, (ours, theirs) in results.items():
+        step_ours, step_theirs = statistics.median(ours.times), statistics.median(theirs.times)
+        peak = "n/a" if ours.peak_bytes is None else f"{ours.peak_bytes / 2**20:.2f} / {theirs.peak_bytes / 2**20:.2f}"
+        counts = [", ".join(f"{n} {op}" for op, n in side.collectives.items()) for side in (ours, theirs)]
+        collectives = counts[0] if counts[0] == counts[1] else f"{counts[0]} / {counts[1]}"
+        rows.append([name, f"{1e3 * step_ours:.1f}", f"{1e3 * step_theirs:.1f}", f"{step_ours / step_theirs:.3f}", peak,
+                     f"{ours.state_bytes / 2**20:.2f} / {theirs.state_bytes / 2**20:.2f}", collectives])
+    header = ["config", "fsdp_graph ms", "FSDP2 ms", "step ratio", "peak MiB (ours / FSDP2)",
+              "state MiB (ours / FSDP2)", "collectives per step"]
+    caption = (f"Llama {args.layers} blocks, dim {args.dim}, batch {args.batch_size}x{args.seq_len} per rank, "
+               f"{world_size} gloo ranks, median of {args.rounds} alternating steps.")
+    return write_markdown(args.markdown, "Eager runtime vs FSDP2", [(caption, header, rows)])
+
+
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
@@ -194,6 +214,8 @@ def main() -> None:
             print(f"freezing saves ({full.name}): parameters + gradients + optimizer state per rank "
                   f"{full.state_bytes / 2**20:.2f} -> {frozen.state_bytes / 2**20:.2f} MiB "
                   f"(-{saved / 2**20:.2f} MiB, -{100 * saved / full.state_bytes:.1f}%)")
+    if rank == 0 and args.markdown:
+        print(f"markdown: {write_markdown_report(args, cfg, world_size, results)}")
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # see train_llama.py: torch 2.13's gloo teardown can abort

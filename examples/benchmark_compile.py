@@ -3,6 +3,7 @@
 CPU / gloo, 2 ranks, the 8-block example Llama (timings):
     torchrun --nproc-per-node 2 examples/benchmark_compile.py
     torchrun --nproc-per-node 2 examples/benchmark_compile.py --dim 128 --seq-len 64 --rounds 5   # quicker
+    torchrun --nproc-per-node 2 examples/benchmark_compile.py --rounds 10 --markdown compiled.md   # table for docs/benchmarks.md
 
 Predicted exposed communication of a Llama-3-8B-shaped model at world size 8 (one process, a fake
 8-rank process group, meta tensors: nothing is allocated or computed, the full 32-layer graph is
@@ -41,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_report import write_markdown  # noqa: E402
 from llama import Llama, LlamaConfig, shard_llama  # noqa: E402
 
 import fsdp_graph  # noqa: E402
@@ -66,6 +68,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--budget-gib", type=float, help="with --predict-8b: memory_budget_bytes for selective unsharding")
     parser.add_argument("--timeline", help="with --predict-8b: write our schedule's SVG timeline here (see fsdp_graph.inspect)")
     parser.add_argument("--trace", help="with --predict-8b: write our schedule as a Chrome trace (Perfetto) here")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the timings table as markdown, with date, machine and command")
     return parser.parse_args()
 
 
@@ -239,6 +242,18 @@ def timings(args) -> None:
             vs_floor = f"{median / floor:.3f}" if floor else "n/a"
             print(f"{row.name:26}{median * 1e3:>10.1f}{median / eager:>16.3f}{vs_floor:>10}{row.first_step_s:>14.1f}"
                   f"{row.peak:>11}{row.gathered_mib:>14}  {row.collectives}")
+        if args.markdown:
+            header = ["row", "step ms", "vs FSDP2 eager", "vs floor", "first step s", "peak heap MiB", "gathered MiB per step",
+                      "collectives per step"]
+            table = []
+            for row in rows:
+                median = statistics.median(row.times)
+                table.append([row.name, f"{median * 1e3:.1f}", f"{median / eager:.3f}",
+                              f"{median / floor:.3f}" if floor else "n/a", f"{row.first_step_s:.1f}", row.peak,
+                              row.gathered_mib, row.collectives])
+            caption = (f"Llama {args.layers} blocks, dim {args.dim}, batch {args.batch_size}x{args.seq_len} per rank, "
+                       f"{dist.get_world_size()} gloo ranks, median of {args.rounds} alternating steps.")
+            print(f"markdown: {write_markdown(args.markdown, 'Compiled', [(caption, header, table)])}")
     dist.barrier()
     os._exit(0)  # see train_llama.py: torch 2.13's gloo teardown can abort
 
@@ -265,10 +280,10 @@ def predict_8b(args) -> None:
     from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group
     from fsdp_graph.passes.cost_model import CostModel, op_facts
     from fsdp_graph.passes.reorder import reorder_for_overlap
-    from fsdp_graph.chrome_trace import write_trace
+    from fsdp_graph.inspect.chrome_trace import write_trace
     from fsdp_graph.passes.nodes import is_all_gather, tensor_bytes
     from fsdp_graph.passes.simulator import program_of, simulate
-    from fsdp_graph.timeline import write_timeline
+    from fsdp_graph.inspect.timeline import write_timeline
 
     cost_model = CostModel(args.profile)
     cfg = LlamaConfig(vocab_size=128256, dim=4096, num_layers=32, num_heads=32, hidden_dim=14336, max_seq_len=args.predict_seq_len)

@@ -5,6 +5,7 @@ CPU / gloo, 4 ranks as a (dp=2, tp=2) mesh, the example Llama with the usual ten
 dp per block and on the root:
     torchrun --nproc-per-node 4 examples/benchmark_tp.py
     torchrun --nproc-per-node 4 examples/benchmark_tp.py --dim 128 --layers 2 --rounds 4   # quicker
+    torchrun --nproc-per-node 4 examples/benchmark_tp.py --layers 4 --rounds 6 --markdown tp.md   # table for docs/benchmarks.md
     python examples/benchmark_tp.py --predict-70b     # one process: the Llama-3-70B prediction only
 
 Rows: fsdp_graph eager, torch's fully_shard eager, and each compiled (fsdp_graph's backend; torch's
@@ -37,6 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_compile import Row  # noqa: E402
+from bench_report import write_markdown  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
 
 import fsdp_graph  # noqa: E402
@@ -51,6 +53,7 @@ BLOCK_PLAN = {
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=8, help="timed steps per row")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown, with date, machine and command")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row (the first compiles)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, default=256)
@@ -116,9 +119,16 @@ def main() -> None:
         for row in working:
             median = statistics.median(row.times)
             print(f"{row.name:22}{median * 1e3:>10.1f}{median / reference:>16.3f}{row.peak:>11}  {row.collectives}")
+        if args.markdown:
+            header = ["row", "step ms", "vs torch eager", "peak heap MiB", "collectives per step"]
+            table = [[row.name, f"{statistics.median(row.times) * 1e3:.1f}",
+                      f"{statistics.median(row.times) / reference:.3f}", row.peak, row.collectives] for row in working]
+            caption = (f"Llama {args.layers} blocks, dim {args.dim}, {dist.get_world_size()} gloo ranks (dp x tp), "
+                       f"median of {args.rounds} alternating steps.")
+            print(f"markdown: {write_markdown(args.markdown, 'FSDP + tensor parallel', [(caption, header, table)])}")
     dist.barrier()
     sys.stdout.flush()
-    os._exit(0)  # torch 2.13's gloo teardown can abort (README, Known limits)
+    os._exit(0)  # torch 2.13's gloo teardown can abort (docs/reliability.md, Known limits)
 
 
 def predict_70b(args) -> None:

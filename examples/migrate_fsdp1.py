@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from llama import Block, Llama, LlamaConfig
 
-from fsdp_graph.full_params import full_state_dict, load_full_state_dict, no_sync, summon_full_params
-from fsdp_graph.wrap import ModuleWrapPolicy, strategy_kwargs, wrap
+from fsdp_graph.fsdp1.full_params import full_state_dict, load_full_state_dict, no_sync, summon_full_params
+from fsdp_graph.fsdp1.wrap import ModuleWrapPolicy, strategy_kwargs, wrap
 
 
 def main() -> None:

@@ -149,7 +149,7 @@ def main() -> None:
     if use_cuda:
         dist.destroy_process_group()
     else:
-        # torch 2.13's gloo teardown aborts now and then (see README, Known limits): exit without destructors.
+        # torch 2.13's gloo teardown aborts now and then (see docs/reliability.md, Known limits): exit without destructors.
         sys.stdout.flush()
         os._exit(0)
 

@@ -6,11 +6,20 @@
     fully_shard(model)
     model = torch.compile(model, backend="fsdp_graph")   # optional: collectives inside the graph
     model = fsdp_graph.precompile(model, (batch,), save_dir="compiled")   # or: compiled once, loaded on relaunch
+
+One subpackage per kind of reader; the names above are re-exported here:
+
+    api/       `fully_shard`, `FSDPModule` and their checks; `PipelineStage` (api/pipelining.py)
+    compile/   the `fsdp_graph` torch.compile backend, `precompile`, cache keys, the partitioner,
+               `predict` (a step's graphs captured at any world size)
+    inspect/   graph dumps, `python -m fsdp_graph.inspect DIR`, the predicted timeline, Chrome traces
+    fsdp1/     FSDP1's conveniences above `fully_shard`: `wrap`, `full_params`, `comm_hooks`
+    predict.py the documented path of `compile/predict.py` (`fsdp_graph.predict.fake_world`, ...)
 """
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
-from .backend import BackendConfig, Compiler, backend
-from .precompile import precompile
+from .compile.backend import BackendConfig, Compiler, backend
+from .compile.precompile import precompile
 from .runtime.comms import AllGather, ReduceScatter
 from .runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 class GraphSink(Protocol):
-    """Where the runner writes graphs (see fsdp_graph/dump.py)."""
+    """Where the runner writes graphs (see fsdp_graph/inspect/dump.py)."""
 
     def write_graph(self, gm: GraphModule, label: str) -> None: ...
 

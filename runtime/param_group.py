@@ -348,7 +348,7 @@ class ParamGroup:
         """Why this group cannot be traced into a graph right now, or None. See runtime/traced.py,
         [Note: Groups that stay on the eager hooks]."""
         if self.comm_hook is not None:
-            return "a comm hook is registered (fsdp_graph.comm_hooks); hooks run on the eager runtime"
+            return "a comm hook is registered (fsdp_graph.fsdp1.comm_hooks); hooks run on the eager runtime"
         if not self.requires_gradient_sync:
             return "gradient sync is off (no_sync / set_requires_gradient_sync(False)): accumulating unreduced gradients"
         if self.holds_unreduced_grads:

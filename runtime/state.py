@@ -396,7 +396,7 @@ class FSDPState:
     def finish_backward(self) -> None:
         """What the end of a backward does, on demand, for the whole root: reduce the gradients not
         yet reduced, wait for the reduce-scatters, reshard as `reshard_after_backward` says. For
-        drivers that run several backwards and reduce once themselves (fsdp_graph/pipelining.py)."""
+        drivers that run several backwards and reduce once themselves (fsdp_graph/api/pipelining.py)."""
         self.ctx.root._post_backward_final()
 
     def discard_gradients(self) -> None:

@@ -28,7 +28,7 @@ Difference from eager, by design: an int `reshard_after_forward` re-gathers from
 group (same numbers). A parameter the forward does not use keeps `.grad` None as in eager mode: see
 [Note: Gradient flags in a graph].
 
-The all-gather and its gradient are one autograd.Function (`_AllGatherShards`) whose backward does
+The all-gather and its gradient are one autograd.Function (`AllGatherShards`) whose backward does
 what `collectives.reduce_scatter` does, in the same order: cast to the reduce dtype, reduce-scatter
 with SUM, all-reduce over the replicate axis (HSDP), divide, cast back. So fp32 gradients match the
 eager runtime bit for bit.
@@ -41,199 +41,66 @@ gather again instead of saving the unsharded parameters.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import Any, Optional, Protocol, Union
 
 import torch
 import torch.nn.functional as F
 from torch.fx.traceback import annotate
 
-from .collectives import divide_factors, wire_order
+from .collectives import ReduceControls, divide_factors, wire_order
 from .meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
+from .param import MeshInfo, ShardedParam
+from .policies import MixedPrecisionPolicy
+from .traced_ops import C10D, AllGatherShards, GradientBucket, route_gradients
 from .trees import cast_floats
 
-if TYPE_CHECKING:
-    from .param_group import ParamGroup
-    from .state import FSDPState
+
+# [Note: The traced path sits below the group and the state]
+# `ParamGroup` (param_group.py) and `FSDPState` (state.py) call into this module while Dynamo
+# traces, so this module may not import them: the runtime's imports run one way, state ->
+# param_group -> traced -> traced_ops (the runtime-layers contract in pyproject.toml). What it
+# reads and writes of them is written down here instead, as protocols; a change to either class
+# that breaks one of these names shows in this list.
+
+
+class TracedGroup(Protocol):
+    """What the traced path uses of a `ParamGroup`."""
+
+    name: str
+    params: list[ShardedParam]
+    mesh_info: MeshInfo
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: Optional[Union[bool, int]]
+    gradient_divide_factor: Optional[float]
+    reduce_controls: ReduceControls
+    grad_flags: Optional[torch.Tensor]  # written by `new_flags_leaf`
+
+    @property
+    def world(self) -> int: ...
+
+    @property
+    def gathers_bytes(self) -> bool: ...
+
+    @property
+    def all_gather_dtype(self) -> torch.dtype: ...
+
+
+class TracedState(Protocol):
+    """What the traced path uses of an `FSDPState`."""
+
+    name: str
+    modules: tuple[torch.nn.Module, ...]
+    group: Optional[TracedGroup]
+    mp_policy: MixedPrecisionPolicy
+    is_root: bool
+    ctx: Any  # its `fallbacks` dict: state name -> why it ran on the eager hooks
+    _traced_num_forwards: int  # owned by this module: see `pre_forward`
+
+    def check_materialized(self) -> None: ...
+
+    def eager_only_reason(self) -> Optional[str]: ...
 
 logger = logging.getLogger(__name__)
-
-_C10D = torch.ops._c10d_functional
-
-
-# -- copy-in, copy-out and copy-out's gradient, as custom ops (see [Note: Traced unshard]) --------
-
-
-@torch.library.custom_op("fsdp_graph::copy_in", mutates_args=())
-def copy_in(shards: list[torch.Tensor], shard_numels: list[int]) -> torch.Tensor:
-    """This rank's row of the bucket: each flat shard, zero-padded to `shard_numels[i]`, in order."""
-    flat = shards[0].new_empty(sum(shard_numels))
-    offset = 0
-    for shard, shard_numel in zip(shards, shard_numels):
-        flat[offset : offset + shard.numel()].copy_(shard)
-        flat[offset + shard.numel() : offset + shard_numel].zero_()
-        offset += shard_numel
-    return flat
-
-
-@copy_in.register_fake
-def _(shards, shard_numels):
-    return shards[0].new_empty(sum(shard_numels))
-
-
-def _copy_in_setup(ctx, inputs, output):
-    shards, shard_numels = inputs
-    ctx.layout = ([s.numel() for s in shards], shard_numels)
-
-
-def _copy_in_backward(ctx, grad):
-    numels, shard_numels = ctx.layout
-    offsets = [sum(shard_numels[:i]) for i in range(len(shard_numels))]
-    return [grad[offset : offset + numel] for offset, numel in zip(offsets, numels)], None
-
-
-copy_in.register_autograd(_copy_in_backward, setup_context=_copy_in_setup)
-
-
-@torch.library.custom_op("fsdp_graph::copy_out", mutates_args=())
-def copy_out(
-    gathered: torch.Tensor, world: int, shard_numels: list[int], numels: list[int], flags_at: int
-) -> list[torch.Tensor]:
-    """Each parameter's `numels[i]` leading elements of its columns of the gathered bucket, flat.
-
-    `gathered` is (world * sum(shard_numels),): rank r's row holds every parameter's shard, padded
-    to `shard_numels[i]`. Parameter i is the concatenation of its column block over the rows, so
-    its first `numels[i]` elements are the unpadded parameter. Block `flags_at` (-1: none) holds the
-    gradient flags, not a parameter: its output has no elements (`numels[flags_at]` is 0).
-    """
-    rows = gathered.view(world, -1)
-    out, offset = [], 0
-    for shard_numel, numel in zip(shard_numels, numels):
-        full = torch.empty(world * shard_numel, dtype=gathered.dtype, device=gathered.device)
-        full.view(world, shard_numel).copy_(rows[:, offset : offset + shard_numel])
-        out.append(full[:numel])
-        offset += shard_numel
-    return out
-
-
-@copy_out.register_fake
-def _(gathered, world, shard_numels, numels, flags_at):
-    return [gathered.new_empty(numel) for numel in numels]
-
-
-@torch.library.custom_op("fsdp_graph::pack_grads", mutates_args=())
-def pack_grads(
-    grads: list[Optional[torch.Tensor]],
-    world: int,
-    shard_numels: list[int],
-    numels: list[int],
-    dtype: torch.dtype,
-    device: torch.device,
-    flags_at: int,
-) -> torch.Tensor:
-    """The inverse layout of `copy_out`: a gathered-shaped bucket with each gradient in its
-    parameter's columns; zeros for padding and for a missing gradient. Block `flags_at` (-1: none)
-    gets, in every row, one flag per gradient before it: 1 where it is not None (see
-    [Note: Gradient flags in a graph])."""
-    packed = torch.empty(world, sum(shard_numels), dtype=dtype, device=device)
-    offset = 0
-    for i, (grad, shard_numel, numel) in enumerate(zip(grads, shard_numels, numels)):
-        # The gradient fills the block (world, shard_numel) row by row; the rest is padding.
-        block = packed[:, offset : offset + shard_numel]
-        offset += shard_numel
-        if i == flags_at:
-            flags = torch.tensor([float(g is not None) for g in grads[:i]], dtype=dtype, device=device)
-            block.copy_(flags.expand(world, -1))
-            continue
-        if grad is None or numel == 0:
-            block.zero_()
-            continue
-        flat = grad.reshape(-1)
-        full_rows, rest = divmod(numel, shard_numel)
-        if full_rows:
-            block[:full_rows].copy_(flat[: full_rows * shard_numel].view(full_rows, shard_numel))
-        if rest:
-            block[full_rows, :rest].copy_(flat[full_rows * shard_numel :])
-            block[full_rows, rest:].zero_()
-            full_rows += 1
-        block[full_rows:].zero_()
-    return packed.view(-1)
-
-
-@pack_grads.register_fake
-def _(grads, world, shard_numels, numels, dtype, device, flags_at):
-    return torch.empty(world * sum(shard_numels), dtype=dtype, device=device)
-
-
-def _copy_out_setup(ctx, inputs, output):
-    gathered, world, shard_numels, numels, flags_at = inputs
-    # No tensor is saved: the gradient's layout is all the backward needs.
-    ctx.layout = (world, shard_numels, numels, gathered.dtype, gathered.device, flags_at)
-    # An output the forward did not use gets None, not zeros: pack_grads flags it.
-    ctx.set_materialize_grads(False)
-
-
-def _copy_out_backward(ctx, grads):
-    packed = torch.ops.fsdp_graph.pack_grads(list(grads), *ctx.layout)
-    return packed, None, None, None, None
-
-
-copy_out.register_autograd(_copy_out_backward, setup_context=_copy_out_setup)
-
-
-class _AllGatherShards(torch.autograd.Function):
-    """Forward: all-gather a flat bucket. Backward: reduce-scatter (SUM) its gradient and divide.
-
-    The bucket is `trainable` then `frozen` (None when the group has no frozen parameters): frozen
-    parameters are gathered with the rest but get no gradient, and their columns are left out of
-    the reduce-scatter, as the eager runtime leaves them out of its bucket.
-    Both directions are functional collectives followed by `wait_tensor`, so they are graph nodes
-    that passes can move. See [Note: Traced unshard].
-    """
-
-    @staticmethod
-    def forward(
-        ctx, trainable, frozen, all_gather_dtype, reduce_dtype, world, group_name, replicate, divide_factor, reduce_group
-    ):
-        ctx.reduce_dtype = reduce_dtype
-        ctx.flat_dtype = trainable.dtype
-        ctx.world = world
-        ctx.reduce_group = reduce_group  # the shard group, or its separate reduce-scatter group
-        ctx.replicate = replicate  # HSDP: the replicate axis' group name; else None
-        ctx.divide_factor = divide_factor
-        ctx.trainable_numel = trainable.numel()
-        flat = trainable if frozen is None else torch.cat([trainable, frozen])
-        if world == 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
-            return flat.to(all_gather_dtype, copy=True)
-        gathered = _C10D.all_gather_into_tensor(flat.to(all_gather_dtype), world, group_name)
-        return _C10D.wait_tensor(gathered)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad.numel() != ctx.world * ctx.trainable_numel:  # leave the frozen columns out
-            grad = grad.view(ctx.world, -1)[:, : ctx.trainable_numel].contiguous().view(-1)
-        reduced = _reduce_scatter(
-            grad.to(ctx.reduce_dtype or grad.dtype), ctx.world, ctx.reduce_group, ctx.replicate, ctx.divide_factor
-        )
-        return reduced.to(ctx.flat_dtype), None, None, None, None, None, None, None, None
-
-
-def _reduce_scatter(
-    grad: torch.Tensor, world: int, reduce_group: str, replicate: Optional[str], divide_factor: tuple[float, float]
-) -> torch.Tensor:
-    """What `collectives.reduce_scatter` does to a packed gradient bucket, as graph nodes: divide by
-    `pre`, reduce-scatter with SUM, all-reduce over the replicate axis (HSDP), divide by `post`."""
-    pre, post = divide_factor  # [Note: fp16 divides before and after the sum] in collectives
-    grad = grad.contiguous()
-    if pre != 1:
-        grad = grad / pre
-    if world == 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
-        reduced = grad
-    else:
-        reduced = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", world, reduce_group))
-    if replicate is not None:
-        reduced = _C10D.wait_tensor(_C10D.all_reduce(reduced, "sum", replicate))
-    return reduced / post
-
 
 # [Note: Gradient flags in a graph]
 # A compiled backward produces a gradient for every sharded parameter: zeros where the forward did
@@ -250,7 +117,7 @@ def _reduce_scatter(
 # were. The eager runtime skips them: [Note: A backward that writes no parameter gradient].
 
 
-def track_gradient_flags(group: "ParamGroup") -> None:
+def track_gradient_flags(group: TracedGroup) -> None:
     """Give `group` its flags leaf and the hooks that restore None gradients after compiled steps.
 
     Every parameter is watched and has a flag slot, frozen ones too, since `requires_grad_` may
@@ -261,7 +128,7 @@ def track_gradient_flags(group: "ParamGroup") -> None:
     new_flags_leaf(group)
 
 
-def new_flags_leaf(group: "ParamGroup") -> None:
+def new_flags_leaf(group: TracedGroup) -> None:
     """(Re)make `group.grad_flags`, one slot per parameter of the group, where the shards are now:
     `shard_device`, meta for a model that was never materialised, and again after `to_empty()` or
     `.to()` moved them. A traced step gathers the slots of the parameters trainable then."""
@@ -279,7 +146,7 @@ def _trainable_flags(leaf: torch.Tensor, trainable: list[int]) -> torch.Tensor:
     return leaf if len(trainable) == leaf.numel() else leaf[trainable]
 
 
-def _restore_none_grads(group: "ParamGroup") -> None:
+def _restore_none_grads(group: TracedGroup) -> None:
     flags, group.grad_flags.grad = group.grad_flags.grad, None
     if flags.is_meta or not any(p.requires_grad and p.grad_was_none for p in group.params):
         return  # meta: a model traced for its graphs only, with no values to read
@@ -288,13 +155,13 @@ def _restore_none_grads(group: "ParamGroup") -> None:
             p.sharded_param.grad = None
 
 
-def _reshards_after_forward(group: "ParamGroup") -> bool:
+def _reshards_after_forward(group: TracedGroup) -> bool:
     # An int `reshard_after_forward` reshards to a smaller group in eager; in a graph the backward
     # gathers from the full shard group instead, which gives the same numbers.
     return group.reshard_after_forward is not False
 
 
-def unshard(group: "ParamGroup") -> list[torch.Tensor]:
+def unshard(group: TracedGroup) -> list[torch.Tensor]:
     """Trace the all-gather of `group`; returns one unsharded tensor per `group.params` entry, as
     the module computes with it. See [Note: Traced tensor-parallel parameters]."""
     gather = _unshard_bytes if group.gathers_bytes else _unshard_plain  # hooks looked up at every trace, as eager does
@@ -314,7 +181,7 @@ def unshard(group: "ParamGroup") -> list[torch.Tensor]:
 # as fixed (passes/nodes.py, `is_fsdp_collective`).
 
 
-def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
+def _unshard_plain(group: TracedGroup) -> list[torch.Tensor]:
     """`unshard` for a group without all-gather extensions: tp-local tensors."""
     world = group.world
     orig_dtypes = {p.orig_dtype for p in group.params}
@@ -338,7 +205,7 @@ def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
         trainable, frozen = frozen, []
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
     with annotate(annotation):
-        gathered = _AllGatherShards.apply(
+        gathered = AllGatherShards.apply(
             _flat_shards([group.params[i] for i in trainable], flat_dtype, flags),
             _flat_shards([group.params[i] for i in frozen], flat_dtype) if frozen else None,
             group.all_gather_dtype,
@@ -379,7 +246,7 @@ def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
 #   gathered     = wait(all_gather_into_tensor(bucket))               # uint8, one per group
 #   pieces       = fsdp_graph::copy_out(gathered, ...)                # each input's (world * rows)
 #   unsharded    = type(shard).fsdp_post_all_gather(shard, pieces, meta, dtype)[0][:dim0]
-#   params       = _RouteGradients(bucket, flags, *flat_shards, *unsharded)  # identity forward
+#   params       = RouteGradients(bucket, flags, *flat_shards, *unsharded)  # identity forward
 #
 # The hooks are found and called as the eager runtime does ([Note: Extensions found on the tensor
 # instance] in runtime/param.py): a class's through the class, which Dynamo inlines (a method call on
@@ -387,12 +254,12 @@ def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
 # instance as stored, which Dynamo also inlines, guarding on the attribute. Both hooks run under no_grad, as in
 # FSDP2 and the eager runtime: the bytes and their casts carry no gradient (an fp8 cast has none
 # worth having). The gradient of the rebuilt parameter is the unsharded gradient, reduce-scattered
-# to the shard as for any parameter: `_RouteGradients` hands the rebuilt tensors through
+# to the shard as for any parameter: `RouteGradients` hands the rebuilt tensors through
 # unchanged, and its backward packs their gradients into the eager runtime's reduce-scatter bucket
 # (trainable parameters in group order, then the flags of [Note: Gradient flags in a graph]),
-# reduce-scatters and divides as `_AllGatherShards`, and gives each shard its rows. The shard's
+# reduce-scatters and divides as `AllGatherShards`, and gives each shard its rows. The shard's
 # gradient is a plain tensor, as in FSDP2, also where the shard is a subclass. Dynamo does not trace
-# the Function (`_route_gradients` is `nonstrict_trace`: an opaque call that AOTAutograd traces):
+# the Function (`route_gradients` is `nonstrict_trace`: an opaque call that AOTAutograd traces):
 # Dynamo's own rendering of an autograd.Function hands its backward zeros for outputs nobody used,
 # whatever `set_materialize_grads` says, and the flags would then give an unused parameter a zero
 # gradient where eager mode leaves None. The post-hook's `out=`
@@ -402,58 +269,7 @@ def _unshard_plain(group: "ParamGroup") -> list[torch.Tensor]:
 # the post-hook again, as the eager runtime does.
 
 
-class _GradientBucket(NamedTuple):
-    """The reduce-scatter bucket of a group's trainable parameters, as `_RouteGradients` packs it.
-    Only values an FX node takes as arguments, so `_route_gradients` can be handed it (no None)."""
-
-    world: int
-    shard_numels: tuple[int, ...]  # per parameter: its columns, padding included
-    numels: tuple[int, ...]  # per parameter: its unsharded elements
-    valid_numels: tuple[int, ...]  # per parameter: this rank's shard's elements, padding excluded
-    shard_dtypes: tuple[torch.dtype, ...]  # per parameter: its shard's gradient's dtype
-    reduce_dtype: torch.dtype
-    device: torch.device
-    reduce_group: str  # the process group names of the reduce-scatter ...
-    replicate_group: str  # ... and of the HSDP all-reduce, "" without one
-    divide_factor: tuple[float, float]  # (pre, post), see `divide_factors`
-
-
-class _RouteGradients(torch.autograd.Function):
-    """Forward: the rebuilt unsharded parameters, as they are. Backward: their gradients packed,
-    reduce-scattered and divided, as each shard's gradient. See [Note: Traced all-gather extensions].
-
-    Arguments: the `_GradientBucket`, the flags, then one flat shard per trainable parameter, then
-    the unsharded tensors in the same order (shard dim first).
-    """
-
-    @staticmethod
-    def forward(ctx, bucket, flags, *tensors):
-        ctx.bucket = bucket
-        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None: flagged 0
-        num = len(tensors) // 2
-        return tuple(t.view_as(t) for t in tensors[num:])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        b, num = ctx.bucket, len(grads)
-        packed = torch.ops.fsdp_graph.pack_grads(
-            [*grads, None], b.world, [*b.shard_numels, num], [*b.numels, 0], b.reduce_dtype, b.device, num
-        )
-        reduced = _reduce_scatter(packed, b.world, b.reduce_group, b.replicate_group or None, b.divide_factor)
-        shard_grads, offset = [], 0
-        for shard_numel, valid_numel, dtype in zip(b.shard_numels, b.valid_numels, b.shard_dtypes):
-            shard_grads.append(reduced[offset : offset + valid_numel].to(dtype))
-            offset += shard_numel
-        return (None, reduced[offset : offset + num], *shard_grads, *([None] * num))
-
-
-@torch._dynamo.nonstrict_trace
-def _route_gradients(bucket: _GradientBucket, flags: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`_RouteGradients.apply`, which Dynamo leaves for AOTAutograd to trace."""
-    return _RouteGradients.apply(bucket, flags, *tensors)
-
-
-def _unshard_bytes(group: "ParamGroup") -> list[torch.Tensor]:
+def _unshard_bytes(group: TracedGroup) -> list[torch.Tensor]:
     """`unshard` for a group gathered as bytes (all-gather extensions, or parameters of several
     dtypes): one uint8 all-gather of what the pre-hooks return and the other shards, the post-hooks,
     and the gradients routed to the shards. See [Note: Traced all-gather extensions] and
@@ -475,7 +291,7 @@ def _unshard_bytes(group: "ParamGroup") -> list[torch.Tensor]:
         widths = [piece.numel() for piece in pieces]
         gathered = torch.cat(pieces)
         if world > 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
-            gathered = _C10D.wait_tensor(_C10D.all_gather_into_tensor(gathered, world, mesh_info.shard_group_name))
+            gathered = C10D.wait_tensor(C10D.all_gather_into_tensor(gathered, world, mesh_info.shard_group_name))
         outputs = iter(torch.ops.fsdp_graph.copy_out(gathered, world, widths, [world * w for w in widths], -1))
         rebuilt = []  # shard dim first, as the collectives move them
         for p, layout in zip(group.params, layouts):
@@ -489,7 +305,7 @@ def _unshard_bytes(group: "ParamGroup") -> list[torch.Tensor]:
     if trainable:
         params = [group.params[i] for i in trainable]
         reduce_dtype = group.mp_policy.reduce_dtype or params[0].unsharded_dtype
-        bucket = _GradientBucket(
+        bucket = GradientBucket(
             world,
             tuple(p.shard_numel for p in params),
             tuple(p.local_size.numel() for p in params),
@@ -502,7 +318,7 @@ def _unshard_bytes(group: "ParamGroup") -> list[torch.Tensor]:
             divide_factors(group.gradient_divide_factor or float(world * mesh_info.replicate_size), reduce_dtype),
         )
         with annotate(annotation):
-            routed = _route_gradients(
+            routed = route_gradients(
                 bucket,
                 _trainable_flags(group.grad_flags, trainable).to(reduce_dtype),
                 *[p.flat_local_shard() for p in params],
@@ -518,7 +334,7 @@ def _replicate_group_name(mesh_info) -> Optional[str]:
     return mesh_info.replicate_group_name if mesh_info.replicate_size > 1 else None
 
 
-def _reduce_group_name(group: "ParamGroup") -> str:
+def _reduce_group_name(group: TracedGroup) -> str:
     """The group the gradients are reduce-scattered on: the shard group, or its own copy."""
     separate = group.reduce_controls.reduce_scatter_group
     return group.mesh_info.shard_group_name if separate is None else separate.group_name
@@ -544,7 +360,7 @@ def _flat_shards(params: list, dtype: torch.dtype, flags: Optional[torch.Tensor]
     return F.pad(piece, (0, shard_numel - piece.numel())) if piece.numel() < shard_numel else piece
 
 
-def _install(group: "ParamGroup", unsharded: Optional[list[torch.Tensor]]) -> None:
+def _install(group: TracedGroup, unsharded: Optional[list[torch.Tensor]]) -> None:
     """Shadow (or un-shadow, with None) every owner's parameter attribute. See [Note: Traced unshard]."""
     for i, p in enumerate(group.params):
         for module, name in p.owners:
@@ -554,7 +370,7 @@ def _install(group: "ParamGroup", unsharded: Optional[list[torch.Tensor]]) -> No
                 module.__dict__[name] = unsharded[i]
 
 
-def pre_forward(state: "FSDPState", module: torch.nn.Module, args: tuple, kwargs: dict):
+def pre_forward(state: TracedState, module: torch.nn.Module, args: tuple, kwargs: dict):
     """Traced pre-forward: gather the group (once for `fully_shard([a, b])`), cast the inputs.
 
     `state._traced_num_forwards` counts the modules of the call whose forward began. It is 0 whenever
@@ -571,7 +387,7 @@ def pre_forward(state: "FSDPState", module: torch.nn.Module, args: tuple, kwargs
     return args, kwargs
 
 
-def post_forward(state: "FSDPState", module: torch.nn.Module, output: Any) -> Any:
+def post_forward(state: TracedState, module: torch.nn.Module, output: Any) -> Any:
     """Traced post-forward: cast the outputs; after the group's last module, drop the shadows."""
     if state.mp_policy.output_dtype is not None:
         output = cast_floats(output, state.mp_policy.output_dtype)
@@ -591,7 +407,7 @@ def post_forward(state: "FSDPState", module: torch.nn.Module, output: Any) -> An
 # the recompute needs the graph's ops, not them. So the first `fully_shard` turns on Dynamo's
 # `skip_fwd_side_effects_in_bwd_under_checkpoint`: side effects in a checkpointed function run once,
 # in forward. (A user's own side effect in a checkpointed function is then also not run again in
-# backward; see README, Compiled training.) The recomputed region gathers its group once, like the
+# backward; see docs/compiler.md, Compiled training.) The recomputed region gathers its group once, like the
 # reshard_after_forward re-gather: tests/test_compile_features.py counts them.
 
 
@@ -629,7 +445,7 @@ def trace_hooks_inside_checkpoint() -> None:
 # shard group as the graph does. Its reduce-scatter runs when its gradients are ready, where the
 # graph's backward runs it. What this does not cover: a graph whose passes merged or reordered
 # collectives of several groups, when another rank runs one of those groups on the eager hooks
-# (README, differences from FSDP2).
+# (README, Differences from FSDP2; docs/compiler.md).
 
 
 # [Note: Groups that stay on the eager hooks]
@@ -665,7 +481,7 @@ _FALLBACK_REASON = (
 )
 
 
-def record_fallback(state: "FSDPState") -> None:
+def record_fallback(state: TracedState) -> None:
     """Note (once per state and root) that `state`'s hooks ran eagerly inside a compiled call."""
     fallbacks = state.ctx.fallbacks
     if state.name not in fallbacks:

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from _harness import fake_process_group
-from fsdp_graph.backend import CHECK_COLLECTIVES_ENV, BackendConfig
+from fsdp_graph.compile.backend import CHECK_COLLECTIVES_ENV, BackendConfig
 from fsdp_graph.passes.check_collectives import CollectiveBufferError, check_collectives
 
 _C10D = torch.ops._c10d_functional

@@ -3,7 +3,7 @@
 Fresh processes share one Inductor cache directory, on a fake 2-rank process group: rank 0
 compiles (and saves). Rank 1 in a new process is both a restart and another rank (the DeviceMesh
 inputs differ in `_rank`, `_coordinate_on_dim`, thread id and hash salt, see
-fsdp_graph/cache_key.py): with shards of the same shapes it must load both graphs from the caches;
+fsdp_graph/compile/cache_key.py): with shards of the same shapes it must load both graphs from the caches;
 with shards one row shorter (uneven dim 0) it must compile its own, and train, and its own
 restart must load them.
 """

@@ -15,7 +15,7 @@ from _compile_helpers import train_compiled_and_compare
 from _harness import run_ranks
 from _models import MLPBlock, MLPStack
 from fsdp_graph import fully_shard
-from fsdp_graph.dump import load_summary
+from fsdp_graph.inspect.dump import load_summary
 
 
 class BlockWithGraphBreak(MLPBlock):

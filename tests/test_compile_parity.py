@@ -14,7 +14,7 @@ from _harness import run_ranks
 from _models import MLPStack, shard_llama, tiny_llama
 from fsdp_graph import fully_shard
 from fsdp_graph.passes.simulator import OpKind, in_flight
-from fsdp_graph.timeline import load_programs
+from fsdp_graph.inspect.timeline import load_programs
 
 
 def _shard_mlp(model, **kwargs):

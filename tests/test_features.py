@@ -98,7 +98,7 @@ def test_cpu_offload_policy_trains_like_unsharded():
 
 def _deterministic_init(model):
     # Deterministic, so the sharded (DTensor) and the plain init must agree exactly. DTensor random
-    # ops are only rank-consistent on CUDA (see README, Known limits).
+    # ops are only rank-consistent on CUDA (see docs/runtime.md, Known limits).
     for i, (name, p) in enumerate(model.named_parameters()):
         nn.init.constant_(p, 0.05 * (i % 5) - 0.1)
 
@@ -173,8 +173,8 @@ def test_grad_scaler_skips_and_steps_like_unsharded():
 def _meta_random_init(rank, world_size):
     """Random init of a meta-built sharded model, on CPU, equal to initialising before sharding:
     init the full parameters inside `summon_full_params(writeback=True)` with the same seed on
-    every rank (DTensor's own rank-consistent RNG is CUDA-only; see README, Known limits)."""
-    from fsdp_graph.full_params import summon_full_params
+    every rank (DTensor's own rank-consistent RNG is CUDA-only; see docs/runtime.md, Known limits)."""
+    from fsdp_graph.fsdp1.full_params import summon_full_params
 
     def reset(model):
         for module in model.modules():

@@ -21,11 +21,11 @@ from _models import (
 )
 from _models import MLPBlock  # noqa: F401  (a class for ModuleWrapPolicy)
 from fsdp_graph import FSDPModule, fully_shard
-from fsdp_graph.comm_hooks import bf16_compress_hook, register_comm_hook
-from fsdp_graph.full_params import (
+from fsdp_graph.fsdp1.comm_hooks import bf16_compress_hook, register_comm_hook
+from fsdp_graph.fsdp1.full_params import (
     full_optim_state_dict, full_state_dict, load_full_state_dict, no_sync, summon_full_params,
 )
-from fsdp_graph.wrap import (
+from fsdp_graph.fsdp1.wrap import (
     CustomWrapPolicy, ModuleWrapPolicy, ShardingStrategy, SizeBasedWrapPolicy, fully_shard_with_strategy,
     strategy_kwargs, wrap,
 )

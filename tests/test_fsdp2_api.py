@@ -527,7 +527,7 @@ def test_every_fsdp2_method_exists_and_the_unsupported_ones_say_so():
 
 
 def test_calls_without_a_mesh_share_one_default_mesh_per_process_group():
-    """[Note: One default mesh] in fsdp_graph/api.py: one mesh for every call without `mesh=`, equal
+    """[Note: One default mesh] in fsdp_graph/api/mesh.py: one mesh for every call without `mesh=`, equal
     to the one FSDP2 builds by default; a new default process group gets a new mesh. (The groups'
     meshes, not the parameters': torch may hand a DTensor an equal mesh from its own caches.)"""
     from torch.distributed.device_mesh import init_device_mesh

@@ -21,10 +21,10 @@ import fsdp_graph
 from _harness import fake_process_group
 from _models import MLPStack
 from fsdp_graph import fully_shard
-from fsdp_graph.dump import load_summary
+from fsdp_graph.inspect.dump import load_summary
 from fsdp_graph.inspect import main as inspect_main
 from fsdp_graph.passes.simulator import CollectiveSpan, MemoryProfile, Simulation, in_flight
-from fsdp_graph.timeline import load_programs, timeline_svg
+from fsdp_graph.inspect.timeline import load_programs, timeline_svg
 
 
 @pytest.fixture(autouse=True)

@@ -24,9 +24,10 @@ def _installed_layout(root: Path) -> Path:
     """Copy the package's sources to `root` the way the package-dir mapping installs them."""
     for package, folder in PYPROJECT["tool"]["setuptools"]["package-dir"].items():
         target = root.joinpath(*package.split("."))
-        target.mkdir(parents=True, exist_ok=True)
-        for source in (REPO / folder).glob("*.py"):
-            shutil.copy(source, target / source.name)
+        for source in (REPO / folder).rglob("*.py"):  # subpackages too (fsdp_graph/api/, ...)
+            copy = target / source.relative_to(REPO / folder)
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, copy)
     return root
 
 
@@ -41,7 +42,7 @@ def _lint_imports(root: Path) -> subprocess.CompletedProcess:
 def test_contracts_kept(tmp_path):
     result = _lint_imports(_installed_layout(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 kept, 0 broken" in result.stdout, result.stdout
+    assert "4 kept, 0 broken" in result.stdout, result.stdout
 
 
 def test_contracts_name_an_import_across_the_layers(tmp_path):
@@ -50,7 +51,9 @@ def test_contracts_name_an_import_across_the_layers(tmp_path):
     added = {
         "runtime/traced.py": "from ..passes.nodes import is_collective",
         "runtime/param_group.py": "from .. import api",
-        "passes/reshard.py": "from ..backend import BackendConfig",
+        "passes/reshard.py": "from ..compile.backend import BackendConfig",
+        "api/module.py": "from ..compile.backend import BackendConfig",
+        "runtime/traced_ops.py": "from .param_group import ParamGroup",
     }
     for path, line in added.items():
         with open(root / "fsdp_graph" / path, "a") as f:
@@ -60,13 +63,22 @@ def test_contracts_name_an_import_across_the_layers(tmp_path):
     for importer, imported in [
         ("fsdp_graph.runtime.traced", "fsdp_graph.passes.nodes"),
         ("fsdp_graph.runtime.param_group", "fsdp_graph.api"),
-        ("fsdp_graph.passes.reshard", "fsdp_graph.backend"),
+        ("fsdp_graph.passes.reshard", "fsdp_graph.compile.backend"),
+        ("fsdp_graph.api.module", "fsdp_graph.compile.backend"),
+        ("fsdp_graph.runtime.traced_ops", "fsdp_graph.runtime.param_group"),
     ]:
         assert f"{importer} -> {imported}" in result.stdout, result.stdout
 
 
-def test_every_face_module_is_forbidden_below_it():
-    face = {f"fsdp_graph.{p.stem}" for p in (REPO / "fsdp_graph").glob("*.py") if p.stem != "__init__"}
+def test_every_face_module_is_forbidden_below_it_and_layered():
+    folder = REPO / "fsdp_graph"
+    face = {f"fsdp_graph.{p.stem}" for p in folder.glob("*.py") if p.stem != "__init__"}
+    face |= {f"fsdp_graph.{p.parent.name}" for p in folder.glob("*/__init__.py")}
     for contract in PYPROJECT["tool"]["importlinter"]["contracts"]:
-        missing = face - set(contract["forbidden_modules"])
-        assert not missing, f"add {sorted(missing)} to the forbidden_modules of contract {contract['id']!r}"
+        if contract["type"] == "forbidden":
+            missing = face - set(contract["forbidden_modules"])
+            assert not missing, f"add {sorted(missing)} to the forbidden_modules of contract {contract['id']!r}"
+        elif contract["id"] == "face":  # the face's own layers: every part of the face has its place
+            layers = {f"fsdp_graph.{name.strip()}" for layer in contract["layers"] for name in layer.split("|")}
+            missing = face - layers
+            assert not missing, f"add {sorted(missing)} to the layers of contract {contract['id']!r}"

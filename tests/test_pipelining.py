@@ -61,7 +61,7 @@ def _train(rank, world_size, schedule_name, reshard_after_forward, library):
         stage_class = pipelining.PipelineStage
     else:
         from fsdp_graph import fully_shard
-        from fsdp_graph.pipelining import PipelineStage as stage_class
+        from fsdp_graph.api.pipelining import PipelineStage as stage_class
     stages, modules = [], []
     for index in my_indices:
         module = all_stages[index]

@@ -84,7 +84,7 @@ def _launch(rank, world_size, model_dir, save_dir, global_batch):
 
 def _aliasing_guards(compiled) -> tuple[int, int]:
     """(guard nodes with a C++ "a is b" check, Python lambdas run after the other guards) of a
-    loaded step: [Note: Aliasing guards of a saved step] in fsdp_graph/precompile.py."""
+    loaded step: [Note: Aliasing guards of a saved step] in fsdp_graph/compile/precompile.py."""
     root = compiled._compiled._artifacts.guard_manager.root
     nodes, relational = [root], 0
     while nodes:
@@ -155,7 +155,7 @@ def test_a_change_to_fsdp_graph_itself_changes_the_saved_header(monkeypatch):
     """A saved step was scheduled by our passes, which Dynamo never traced: its header (and the
     compile caches' keys) carry a digest of fsdp_graph's sources, so an edit to e.g.
     passes/reorder.py recompiles it."""
-    cache_key = importlib.import_module("fsdp_graph.cache_key")
+    cache_key = importlib.import_module("fsdp_graph.compile.cache_key")
     before = cache_key.own_sources_digest()
     real_open = open
 

@@ -19,7 +19,7 @@ from _compile_helpers import train_compiled_and_compare
 from _harness import run_ranks
 from _models import batch_for_step, global_mean, loss_fn, train_and_compare
 from fsdp_graph import fully_shard
-from fsdp_graph.full_params import full_state_dict, load_full_state_dict, summon_full_params
+from fsdp_graph.fsdp1.full_params import full_state_dict, load_full_state_dict, summon_full_params
 
 
 class Experts(nn.Module):

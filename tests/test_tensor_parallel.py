@@ -24,8 +24,8 @@ from _harness import fake_process_group, run_ranks
 from _models import global_mean
 import fsdp_graph
 from fsdp_graph import MixedPrecisionPolicy, fully_shard
-from fsdp_graph.dump import load_summary
-from fsdp_graph.full_params import full_state_dict, load_full_state_dict, summon_full_params
+from fsdp_graph.inspect.dump import load_summary
+from fsdp_graph.fsdp1.full_params import full_state_dict, load_full_state_dict, summon_full_params
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ = 30, 16, 4, 36, 6  # vocab 30: tp-local 15 rows, uneven over dp
 

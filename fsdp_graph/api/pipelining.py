@@ -1,6 +1,6 @@
 """Pipeline stages whose modules `fsdp_graph.fully_shard` sharded, for torch's pipeline schedules.
 
-    from fsdp_graph.pipelining import PipelineStage        # instead of torch.distributed.pipelining's
+    from fsdp_graph.api.pipelining import PipelineStage    # instead of torch.distributed.pipelining's
     stage = PipelineStage(stage_module, stage_index, num_stages, device, group=mesh["pp"].get_group())
     schedule = Schedule1F1B(stage, n_microbatches, loss_fn=loss_fn)   # any torch schedule
 
@@ -17,8 +17,8 @@ fsdp_graph's modules the same treatment torch's get:
   group per step, then reshard;
 - the schedule's metadata inference (a real forward and backward before the first step) leaves no
   gathered parameters or gradients behind.
-Compiled stage modules run these accumulating backwards on the eager hooks (see README: no_sync
-under compile), like any backward with gradient sync off.
+Compiled stage modules run these accumulating backwards on the eager hooks (see docs/compiler.md:
+no_sync under compile), like any backward with gradient sync off.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed import pipelining
 
-from .api import FSDPModule
+from .module import FSDPModule
 
 
 class PipelineStage(pipelining.PipelineStage):
@@ -64,7 +64,7 @@ def _fsdp_roots(module: nn.Module) -> list[FSDPModule]:
     roots = [m for m in module.modules() if isinstance(m, FSDPModule) and m._fsdp_state.is_root]
     if not roots:
         raise ValueError(
-            f"fsdp_graph.pipelining.PipelineStage got a {type(module).__name__} with no module sharded by "
+            f"fsdp_graph.api.pipelining.PipelineStage got a {type(module).__name__} with no module sharded by "
             f"fsdp_graph.fully_shard; shard the stage module first, or use "
             f"torch.distributed.pipelining.PipelineStage"
         )

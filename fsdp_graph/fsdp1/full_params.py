@@ -16,21 +16,11 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from .runtime.param import ShardedParam
-from .runtime.state import FSDPState, TrainingState
+from ..runtime.param import ShardedParam
+from ..api.module import _fsdp_states as _states
+from ..runtime.state import FSDPState, TrainingState
 
 
-def _states(model: nn.Module, caller: str) -> list[FSDPState]:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{caller} expects an nn.Module, got {type(model).__name__}")
-    states = []
-    for module in model.modules():
-        state = getattr(module, "_fsdp_state", None)
-        if isinstance(state, FSDPState) and state not in states:
-            states.append(state)
-    if not states:
-        raise ValueError(f"{caller} found no module that fully_shard was applied to; call fully_shard first")
-    return states
 
 
 def _check_idle(states: list[FSDPState], caller: str) -> None:

@@ -3,10 +3,10 @@
 DIR is what `FSDP_GRAPH_DUMP=DIR` or `fsdp_graph.backend(dump_dir=DIR)` wrote: collectives per
 graph in order, bytes per group, and the modules that fell back to the eager hooks; then each
 scheduled graph replayed on a hardware profile (`--profile h100-nvlink`): buckets, issue and wait
-positions, prefetch distance, predicted exposed communication and peak memory (fsdp_graph/timeline.py),
+positions, prefetch distance, predicted exposed communication and peak memory (fsdp_graph/inspect/timeline.py),
 with `--timeline out.svg` (or .html) a picture of it, and with `--trace out.json` a Chrome trace
 (Perfetto, chrome://tracing) of it, beside a measured torch.profiler trace with `--measured`
-(fsdp_graph/chrome_trace.py).
+(fsdp_graph/inspect/chrome_trace.py).
 """
 
 from __future__ import annotations
@@ -48,6 +48,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from .backend import BACKEND_NAME, BackendConfig
 from .cache_key import own_sources_digest
-from .full_params import _states
+from ..api.module import _fsdp_states as _states
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .api import FSDPModule
+from ..api import FSDPModule
 
 
 def bf16_compress_hook(state: Any, grad: torch.Tensor, output: torch.Tensor, group: dist.ProcessGroup) -> None:

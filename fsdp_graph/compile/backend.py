@@ -5,7 +5,7 @@
 
 Dynamo traces each group's unshard into the graph (runtime/traced.py). This backend runs the joint
 forward-backward graph through the pass pipeline (passes/), partitions it with the min-cut
-partitioner (fsdp_graph/partition.py), and hands forward and backward to Inductor or to plain eager execution (`aot_eager`).
+partitioner (fsdp_graph/compile/partition.py), and hands forward and backward to Inductor or to plain eager execution (`aot_eager`).
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule
 
 from .cache_key import local_shapes, own_sources_digest, stable_cache_keys
-from .dump import GraphDump, count_ops
+from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
-from .passes.check_collectives import check_collectives
-from .passes.nodes import fsdp_meta
-from .passes.cost_model import CostModel, Profile
-from .passes.pipeline import GraphPass, PassPipeline
-from .passes.reshard import tag_reshard_after_forward
-from .passes.unshard_selection import select_unsharded
-from .passes.scheduling import CROSS_GROUP_PASS_NAMES, PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
-from .runtime.meta import GROUP_KEY
-from .runtime.param_group import ParamGroup
+from ..passes.check_collectives import check_collectives
+from ..passes.nodes import fsdp_meta
+from ..passes.cost_model import CostModel, Profile
+from ..passes.pipeline import GraphPass, PassPipeline
+from ..passes.reshard import tag_reshard_after_forward
+from ..passes.unshard_selection import select_unsharded
+from ..passes.scheduling import CROSS_GROUP_PASS_NAMES, PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
+from ..runtime.meta import GROUP_KEY
+from ..runtime.param_group import ParamGroup
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ BACKEND_NAME = "fsdp_graph"
 DUMP_ENV = "FSDP_GRAPH_DUMP"  # read when a backend with no dump_dir compiles a graph
 # Read when a backend whose check_collectives is None compiles a graph; "1" turns the checks on.
 CHECK_COLLECTIVES_ENV = "FSDP_GRAPH_CHECK_COLLECTIVES"
-TRACE_ENV = "TORCH_TRACE"  # torch's structured trace (tlparse): the dump goes there too, see fsdp_graph/dump.py
+TRACE_ENV = "TORCH_TRACE"  # torch's structured trace (tlparse): the dump goes there too, see fsdp_graph/inspect/dump.py
 
 # Joint-graph passes, in order (`BackendConfig.joint_passes`). Names are what `disabled_passes` accepts.
 JOINT_PASS_NAMES = ("unshard_selection", "reshard_after_forward")
@@ -375,8 +375,8 @@ class _InductorLogPass(CustomGraphPass):
 
 def _schedule(schedule: PassPipeline, graph_id: str, kind: str, gm: GraphModule, dump: Optional[GraphDump]) -> GraphModule:
     """Run the scheduling passes on a forward or backward graph; when dumping, write its program
-    for `python -m fsdp_graph.inspect` (see fsdp_graph/timeline.py)."""
-    from .timeline import write_program
+    for `python -m fsdp_graph.inspect` (see fsdp_graph/inspect/timeline.py)."""
+    from ..inspect.timeline import write_program
 
     gm = schedule(gm, f"{graph_id}.{kind}")
     if dump is not None and dump.directory is not None:

@@ -27,7 +27,7 @@ import torch
 from torch._logging import trace_structured
 from torch.fx import GraphModule
 
-from .passes.nodes import (
+from ..passes.nodes import (
     KEPT_UNSHARDED_META, collective_label, gathered_from, group_of, is_collective, is_wait_tensor, parallelism_of,
     tensor_bytes,
 )

@@ -18,9 +18,9 @@ from typing import Optional
 
 from torch.fx import GraphModule
 
-from .passes.cost_model import CostModel
+from ..passes.cost_model import CostModel
 from .dump import format_bytes
-from .passes.simulator import CollectiveSpan, Op, Program, Simulation, in_flight, program_of, simulate
+from ..passes.simulator import CollectiveSpan, Op, Program, Simulation, in_flight, program_of, simulate
 
 PROGRAM_SUFFIX = ".program.json"
 

@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from .passes.simulator import Program, Simulation
+from ..passes.simulator import Program, Simulation
 
 PREDICTED_PID = 1
 MEASURED_PID_BASE = 100  # measured processes get 100, 101, ... whatever their own pids were

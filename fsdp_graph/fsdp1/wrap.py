@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .api import FSDPModule, fully_shard
+from ..api import FSDPModule, fully_shard
 
 
 class WrapPolicy:

@@ -8,7 +8,7 @@ this rank (`_rank`, `_coordinate_on_dim`), the creating thread's id and a lazily
 of strings, which Python salts per process. So every rank and every restart computed a different
 key for the same graph and compiled it again (the example Llama's relaunch spent ~17-23 s in its
 first step instead of loading). And AOTAutogradCache refused our graphs outright, since the traced
-all-gather is a custom autograd.Function (`runtime/traced.py: _AllGatherShards`).
+all-gather is a custom autograd.Function (`runtime/traced_ops.py: AllGatherShards`).
 
 While our backend compiles (`stable_cache_keys()`), a DeviceMesh pickles without those fields,
 and AOTAutogradCache accepts custom autograd.Functions. Both are sound for our graphs: the mesh's
@@ -73,15 +73,24 @@ def local_shapes(example_inputs) -> str:
 def own_sources_digest() -> str:
     """sha256 of fsdp_graph's own Python sources. Our passes shape every compiled graph but are not
     among the sources Dynamo traces, so the caches' keys for our graphs (the passes' `uuid`s) and a
-    saved step's header (fsdp_graph/precompile.py) carry this: a change to the passes or the runtime
+    saved step's header (fsdp_graph/compile/precompile.py) carry this: a change to the passes or the runtime
     (e.g. a new scheduling rule) never loads a graph compiled before it."""
     digest = hashlib.sha256()
     for package in ("fsdp_graph", "fsdp_graph.runtime", "fsdp_graph.passes"):
         folder = os.path.dirname(importlib.import_module(package).__file__)
-        for name in sorted(f for f in os.listdir(folder) if f.endswith(".py")):
-            with open(os.path.join(folder, name), "rb") as f:
-                digest.update(name.encode() + b"\0" + f.read())
+        for path in _python_files(folder):
+            with open(os.path.join(folder, path), "rb") as f:
+                digest.update(path.encode() + b"\0" + f.read())
     return digest.hexdigest()
+
+
+def _python_files(folder: str) -> list[str]:
+    """The `.py` files under `folder`, subpackages included, as sorted relative paths."""
+    found = []
+    for parent, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        found.extend(os.path.relpath(os.path.join(parent, f), folder) for f in files if f.endswith(".py"))
+    return sorted(found)
 
 
 @contextmanager

@@ -1,0 +1,56 @@
+"""What the benchmark scripts share for `--markdown FILE`: their table as markdown, with the date,
+the machine and the command that made it, ready for docs/benchmarks.md (which holds the latest run
+of each benchmark; git keeps the earlier ones).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import sys
+from typing import Sequence
+
+import torch
+
+
+def machine() -> str:
+    """The machine in one line: OS and CPU, cores, accelerator, torch, and the ranks of this run."""
+    parts = [platform.platform(), platform.processor() or platform.machine(), f"{os.cpu_count()} CPU cores"]
+    if torch.cuda.is_available():
+        parts.append(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
+    parts.append(f"torch {torch.__version__}")
+    if "WORLD_SIZE" in os.environ:
+        parts.append(f"{os.environ['WORLD_SIZE']} ranks")
+    return ", ".join(parts)
+
+
+def command() -> str:
+    """The command line of this run, as torchrun was given it where torchrun started it."""
+    args = shlex.join([os.path.relpath(sys.argv[0]), *sys.argv[1:]])
+    if "WORLD_SIZE" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+        return f"torchrun --nproc-per-node {os.environ['LOCAL_WORLD_SIZE']} {args}"
+    return f"python {args}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_markdown(path: str, title: str, sections: Sequence[tuple[str, Sequence[str], Sequence[Sequence[object]]]],
+                   notes: Sequence[str] = ()) -> str:
+    """Write `## title`, the date, machine and command, then each (caption, header, rows) as a table
+    and `notes` as lines after them. Returns `path`."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [f"## {title}", "", f"Run {now} on {machine()}.", "", f"Command: `{command()}`"]
+    for caption, header, rows in sections:
+        parts += ["", caption] if caption else []
+        parts += ["", table(header, rows)]
+    if notes:
+        parts += [""] + list(notes)
+    with open(path, "w") as f:
+        f.write("\n".join(parts) + "\n")
+    return path

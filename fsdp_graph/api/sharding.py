@@ -1,0 +1,216 @@
+"""`fully_shard` (FSDP2's signature and behaviour): it shards a module's parameters as one group and
+makes its class `FSDP<Cls>`; also `register_fsdp_forward_method` and `share_comm_ctx`."""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from ..runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ..runtime.param import MeshInfo, ShardedParam
+from ..runtime.param_group import ParamGroup
+from ..runtime.state import FSDPState
+from .module import _OWNER_ATTR, FSDPModule, _fsdp_class
+from .checks import (
+    _check_devices,
+    _check_ignored_params,
+    _check_modules,
+    _check_no_compile_regions,
+    _check_reshard_after_forward,
+    _check_shardable,
+    _check_taken,
+)
+from .mesh import _check_mesh, _mesh_device
+from .optimizer_check import _install_optimizer_check
+
+
+def fully_shard(
+    module: Union[nn.Module, list[nn.Module]],
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    reshard_after_forward: Optional[Union[bool, int]] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: Optional[set[nn.Parameter]] = None,
+):
+    """Shard `module`'s parameters (those not already in a nested group) as one communication group.
+
+    Parameters become DTensors sharded on dim 0 over `mesh` (1-D, or 2-D for HSDP: replicate on
+    axis 0, shard on axis 1), under unchanged names. Parameters tensor parallelism already made
+    DTensors (on the tp axis of the same mesh) become DTensors over (dp, tp); see docs/composition.md,
+    Tensor parallel. The module's class becomes `FSDP<Cls>`. Call it bottom-up: blocks first, then the root.
+    """
+    modules = _check_modules(module)
+    mesh = _check_mesh(mesh)
+    _install_optimizer_check()
+    mesh_info = MeshInfo(mesh)
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh_info)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}; "
+            f"pass mp_policy=MixedPrecisionPolicy(param_dtype=...)"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got "
+            f"{type(offload_policy).__name__}"
+        )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be callable or None, got {shard_placement_fn!r}")
+    ignored = _check_ignored_params(ignored_params, modules)
+
+    device = _mesh_device(mesh)
+    shard_device = torch.device("cpu") if isinstance(offload_policy, CPUOffloadPolicy) else device
+    pin_memory = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+    if pin_memory and not torch.cuda.is_available():
+        # FSDP2 fails here too (pinning needs an accelerator), with a RuntimeError deep in pin_memory().
+        raise ValueError(
+            "CPUOffloadPolicy(pin_memory=True) pins the CPU shards for fast copies to the GPU, but no "
+            "GPU is available; pass CPUOffloadPolicy(pin_memory=False)"
+        )
+    owners = _collect_params(modules, ignored)
+    _check_devices(owners)
+    _check_shardable(owners, mesh)
+    _check_no_compile_regions(modules, owners)
+    params = []
+    for param, param_owners, fqn in owners:
+        shard_dim = _shard_dim(shard_placement_fn, param, fqn)
+        params.append(
+            ShardedParam(
+                param, param_owners, fqn, modules, mesh_info, device, shard_device, mp_policy.param_dtype, shard_dim,
+                mp_policy=mp_policy,
+            )
+        )
+    group = ParamGroup(params, mesh_info, device, mp_policy, reshard_after_forward) if params else None
+    for param, sharded in zip((o[0] for o in owners), params):
+        if pin_memory:
+            sharded.pin_shard()
+        setattr(param, _OWNER_ATTR, sharded)
+        setattr(sharded.sharded_param, _OWNER_ATTR, sharded)
+        sharded.install(sharded=True)
+    for m in modules:
+        _move_buffers(m, device)
+
+    state = FSDPState(modules, group, mp_policy, reshard_after_forward, device)
+    for m in modules:
+        m._fsdp_state = state
+        m.__class__ = _fsdp_class(type(m))
+        _register_as_fully_shard(m)
+    state.claim_root()
+    return module
+
+
+def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:
+    """The dim `shard_placement_fn` shards `param` on (negative dims count from the end); 0 without one."""
+    placement = None if shard_placement_fn is None else shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(
+            f"shard_placement_fn returned {placement!r} for '{fqn}'; fsdp_graph shards every parameter: "
+            f"return Shard(dim) for a dim of the parameter, or None for Shard(0)"
+        )
+    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.ndim:
+        raise ValueError(
+            f"shard_placement_fn returned {placement} for '{fqn}', which has {param.ndim} dims; return "
+            f"Shard(dim) with -{param.ndim} <= dim < {param.ndim}"
+        )
+    return dim
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run `module.<method_name>` under the same unshard/reshard hooks as `forward`."""
+    if not isinstance(method_name, str):
+        raise TypeError(
+            f"register_fsdp_forward_method expects the method's name as a str, got {method_name!r}; "
+            f"e.g. register_fsdp_forward_method(model, 'generate')"
+        )
+    if not isinstance(module, FSDPModule):
+        raise ValueError(
+            f"register_fsdp_forward_method needs a module passed to fully_shard, got "
+            f"{type(module).__name__}; call fully_shard(module) first"
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    state = module._fsdp_state
+
+    @functools.wraps(method)
+    def run_with_hooks(*args, **kwargs):
+        args, kwargs = state._pre_forward_hook(module, args, kwargs)
+        output = method(*args, **kwargs)
+        return state._post_forward_hook(module, args, output)
+
+    object.__setattr__(module, method_name, run_with_hooks)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Make several roots (pipeline stages) share the first one's streams and buffers, as FSDP2's."""
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"share_comm_ctx expects a list of FSDPModule, got {type(modules).__name__}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects modules fully_shard was applied to, got {type(m).__name__}")
+    if not modules:
+        return
+    comm = modules[0]._fsdp_state.ctx.comm
+    for m in modules[1:]:
+        ctx = m._fsdp_state.ctx
+        ctx.comm = comm
+        for state in ctx.states:
+            if state.group is not None:
+                state.group.comm = comm
+
+
+def _register_as_fully_shard(module: nn.Module) -> None:
+    """Mark `module` in torch's composable-API registry as managed by `fully_shard`.
+
+    [Note: Known to torch's composable APIs as fully_shard]
+    torch's composable APIs keep, on each module they were applied to, a registry of API names
+    (`torch.distributed._composable.contract`: `module.__dict__[REGISTRY_KEY]`, an ordered dict
+    from the API's function name to a `RegistryItem`) and read it with `_get_registry`. `replicate`
+    leaves modules whose registry holds "fully_shard" to that API: it neither turns their DTensor
+    parameters into local tensors nor all-reduces their gradients. So a model whose blocks
+    fsdp_graph sharded composes with `replicate` around it as with torch's `fully_shard`. Only the
+    registry entry is written, as `contract` writes it; the state `contract` also stores belongs to
+    torch's own `fully_shard` and is not ours to fake. torch's `fully_shard` on the same module then
+    refuses, as it would after itself.
+    """
+    registry = module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())
+    registry.setdefault("fully_shard", RegistryItem())
+
+
+def _collect_params(modules, ignored: set[int]):
+    """(param, [(owner, name), ...], fqn) for every parameter this call takes over."""
+    found: dict[int, tuple[nn.Parameter, list, str]] = {}
+    for root_index, root in enumerate(modules):
+        prefix = f"[{root_index}]." if len(modules) > 1 else ""
+        for module_name, owner in root.named_modules(remove_duplicate=False):
+            for name, param in owner._parameters.items():
+                if param is None or id(param) in ignored:
+                    continue
+                fqn = prefix + (f"{module_name}.{name}" if module_name else name)
+                taken = getattr(param, _OWNER_ATTR, None)
+                if taken is not None:
+                    _check_taken(taken, owner, fqn, modules)
+                    continue
+                entry = found.setdefault(id(param), (param, [], fqn))
+                if (owner, name) not in [(o, n) for o, n in entry[1]]:
+                    entry[1].append((owner, name))
+    return list(found.values())
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and not buf.is_meta and buf.device != device:
+                sub._buffers[name] = buf.to(device)
