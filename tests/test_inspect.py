@@ -21,7 +21,7 @@ import fsdp_graph
 from _harness import fake_process_group
 from _models import MLPStack
 from fsdp_graph import fully_shard
-from fsdp_graph.inspect.dump import load_summary
+from fsdp_graph.inspect.dump import format_summary, load_summary
 from fsdp_graph.inspect import main as inspect_main
 from fsdp_graph.passes.simulator import CollectiveSpan, MemoryProfile, Simulation, in_flight
 from fsdp_graph.inspect.timeline import load_programs, timeline_svg
@@ -262,3 +262,10 @@ def test_dump_goes_into_torch_structured_trace(tmp_path):
         assert name in ours, sorted(ours)
         assert ours[name]["frame_id"] == 0 and ours[name]["frame_compile_id"] == 0, ours[name]
         assert ours[name]["has_payload"], ours[name]
+
+
+def test_summary_names_the_groups_kept_by_the_budget():
+    # A group kept unsharded by memory_budget_bytes: its line names the group and the bytes.
+    entry = {"collectives": [], "num_nodes": 3, "kept_by_budget": {"layers.0": 3 * 2**20}}
+    text = format_summary({"graphs": {"frame_0_0": {"forward": entry}}})
+    assert "kept unsharded by memory_budget_bytes: layers.0: costs 3.0 MiB" in text, text

@@ -252,8 +252,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                 saved = ", ".join(f"{s['node']} ({s['group']})" for s in entry["saved_unsharded"]) or "none"
                 lines.append(f"  unsharded parameters saved for backward: {saved}")
             for group, num_bytes in sorted(entry.get("kept_by_budget", {}).items()):
-                lines.append(f"  kept unsharded by memory_budget_bytes: {group}: costs {_format_bytes(num_bytes)} "
-                             f"until backward, saves its {_format_bytes(num_bytes)} backward all-gather")
+                lines.append(f"  kept unsharded by memory_budget_bytes: {group}: costs {format_bytes(num_bytes)} "
+                             f"until backward, saves its {format_bytes(num_bytes)} backward all-gather")
     fallbacks = summary.get("fallbacks", {})
     if fallbacks:
         lines.append(f"fell back to the eager hooks: {len(fallbacks)} module(s)")
