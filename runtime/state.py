@@ -14,9 +14,10 @@ Per step, for each state:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from enum import Enum, auto
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -53,6 +54,9 @@ class RootContext:
         self.final_callback_queued = False
         self.is_last_backward = True
         self.materialized = False  # every parameter was seen off the meta device (checked until then)
+        # Graphs are being captured, not run (fsdp_graph.predict): parameters on the meta device are
+        # expected then. Set by `capturing_graphs`.
+        self.capturing = False
         # State name -> why its hooks ran eagerly inside a compiled call; see runtime/traced.py.
         self.fallbacks: dict[str, str] = {}
         # `backward_writes_param_grads`' answer for the current backward, None until asked.
@@ -280,7 +284,7 @@ class FSDPState:
         a guard, and setting it a recompile), where `is_meta` is a constant of the graph inputs.
         """
         tracing = torch.compiler.is_compiling()
-        if not tracing and self.ctx.materialized:
+        if (not tracing and self.ctx.materialized) or (tracing and self.ctx.capturing):
             return
         sharded = [p.sharded_param for s in self.ctx.states if s.group is not None for p in s.group.params]
         if not any(param.is_meta for param in sharded):
@@ -508,3 +512,15 @@ class FSDPState:
 traced.skip_when_not_inlined(
     FSDPState._pre_forward_hook, FSDPState._post_forward_hook, FSDPState._check_called_through_group
 )
+
+
+@contextlib.contextmanager
+def capturing_graphs(module: nn.Module) -> Iterator[None]:
+    """While tracing `module` (a `fully_shard` root) only to capture its graphs, as
+    fsdp_graph.predict does on the meta device: no check for parameters left on meta."""
+    ctx = module._fsdp_state.ctx
+    ctx.capturing = True
+    try:
+        yield
+    finally:
+        ctx.capturing = False

@@ -107,7 +107,8 @@ def test_sharding_strategies(strategy, world_size):
     shard_size = {"NO_SHARD": 1, "HYBRID_SHARD": 2, "_HYBRID_SHARD_ZERO2": 2}.get(strategy, world_size)
     assert local_shape == (dim // shard_size, dim)
     regather = {"FULL_SHARD": 3, "HYBRID_SHARD": 3}.get(strategy, 0)
-    assert counts["_allgather_base_"] == 3 + regather
+    # One rank per shard group gathers nothing, as FSDP2 ([Note: One rank issues no collectives]).
+    assert counts.get("_allgather_base_", 0) == (0 if shard_size == 1 else 3 + regather)
     if strategy in ("NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
         assert counts["allreduce_"] == 3  # across replicas
 

@@ -29,6 +29,7 @@ from torch.fx import GraphModule
 from .backend import BackendConfig
 from .partition import partition
 from ..passes.pipeline import PassPipeline
+from ..runtime.state import capturing_graphs
 
 
 @contextmanager
@@ -73,6 +74,7 @@ def capture_graphs(
     backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=partition_joint,
                            keep_inference_input_mutations=True)
     torch._dynamo.reset()
-    loss(torch.compile(model, backend=backend, fullgraph=True)(*args)).backward()
+    with capturing_graphs(model):
+        loss(torch.compile(model, backend=backend, fullgraph=True)(*args)).backward()
     torch._dynamo.reset()
     return graphs
