@@ -28,8 +28,8 @@ Each move is one candidate, tried in graph order; it is kept only if afterwards
       the largest buckets (see [Note: Default memory headroom]), and
     - the simulated exposed communication does not grow (among prefetch depths, the smallest with
       the least exposure wins).
-With `max_collectives_in_flight` set, a move is also kept only if at most that many collectives are
-in flight at any point ([Note: Collectives in flight on gloo]).
+With `max_collectives_in_flight` (by default 1 where a collective runs on gloo), a move is also kept
+only if at most that many collectives are in flight at any point ([Note: Collectives in flight on gloo]).
 So a tighter budget gives shallower prefetch (down to none), never an error. Decisions depend only
 on shapes and the cost model, hence are the same on every rank. Rejections are logged with the
 reason and recorded in `gm.meta[SCHEDULE_META]`.
@@ -45,7 +45,7 @@ from torch.fx import GraphModule, Node
 
 from .cost_model import CostModel
 from .nodes import (
-    PASS_META, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_reduce_scatter,
+    PASS_META, backend_of, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_reduce_scatter,
     is_wait_tensor, tensor_bytes, wait_of,
 )
 from .simulator import Op, OpKind, _kind, in_flight, op_of, simulate
@@ -186,15 +186,17 @@ def _largest_bucket_bytes(nodes: list[Node]) -> int:
 
 
 # [Note: Collectives in flight on gloo]
-# Until 2026-11-24 the schedule kept one collective in flight on gloo, blaming torch 2.13's gloo for
-# heap corruption ("malloc(): unaligned tcache chunk detected" in gloo worker threads) seen in
-# compiled 400-step runs of examples/train_llama.py with three all-gathers in flight. Torch alone
-# never reproduced it (4 to 12 async collectives in flight, 2000-3000 iterations), and at this
-# commit the same runs with several collectives in flight finish (aot_eager and Inductor, 400 steps;
-# Inductor, 300 steps, 3 of 3), while `check_collectives=True` (passes/check_collectives.py), which
-# checks every collective's buffers between issue and wait, finds nothing written, freed or resized.
-# So there is no limit by default on any backend; `max_collectives_in_flight` stays as an option
-# (BackendConfig) for a backend that needs one.
+# Where a collective runs on gloo the schedule keeps one collective in flight by default: with
+# several in flight, compiled runs of examples/train_llama.py on 2 gloo ranks abort with heap
+# corruption in gloo worker threads ("malloc(): unaligned tcache chunk detected",
+# "malloc_consolidate(): unaligned fastbin chunk detected"). On 2026-11-25, with the limit lifted,
+# `train_llama.py --compile --steps 300` aborted in 3 of 3 runs on a quiet machine (after 19-70 s),
+# and again with `check_collectives=True`, which found no buffer of an in-flight collective written,
+# freed or resized before its wait (passes/check_collectives.py). On a loaded machine the same runs
+# often finish (0 of 7 aborted), and bisection over older commits gave 2 of 3 and 3 of 5 aborts: the
+# fault depends on timing, and its cause is not found; torch alone with 4-12 plain async collectives
+# in flight has not reproduced it. NCCL (and any other backend) is not limited;
+# `BackendConfig(max_collectives_in_flight=N)` sets a limit explicitly, also on gloo.
 
 
 class _Scheduler:
@@ -441,7 +443,8 @@ def reorder_for_overlap(
     max_collectives_in_flight: Optional[int] = None,
 ) -> GraphModule:
     """Schedule the graph's collectives for overlap; see the module docstring for the schedule.
-    `max_collectives_in_flight` None: no limit ([Note: Collectives in flight on gloo]).
+    `max_collectives_in_flight` None: one where a collective runs on gloo, else no limit
+    ([Note: Collectives in flight on gloo]).
 
     Assumes: a partitioned forward or backward graph whose collectives are each waited on once.
     Guarantees: the same nodes with the same arguments, in a topological order; only all-gathers
@@ -451,6 +454,8 @@ def reorder_for_overlap(
     """
     if not any(is_collective(n) for n in gm.graph.nodes):
         return gm
+    if max_collectives_in_flight is None and any(backend_of(n) == "gloo" for n in gm.graph.nodes if is_collective(n)):
+        max_collectives_in_flight = 1  # [Note: Collectives in flight on gloo]
     scheduler = _Scheduler(gm, cost_model, max_bytes_in_flight, memory_budget_bytes, max_collectives_in_flight)
     scheduler.issue_reduce_scatters_early()
     scheduler._measure_current()

@@ -1,8 +1,10 @@
 """The in-flight collective checks (passes/check_collectives.py, `check_collectives=True`).
 
 The negative tests run hand-built graphs that break the rule on one process with a fake process
-group; the compiled steps with several collectives in flight under the checks, on two gloo ranks,
-are in tests/test_compile_parity.py (`test_gloo_keeps_several_collectives_in_flight_under_the_check`).
+group; `test_compiled_step_with_several_in_flight_passes_the_checks` compiles a sharded model there
+whose schedule keeps several collectives in flight. On two gloo ranks (one collective in flight, see
+[Note: Collectives in flight on gloo]) the checks run in tests/test_compile_parity.py
+(`test_gloo_keeps_one_collective_in_flight_under_the_check`).
 """
 
 import operator
@@ -11,7 +13,12 @@ import pytest
 import torch
 import torch.fx as fx
 
+import fsdp_graph
 from _harness import fake_process_group
+from _models import MLPStack
+from fsdp_graph import fully_shard
+from fsdp_graph.inspect.timeline import load_programs
+from fsdp_graph.passes.simulator import in_flight
 from fsdp_graph.compile.backend import CHECK_COLLECTIVES_ENV, BackendConfig
 from fsdp_graph.passes.check_collectives import CollectiveBufferError, check_collectives
 
@@ -74,3 +81,24 @@ def test_the_environment_variable_turns_the_checks_on(monkeypatch):
     assert not BackendConfig(check_collectives=False).checking_collectives()
     with pytest.raises(ValueError, match="check_collectives must be True, False or None"):
         BackendConfig(check_collectives="yes")
+
+
+def test_compiled_step_with_several_in_flight_passes_the_checks(fake_group, tmp_path):
+    # The fake group is no gloo: the schedule prefetches with several collectives in flight, and
+    # every one of them is checked at its wait (the inserted check ops run; nothing raises).
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = MLPStack(num_blocks=3)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    backend = fsdp_graph.backend(
+        compiler="aot_eager", disabled_passes={"auto_bucket"}, dump_dir=str(tmp_path), check_collectives=True
+    )
+    try:
+        torch.compile(model, backend=backend)(torch.randn(4, 13)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    in_flight_per_graph = {label: in_flight(program)[1] for label, program in load_programs(str(tmp_path)).items()}
+    assert max(in_flight_per_graph.values()) >= 2, in_flight_per_graph
+
