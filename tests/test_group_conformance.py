@@ -80,6 +80,37 @@ class LoraNet(nn.Module):
         return self.head(x).squeeze(-1)
 
 
+
+def _train_against_torch(models: dict, batches: list, loss_of, label: str) -> list[float]:
+    """Train `models` "torch", "eager" and "compiled" (run through `_compile`) on `batches` with
+    AdamW over their trainable parameters. Every step, our losses and gradients equal torch's; at
+    the end, every parameter (dtype included). Returns torch's losses."""
+    runs = {name: _compile(m) if name == "compiled" else m for name, m in models.items()}
+    optimizers = {
+        name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for name, m in models.items()
+    }
+    losses = []
+    for step, batch in enumerate(batches):
+        step_losses = {}
+        for name, run in runs.items():
+            loss = loss_of(run, batch)
+            loss.backward()
+            step_losses[name] = loss.item()
+        for name in ("eager", "compiled"):
+            torch.testing.assert_close(step_losses[name], step_losses["torch"], rtol=1e-6, atol=0)
+            _assert_same_grads(models[name], models["torch"], f"{label} {name} step {step}")
+        for opt in optimizers.values():
+            opt.step()
+            opt.zero_grad()
+        losses.append(step_losses["torch"])
+    expected = dict(models["torch"].named_parameters())
+    for name in ("eager", "compiled"):
+        for fqn, p in models[name].named_parameters():
+            assert p.dtype == expected[fqn].dtype, f"{label} {name} {fqn}"
+            torch.testing.assert_close(_local(p).float(), _local(expected[fqn]).float(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{label} {name} {fqn}: {m}")
+    return losses
+
 def _shard_lora(model: LoraNet, fs) -> LoraNet:
     for block in model.blocks:
         fs(block)
@@ -114,31 +145,9 @@ def _lora(rank, world_size):
         "eager": _shard_lora(copy.deepcopy(net), fully_shard),
         "compiled": _shard_lora(copy.deepcopy(net), fully_shard),
     }
-    runs = {name: _compile(m) if name == "compiled" else m for name, m in models.items()}
-    optimizers = {
-        name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for name, m in models.items()
-    }
-    losses = []
     gen = torch.Generator().manual_seed(100 + rank)
     x, y = torch.randn(4, 12, generator=gen), torch.randn(4, generator=gen)  # one batch: the loss must fall
-    for step in range(3):
-        step_losses = {}
-        for name, run in runs.items():
-            loss = F.mse_loss(run(x), y)
-            loss.backward()
-            step_losses[name] = loss.item()
-        for name in ("eager", "compiled"):
-            torch.testing.assert_close(step_losses[name], step_losses["torch"], rtol=1e-6, atol=0)
-            _assert_same_grads(models[name], models["torch"], f"LoRA {name} step {step}")
-        for opt in optimizers.values():
-            opt.step()
-            opt.zero_grad()
-        losses.append(step_losses["torch"])
-    expected = dict(models["torch"].named_parameters())
-    for name in ("eager", "compiled"):
-        for fqn, p in models[name].named_parameters():
-            torch.testing.assert_close(_local(p), _local(expected[fqn]), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"LoRA {name} {fqn}: {m}")
+    losses = _train_against_torch(models, [(x, y)] * 3, lambda run, batch: F.mse_loss(run(batch[0]), batch[1]), "LoRA")
     return {"losses": losses, "fallbacks": dict(models["compiled"]._fsdp_state.ctx.fallbacks)}
 
 
@@ -212,28 +221,8 @@ def _float8_beside_fp32(rank, world_size):
         for block in model:
             fs(block)
         models[name] = fs(model)
-    runs = {name: _compile(m) if name == "compiled" else m for name, m in models.items()}
-    optimizers = {
-        name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for name, m in models.items()
-    }
-    for step in range(2):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        losses = {}
-        for name, run in runs.items():
-            loss = run(x).pow(2).mean()
-            loss.backward()
-            losses[name] = loss.item()
-        for name in ("eager", "compiled"):
-            torch.testing.assert_close(losses[name], losses["torch"], rtol=1e-6, atol=0)
-            _assert_same_grads(models[name], models["torch"], f"float8 {name} step {step}")
-        for opt in optimizers.values():
-            opt.step()
-            opt.zero_grad()
-    expected = dict(models["torch"].named_parameters())
-    for name in ("eager", "compiled"):
-        for fqn, p in models[name].named_parameters():
-            assert p.dtype == expected[fqn].dtype, fqn
-            torch.testing.assert_close(_local(p).float(), _local(expected[fqn]).float(), rtol=1e-5, atol=1e-6)
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank)) for step in range(2)]
+    _train_against_torch(models, batches, lambda run, x: run(x).pow(2).mean(), "float8")
     return dict(models["compiled"]._fsdp_state.ctx.fallbacks)
 
 
