@@ -270,11 +270,9 @@ def copy_out(params: list[ShardedParam], work: AllGatherWork, world: int) -> Non
         _copy_out_bytes(params, work, world)
         return
     outputs = [p.alloc_unsharded(world) for p in params]
-    widths = [p.shard_numel for p in params]
     if work.num_flags:  # the flags' columns carry nothing for the eager runtime
-        flags = work.output.new_empty(world, work.num_flags)
-        outputs.insert(work.num_flags, flags)
-        widths.insert(work.num_flags, work.num_flags)
+        outputs.insert(work.num_flags, work.output.new_empty(world, work.num_flags))
+    widths = _block_numels(params, work.num_flags)
     # Refilling storage autograd saved is not a modification it should see: the values are the
     # ones forward used. Keep the version counters so saved-tensor checks still pass.
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(
