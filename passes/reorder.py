@@ -28,8 +28,9 @@ Each move is one candidate, tried in graph order; it is kept only if afterwards
       the largest buckets (see [Note: Default memory headroom]), and
     - the simulated exposed communication does not grow (among prefetch depths, the smallest with
       the least exposure wins).
-With `max_collectives_in_flight` (by default 1 where a collective runs on gloo), a move is also kept
-only if at most that many collectives are in flight at any point ([Note: Collectives in flight on gloo]).
+With `max_collectives_in_flight` (no limit by default), a move is also kept only if at most that many
+collectives are in flight at any point; where all-gathers run on gloo, at most one all-gather is in
+flight (reduce-scatters may run beside it), for torch's sake ([Note: All-gathers in flight on gloo]).
 So a tighter budget gives shallower prefetch (down to none), never an error. Decisions depend only
 on shapes and the cost model, hence are the same on every rank. Rejections are logged with the
 reason and recorded in `gm.meta[SCHEDULE_META]`.
@@ -41,6 +42,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from torch.fx import GraphModule, Node
 
 from .cost_model import CostModel
@@ -48,7 +50,7 @@ from .nodes import (
     PASS_META, backend_of, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_reduce_scatter,
     is_wait_tensor, tensor_bytes, wait_of,
 )
-from .simulator import Op, OpKind, _kind, in_flight, op_of, simulate
+from .simulator import Op, OpKind, _kind, all_gathers_in_flight, in_flight, op_of, simulate
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +66,8 @@ class ScheduleReport:
     """What `reorder_for_overlap` decided. Attributes: prefetch_depth (all-gather name -> depth
     kept), sunk_waits (collectives whose wait moved to the end), hoisted (reduce-scatters issued
     before an earlier one, once per step up), rejected ([collective, reason]),
-    peak_bytes and exposed_s before/after (simulated), max_in_flight_bytes and
-    max_in_flight_collectives after."""
+    peak_bytes and exposed_s before/after (simulated), max_in_flight_bytes,
+    max_in_flight_collectives and max_in_flight_all_gathers after."""
 
     prefetch_depth: dict[str, int] = field(default_factory=dict)
     sunk_waits: list[str] = field(default_factory=list)
@@ -77,6 +79,7 @@ class ScheduleReport:
     exposed_s_after: float = 0.0
     max_in_flight_bytes: int = 0
     max_in_flight_collectives: int = 0
+    max_in_flight_all_gathers: int = 0
 
 
 class _Order:
@@ -185,18 +188,24 @@ def _largest_bucket_bytes(nodes: list[Node]) -> int:
     return max(sizes)
 
 
-# [Note: Collectives in flight on gloo]
-# Where a collective runs on gloo the schedule keeps one collective in flight by default: with
-# several in flight, compiled runs of examples/train_llama.py on 2 gloo ranks abort with heap
-# corruption in gloo worker threads ("malloc(): unaligned tcache chunk detected",
-# "malloc_consolidate(): unaligned fastbin chunk detected"). On 2026-11-25, with the limit lifted,
-# `train_llama.py --compile --steps 300` aborted in 3 of 3 runs on a quiet machine (after 19-70 s),
-# and again with `check_collectives=True`, which found no buffer of an in-flight collective written,
-# freed or resized before its wait (passes/check_collectives.py). On a loaded machine the same runs
-# often finish (0 of 7 aborted), and bisection over older commits gave 2 of 3 and 3 of 5 aborts: the
-# fault depends on timing, and its cause is not found; torch alone with 4-12 plain async collectives
-# in flight has not reproduced it. NCCL (and any other backend) is not limited;
-# `BackendConfig(max_collectives_in_flight=N)` sets a limit explicitly, also on gloo.
+# [Note: All-gathers in flight on gloo]
+# torch 2.13's gloo corrupts the heap when two or more all-gathers of one process group are in
+# flight through `allgather_into_tensor_coalesced` (what the functional `all_gather_into_tensor` of a
+# traced graph calls on gloo), with compute between their issue and their waits: "malloc(): unaligned
+# tcache chunk detected", "malloc_consolidate(): unaligned fastbin chunk detected", or SIGSEGV, in
+# seconds to a minute. examples/repro/gloo_all_gathers_in_flight.py shows it with torch alone (no
+# fsdp_graph): the same loop with one gloo worker thread, with `all_gather_into_tensor(async_op=True)`
+# (gloo's plain allgather), with all-reduces, or with functional reduce-scatters runs clean. So on
+# gloo the schedule keeps at most one all-gather in flight; reduce-scatters still overlap it, and
+# prefetch issues AG(i+1) right after wait(AG(i)), before compute(i). Other backends (NCCL) are not
+# limited. `BackendConfig(max_collectives_in_flight=N)` adds a limit on all collectives.
+# Affected: torch 2.13, the only version tested (pyproject pins it); re-run the repro when the pin moves.
+GLOO_ALL_GATHERS_IN_FLIGHT = 1 if torch.__version__ < "2.14" else None
+
+
+def _in_flight(program) -> tuple[int, int, int]:
+    """(bytes, collectives, all-gathers): the most of each in flight at any point of `program`."""
+    return (*in_flight(program), all_gathers_in_flight(program))
 
 
 class _Scheduler:
@@ -207,11 +216,13 @@ class _Scheduler:
         max_bytes_in_flight: Optional[int],
         memory_budget_bytes: Optional[int],
         max_collectives_in_flight: Optional[int],
+        max_all_gathers_in_flight: Optional[int] = None,
     ) -> None:
         self.order = _Order(gm)
         self.cost_model = cost_model
         self.max_bytes_in_flight = max_bytes_in_flight
         self.max_collectives_in_flight = max_collectives_in_flight
+        self.max_all_gathers_in_flight = max_all_gathers_in_flight
         self.memory_budget_bytes = memory_budget_bytes
         self.body = self.order.body
         self.report = ScheduleReport()
@@ -223,28 +234,35 @@ class _Scheduler:
             # keeps sunk reduce-scatter waits from holding every full gradient to the graph's end.
             self.memory_budget_bytes = self.peak + 2 * _largest_bucket_bytes(self.body)
 
-    def _measure(self, body: list[Node]) -> tuple[int, float, tuple[int, int]]:
+    def _measure(self, body: list[Node]) -> tuple[int, float, tuple[int, int, int]]:
+        """(simulated peak bytes, exposed seconds, (bytes, collectives, all-gathers) most in flight)."""
         program = self.order.program(body)
         simulation = simulate(program, self.cost_model)  # its memory profile included
-        return simulation.memory.peak_bytes, simulation.exposed_comm_s, in_flight(program)
+        return simulation.memory.peak_bytes, simulation.exposed_comm_s, _in_flight(program)
 
     def _accept(self, body: list[Node]) -> None:
         self.body = body
         self.peak, self.exposed, self.in_flight = self._measure(body)
 
-    def _too_many_in_flight(self, count: int) -> Optional[str]:
+    def _too_many_in_flight(self, flight: tuple[int, int, int]) -> Optional[str]:
+        """Why `flight` (as `_in_flight` gives it) breaks a limit on how many are in flight, or None;
+        a body no worse than the current one passes."""
+        _, count, all_gathers = flight
         limit = self.max_collectives_in_flight
         if limit is not None and count > limit and count > self.in_flight[1]:
             return f"{count} collectives in flight > max_collectives_in_flight={limit}"
+        limit = self.max_all_gathers_in_flight
+        if limit is not None and all_gathers > limit and all_gathers > self.in_flight[2]:
+            return f"{all_gathers} all-gathers in flight on gloo > {limit} ([Note: All-gathers in flight on gloo])"
         return None
 
     def _check(self, body: list[Node]) -> tuple[Optional[str], float]:
         """(why `body` is rejected or None, its exposed seconds)."""
-        peak, exposed, (in_flight_bytes, in_flight_count) = self._measure(body)
+        peak, exposed, flight = self._measure(body)
         limit = self.max_bytes_in_flight
-        if limit is not None and in_flight_bytes > limit and in_flight_bytes > self.in_flight[0]:
-            return f"{in_flight_bytes} bytes in flight > max_bytes_in_flight={limit}", exposed
-        too_many = self._too_many_in_flight(in_flight_count)
+        if limit is not None and flight[0] > limit and flight[0] > self.in_flight[0]:
+            return f"{flight[0]} bytes in flight > max_bytes_in_flight={limit}", exposed
+        too_many = self._too_many_in_flight(flight)
         if too_many:
             return too_many, exposed
         budget = self.memory_budget_bytes
@@ -264,8 +282,8 @@ class _Scheduler:
             following = self.body[index[producer] + 1]
             candidate = _moved(self.body, [rs], following)
             # Only a collective limit needs the candidate measured; the caller re-measures after.
-            if self.max_collectives_in_flight is not None:
-                if self._too_many_in_flight(in_flight(self.order.program(candidate))[1]):
+            if self.max_collectives_in_flight is not None or self.max_all_gathers_in_flight is not None:
+                if self._too_many_in_flight(_in_flight(self.order.program(candidate))):
                     continue
             self.body = candidate
             rs.meta[PASS_META] = "reorder_for_overlap"
@@ -410,7 +428,8 @@ class _Scheduler:
 
     def _prefetch_after_wait(self, ag: Node, wait: Node, reasons: list[str]) -> Optional[tuple[float, int, list[Node]]]:
         """AG(i+1) issued just after wait(AG(i)) instead of before it: still under compute(i), with
-        one collective in flight, where issuing it earlier was rejected (e.g. by `max_collectives_in_flight`). Returns
+        one all-gather in flight, where issuing it earlier was rejected (e.g. on gloo: [Note: All-gathers
+        in flight on gloo]). Returns
         (exposed, 1, body) when that hides some of it, else None."""
         index = {n: i for i, n in enumerate(self.body)}
         moving = _inputs_after(ag, index[wait], index)
@@ -432,7 +451,8 @@ class _Scheduler:
             output.prepend(node)
         self._measure_current()
         self.report.peak_bytes_after, self.report.exposed_s_after = self.peak, self.exposed
-        self.report.max_in_flight_bytes, self.report.max_in_flight_collectives = self.in_flight
+        flight = self.in_flight
+        self.report.max_in_flight_bytes, self.report.max_in_flight_collectives, self.report.max_in_flight_all_gathers = flight
 
 
 def reorder_for_overlap(
@@ -443,8 +463,8 @@ def reorder_for_overlap(
     max_collectives_in_flight: Optional[int] = None,
 ) -> GraphModule:
     """Schedule the graph's collectives for overlap; see the module docstring for the schedule.
-    `max_collectives_in_flight` None: one where a collective runs on gloo, else no limit
-    ([Note: Collectives in flight on gloo]).
+    `max_collectives_in_flight` None: no limit; where all-gathers run on gloo, one all-gather at a
+    time ([Note: All-gathers in flight on gloo]).
 
     Assumes: a partitioned forward or backward graph whose collectives are each waited on once.
     Guarantees: the same nodes with the same arguments, in a topological order; only all-gathers
@@ -454,9 +474,9 @@ def reorder_for_overlap(
     """
     if not any(is_collective(n) for n in gm.graph.nodes):
         return gm
-    if max_collectives_in_flight is None and any(backend_of(n) == "gloo" for n in gm.graph.nodes if is_collective(n)):
-        max_collectives_in_flight = 1  # [Note: Collectives in flight on gloo]
-    scheduler = _Scheduler(gm, cost_model, max_bytes_in_flight, memory_budget_bytes, max_collectives_in_flight)
+    on_gloo = any(backend_of(n) == "gloo" for n in gm.graph.nodes if is_all_gather(n))
+    max_all_gathers = GLOO_ALL_GATHERS_IN_FLIGHT if on_gloo else None  # [Note: All-gathers in flight on gloo]
+    scheduler = _Scheduler(gm, cost_model, max_bytes_in_flight, memory_budget_bytes, max_collectives_in_flight, max_all_gathers)
     scheduler.issue_reduce_scatters_early()
     scheduler._measure_current()
     scheduler.hoist_reduce_scatters()

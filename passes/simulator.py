@@ -271,6 +271,19 @@ def in_flight(program: Program) -> tuple[int, int]:
     return worst_bytes, worst_count
 
 
+def all_gathers_in_flight(program: Program) -> int:
+    """The most all-gathers issued and not yet waited on at any point of `program`."""
+    pending: set[str] = set()
+    worst = 0
+    for op in program:
+        if op.kind is OpKind.COLLECTIVE and op.facts.collective is CollectiveKind.ALL_GATHER:
+            pending.add(op.name)
+            worst = max(worst, len(pending))
+        elif op.kind is OpKind.WAIT and op.inputs:
+            pending.discard(op.inputs[0])
+    return worst
+
+
 def in_flight_bytes(program: Program) -> int:
     """The most collective bytes issued and not yet waited on at any point of `program`."""
     return in_flight(program)[0]

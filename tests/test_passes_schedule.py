@@ -231,9 +231,8 @@ wait RS blocks.0""")
             self.assertLessEqual(gm.meta[SCHEDULE_META].max_in_flight_bytes, limit)
 
     def test_one_collective_in_flight(self):
-        """`max_collectives_in_flight=1` ([Note: Collectives in flight on gloo]): never two
-        collectives in flight, yet the forward still prefetches (AG(i+1) after wait(AG(i)), under
-        compute(i))."""
+        """`max_collectives_in_flight=1`: never two collectives in flight, yet the forward still
+        prefetches (AG(i+1) after wait(AG(i)), under compute(i))."""
         for kind in ("forward", "backward"):
             unlimited = reorder_for_overlap(bucket_by_group(self.graphs()[kind]), FIXED, memory_budget_bytes=UNLIMITED)
             self.assertGreater(in_flight(program_of(unlimited))[1], 1)  # the fake group: no limit

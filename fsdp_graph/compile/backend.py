@@ -75,9 +75,9 @@ class BackendConfig:
         bucket_cap_bytes: auto-bucketing merges latency-bound buckets up to this size and splits
             larger buckets.
         max_bytes_in_flight: the most collective bytes issued and not yet waited on; None: no limit.
-        max_collectives_in_flight: the most collectives issued and not yet waited on; None: one
-            where a collective runs on gloo, else no limit ([Note: Collectives in flight on gloo]
-            in passes/reorder.py).
+        max_collectives_in_flight: the most collectives issued and not yet waited on; None: no
+            limit. On gloo (torch 2.13) at most one all-gather is in flight whatever this says
+            ([Note: All-gathers in flight on gloo] in passes/reorder.py).
         memory_budget_bytes: the predicted peak memory one graph may allocate (inputs excluded)
             when reordering; prefetch gets shallower to stay within it. None: the unscheduled
             peak plus two of the largest buckets. Given explicitly, it is also the budget for
