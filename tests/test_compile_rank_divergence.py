@@ -96,13 +96,16 @@ def _shard_blocks(model: MLPStack) -> MLPStack:
     return model
 
 
-def _graph_break_on_one_rank(rank, world_size):
+def _graph_break_on_one_rank(rank, world_size, compiler):
     torch.manual_seed(0)
-    backend = fsdp_graph.backend(compiler="aot_eager", rank_divergent_graphs=True)
-    result = train_compiled_and_compare(MLPStack(num_blocks=4), _shard_blocks, backend, rank, world_size)
+    backend = fsdp_graph.backend(compiler=compiler, rank_divergent_graphs=True)
+    result = train_compiled_and_compare(
+        MLPStack(num_blocks=4), _shard_blocks, backend, rank, world_size, bitwise=compiler == "aot_eager"
+    )
     return _fallbacks_per_rank(result["fallbacks"])
 
 
-def test_graph_break_on_one_rank_with_rank_divergent_graphs():
-    on_rank0, on_rank1 = run_ranks(_graph_break_on_one_rank, 2)
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_graph_break_on_one_rank_with_rank_divergent_graphs(compiler):
+    on_rank0, on_rank1 = run_ranks(_graph_break_on_one_rank, 2, compiler)
     assert "blocks.1" in on_rank0 and "blocks.1" not in on_rank1, (on_rank0, on_rank1)
