@@ -11,9 +11,10 @@ On torch 2.13.0+cpu (2 ranks on one machine) `--op functional` or `--op coalesce
 seconds to a minute with "malloc(): unaligned tcache chunk detected", "malloc_consolidate(): unaligned
 fastbin chunk detected" or SIGSEGV. Both go through gloo's `allgather_coalesced` work (the functional
 `all_gather_into_tensor`, what a traced graph calls, is `allgather_into_tensor_coalesced` on gloo).
-Clean in the same loop: `--in-flight 1`, `--gloo-threads 1`, `--op plain` (`all_gather_into_tensor`
-with async_op=True: gloo's plain allgather), `--op all_reduce`, `--op reduce_scatter` (functional),
-and `--op alternate --in-flight 2` (one all-gather and one reduce-scatter in flight).
+Clean in the same loop: `--in-flight 1`, `--gloo-threads 1`, `--op plain` (`all_gather_single` with
+async_op=True: gloo's plain allgather, what fsdp_graph's eager runtime calls), `--op all_reduce`,
+`--op reduce_scatter` (functional), and `--op alternate --in-flight 2` (one all-gather and one
+reduce-scatter in flight).
 fsdp_graph's schedule therefore keeps one all-gather in flight on gloo ([Note: All-gathers in flight
 on gloo] in passes/reorder.py).
 """
@@ -80,7 +81,7 @@ def issue(op: str, numel: int, world: int, group_name: str, turn: int):
     if op == "coalesced":
         return dist.all_gather_coalesced([[torch.empty(numel)] for _ in range(world)], [x], async_op=True)
     if op == "plain":
-        return dist.all_gather_into_tensor(torch.empty(world * numel), x, async_op=True)
+        return dist.all_gather_single(torch.empty(world * numel), x, async_op=True)
     if op == "all_reduce":
         return dist.all_reduce(x, async_op=True)
     return FUNCTIONAL.reduce_scatter_tensor(torch.randn(world * numel), "sum", world, group_name)
