@@ -77,6 +77,29 @@ def backend_of(node: Node) -> Optional[str]:
         return None
 
 
+# [Note: All-gathers in flight on gloo]
+# torch 2.13's gloo corrupts the heap when two or more all-gathers of one process group are in
+# flight through `allgather_into_tensor_coalesced` (what the functional `all_gather_into_tensor` of a
+# traced graph calls on gloo), with compute between their issue and their waits: "malloc(): unaligned
+# tcache chunk detected", "malloc_consolidate(): unaligned fastbin chunk detected", or SIGSEGV, in
+# seconds to a minute. examples/repro/gloo_all_gathers_in_flight.py shows it with torch alone (no
+# fsdp_graph): the same loop with one gloo worker thread, with `all_gather_into_tensor(async_op=True)`
+# (gloo's plain allgather), with all-reduces, or with functional reduce-scatters runs clean. So on
+# gloo the schedule keeps at most one all-gather in flight (passes/reorder.py); reduce-scatters still
+# overlap it, and prefetch issues AG(i+1) right after wait(AG(i)), before compute(i). An all-gather
+# split into pieces (passes/bucketing.py) gathers them one after another. Other backends (NCCL) are not
+# limited. `BackendConfig(max_collectives_in_flight=N)` adds a limit on all collectives.
+# Affected: torch 2.13, the only version tested (pyproject pins it); re-run the repro when the pin moves.
+GLOO_ALL_GATHERS_IN_FLIGHT = 1 if torch.__version__ < "2.14" else None
+
+
+def all_gathers_in_flight_limit(nodes) -> Optional[int]:
+    """How many all-gathers may be in flight at once where `nodes` hold one on gloo, else None (no
+    limit): see [Note: All-gathers in flight on gloo]."""
+    on_gloo = any(backend_of(n) == "gloo" for n in nodes if is_all_gather(n))
+    return GLOO_ALL_GATHERS_IN_FLIGHT if on_gloo else None
+
+
 def _process_group(node: Node) -> Optional[Any]:
     """The process group collective `node` runs on (every functional collective takes its group's
     name last), or None where the group is gone or the name is not a registered one."""

@@ -42,12 +42,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 from torch.fx import GraphModule, Node
 
 from .cost_model import CostModel
 from .nodes import (
-    PASS_META, backend_of, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_reduce_scatter,
+    PASS_META, all_gathers_in_flight_limit, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_reduce_scatter,
     is_wait_tensor, tensor_bytes, wait_of,
 )
 from .simulator import Op, OpKind, _kind, all_gathers_in_flight, in_flight, op_of, simulate
@@ -188,19 +187,6 @@ def _largest_bucket_bytes(nodes: list[Node]) -> int:
     return max(sizes)
 
 
-# [Note: All-gathers in flight on gloo]
-# torch 2.13's gloo corrupts the heap when two or more all-gathers of one process group are in
-# flight through `allgather_into_tensor_coalesced` (what the functional `all_gather_into_tensor` of a
-# traced graph calls on gloo), with compute between their issue and their waits: "malloc(): unaligned
-# tcache chunk detected", "malloc_consolidate(): unaligned fastbin chunk detected", or SIGSEGV, in
-# seconds to a minute. examples/repro/gloo_all_gathers_in_flight.py shows it with torch alone (no
-# fsdp_graph): the same loop with one gloo worker thread, with `all_gather_into_tensor(async_op=True)`
-# (gloo's plain allgather), with all-reduces, or with functional reduce-scatters runs clean. So on
-# gloo the schedule keeps at most one all-gather in flight; reduce-scatters still overlap it, and
-# prefetch issues AG(i+1) right after wait(AG(i)), before compute(i). Other backends (NCCL) are not
-# limited. `BackendConfig(max_collectives_in_flight=N)` adds a limit on all collectives.
-# Affected: torch 2.13, the only version tested (pyproject pins it); re-run the repro when the pin moves.
-GLOO_ALL_GATHERS_IN_FLIGHT = 1 if torch.__version__ < "2.14" else None
 
 
 def _in_flight(program) -> tuple[int, int, int]:
@@ -474,8 +460,7 @@ def reorder_for_overlap(
     """
     if not any(is_collective(n) for n in gm.graph.nodes):
         return gm
-    on_gloo = any(backend_of(n) == "gloo" for n in gm.graph.nodes if is_all_gather(n))
-    max_all_gathers = GLOO_ALL_GATHERS_IN_FLIGHT if on_gloo else None  # [Note: All-gathers in flight on gloo]
+    max_all_gathers = all_gathers_in_flight_limit(gm.graph.nodes)  # [Note: All-gathers in flight on gloo]
     scheduler = _Scheduler(gm, cost_model, max_bytes_in_flight, memory_budget_bytes, max_collectives_in_flight, max_all_gathers)
     scheduler.issue_reduce_scatters_early()
     scheduler._measure_current()

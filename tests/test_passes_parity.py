@@ -13,7 +13,9 @@ from _compile_helpers import train_compiled_and_compare
 from _harness import run_ranks
 from _models import MLPStack
 from fsdp_graph import fully_shard
+from fsdp_graph.inspect.timeline import load_programs
 from fsdp_graph.passes.cost_model import HardwareProfile
+from fsdp_graph.passes.simulator import OpKind, all_gathers_in_flight
 
 
 
@@ -27,11 +29,11 @@ def shard_mlp(model):
 _LATENCY_BOUND = HardwareProfile("latency-bound", 1e9, 1e9, 1e9, 0.0, 1e-3, 1e15)
 
 
-def _run(rank, world_size):
+def _run(rank, world_size, dump_dir):
     results = {}
     configs = {
         "all on, merging": dict(hardware_profile=_LATENCY_BOUND),
-        "all on, splitting": dict(hardware_profile="cpu-gloo", bucket_cap_bytes=64),
+        "all on, splitting": dict(hardware_profile="cpu-gloo", bucket_cap_bytes=64, dump_dir=f"{dump_dir}/rank{rank}"),
         "bucket_by_group off": dict(hardware_profile=_LATENCY_BOUND, disabled_passes={"bucket_by_group"}),
         "auto_bucket off": dict(hardware_profile=_LATENCY_BOUND, disabled_passes={"auto_bucket"}),
         "reorder_for_overlap off": dict(hardware_profile=_LATENCY_BOUND, disabled_passes={"reorder_for_overlap"}),
@@ -43,13 +45,19 @@ def _run(rank, world_size):
         results[name] = train_compiled_and_compare(
             MLPStack(), shard_mlp, fsdp_graph.backend(compiler="aot_eager", **options), rank, world_size
         )["losses"]
-    return results
+    programs = load_programs(f"{dump_dir}/rank{rank}")
+    split = {label: sum(op.kind is OpKind.COLLECTIVE for op in program) for label, program in programs.items()}
+    gathering = {label: all_gathers_in_flight(program) for label, program in programs.items()}
+    return results, split, gathering
 
 
-def test_each_scheduling_pass_on_and_off_gives_identical_training():
-    losses = run_ranks(_run, 2)
+def test_each_scheduling_pass_on_and_off_gives_identical_training(tmp_path):
+    losses, split, gathering = run_ranks(_run, 2, str(tmp_path))
     for name, values in losses.items():
         assert values == losses["all off"], f"{name}: {values} != {losses['all off']}"
+    # The splitting run gathers its pieces one at a time on gloo ([Note: All-gathers in flight on gloo]).
+    assert min(split.values()) > 9, split  # MLPStack: 5 groups, split into many more pieces
+    assert max(gathering.values()) == 1, gathering
 
 
 def _calibrate(rank, world_size):
