@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comms import AllGather, Comm, ReduceScatter
-from .param import MeshInfo, ShardedParam
+from .mesh_info import MeshInfo
+from .param import ShardedParam
 
 # (packed gradient, output shard, shard process group) -> None: writes the summed shard to output.
 CommHook = Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup], None]

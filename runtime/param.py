@@ -18,54 +18,25 @@ back with `movedim(0, k)` into a contiguous unsharded parameter, so the module c
 layout as the unsharded model; gradients are packed from `grad.movedim(k, 0)`. The DTensor shard is
 `Shard(k)`: rank r's slice of dim k, which is the same chunking moved back.
 
-[Note: All-gather extensions]
-FSDP2's contract for tensor subclasses: when the local shard has `fsdp_pre_all_gather` and
-`fsdp_post_all_gather` (defined by its class, or set on the tensor instance: [Note: Extensions found
-on the tensor instance]), the all-gather carries what the pre-hook returns instead of the shard,
-
-    (inputs, metadata) = shard.fsdp_pre_all_gather(mesh, orig_size, orig_stride, module, mp_policy)
-    (tensor, to_free)  = shard.fsdp_post_all_gather(outputs, metadata, param_dtype)        # first time
-    shard.fsdp_post_all_gather(outputs, metadata, param_dtype, out=unsharded_param)         # later
-
-where `outputs[i]` is `inputs[i]` gathered over the shard group on dim 0 (e.g. float8 data, 1 byte
-per element instead of 4) and the unsharded parameter is `tensor`'s first rows. As in FSDP2 the
-pre-hook gets this rank's unpadded shard and the shard axis' 1-D mesh; a rank holding fewer than
-`padded_dim0` rows must return inputs of the padded shard size, so every rank's inputs match. The
-post-hook's `out=` call refills the parameter autograd may have saved: it must not bump its version
-counter (FSDP2 leaves that to the hook too). A group with such a parameter gathers one byte bucket
-(every input, and the other parameters' padded shards, viewed as uint8) and reshards fully after
-forward (an int `reshard_after_forward` would re-gather from bytes the post-hook already consumed).
-Gradients are the unsharded parameter's, reduce-scattered as usual. Both runtimes call the hooks
-through `call_pre_all_gather` and `call_post_all_gather`, in a form Dynamo inlines, so compiled
-steps trace them into the graph: [Note: Traced all-gather extensions] in runtime/traced.py.
-
-[Note: Sharding a tensor-parallel parameter]
-A parameter that tensor parallelism already made a DTensor (`parallelize_module` on a `tp` mesh) is
-sharded as its tp-local tensor: everything above is said of `param.to_local()`, so the all-gather
-over the data-parallel ranks rebuilds exactly the tensor this tp rank computes with, and the
-unsharded parameter is that tensor wrapped again as a DTensor with the tp placements, as
-`parallelize_module` left it. Gradients arrive as tp DTensors; their local tensors (after moving
-them to the parameter's tp placements, e.g. Partial to Replicate) are reduce-scattered over the
-data-parallel ranks only. The sharded parameter is a DTensor over the mesh (dp..., tp) with
-placements (dp placements..., tp placement). When tp already splits the sharded dim into n pieces,
-the dp shard is a chunk of a tp chunk, not a chunk of the global tensor: DTensor spells that
-`_StridedShard(dim, split_factor=n)` on the dp axis, and torch's `fully_shard` writes the same,
-so state dicts and checkpoints of both interoperate.
+Beside it: the mesh it is sharded over (runtime/mesh_info.py), a tensor-parallel parameter's layout
+(runtime/tp_layout.py), the all-gather extensions a shard may bring (runtime/all_gather_extensions.py,
+which `ShardedParam` inherits), and freeing and refilling storage (runtime/storage.py).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, Shard
 
+from .all_gather_extensions import AllGatherExtensions
+from .mesh_info import MeshInfo
 from .policies import MixedPrecisionPolicy
+from .storage import contiguous_stride, refill
+from .tp_layout import TensorParallelLayout, sharded_layout
 
 
 class MetaParameterError(ValueError, RuntimeError):
@@ -83,85 +54,7 @@ class MetaParameterError(ValueError, RuntimeError):
         )
 
 
-@dataclass(frozen=True)
-class MeshInfo:
-    """The mesh a group is sharded over and the ranks that play each role in it.
-
-    `shard_axis` is the mesh axis parameters are sharded on; on a 2-D (HSDP) mesh axis 0 replicates.
-    Sizes, ranks and group names are read from the mesh once, here: traced hooks read them as plain
-    values, so Dynamo guards on a few ints and strings instead of on the mesh's internals (fewer
-    guards to rebuild when `fsdp_graph.precompile` loads a saved step).
-    """
-
-    mesh: DeviceMesh
-    is_hsdp: bool = field(init=False)
-    shard_axis: int = field(init=False)
-    shard_size: int = field(init=False)
-    shard_rank: int = field(init=False)
-    replicate_size: int = field(init=False)
-    shard_group_name: str = field(init=False)
-    replicate_group_name: str | None = field(init=False)  # HSDP only
-
-    def __post_init__(self) -> None:
-        mesh = self.mesh
-        is_hsdp = mesh.ndim == 2
-        shard_axis = mesh.ndim - 1
-        values = {
-            "is_hsdp": is_hsdp,
-            "shard_axis": shard_axis,
-            "shard_size": mesh.size(shard_axis),
-            "shard_rank": mesh.get_local_rank(shard_axis),
-            "replicate_size": mesh.size(0) if is_hsdp else 1,
-            "shard_group_name": mesh.get_group(shard_axis).group_name,
-            "replicate_group_name": mesh.get_group(0).group_name if is_hsdp else None,
-        }
-        for name, value in values.items():
-            object.__setattr__(self, name, value)  # frozen: set once, here
-
-    @property
-    def shard_group(self):
-        return self.mesh.get_group(self.shard_axis)
-
-    @property
-    def replicate_group(self):
-        return self.mesh.get_group(0) if self.is_hsdp else None
-
-    def placements(self, shard_dim: int = 0) -> tuple:
-        return (Replicate(), Shard(shard_dim)) if self.is_hsdp else (Shard(shard_dim),)
-
-
-@dataclass(frozen=True)
-class TensorParallelLayout:
-    """How tensor parallelism split a parameter before `fully_shard` took it.
-
-    Attributes:
-        mesh: the 1-D tensor-parallel mesh the parameter is a DTensor on.
-        placements: its placements there (`Shard(d)` or `Replicate()`).
-    """
-
-    mesh: DeviceMesh
-    placements: tuple
-
-    def num_shards(self, dim: int) -> int:
-        """Into how many pieces tensor parallelism splits dim `dim`."""
-        return math.prod(
-            self.mesh.size(axis) for axis, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim
-        )
-
-
-def sharded_layout(
-    mesh_info: MeshInfo, shard_dim: int, tp: TensorParallelLayout | None
-) -> tuple[DeviceMesh, tuple]:
-    """The mesh and placements of a sharded parameter. See [Note: Sharding a tensor-parallel parameter]."""
-    if tp is None:
-        return mesh_info.mesh, mesh_info.placements(shard_dim)
-    split = tp.num_shards(shard_dim)
-    dp_shard = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
-    dp_placements = (Replicate(), dp_shard) if mesh_info.is_hsdp else (dp_shard,)
-    return DeviceMesh._concatenate([mesh_info.mesh, tp.mesh]), (*dp_placements, *tp.placements)
-
-
-class ShardedParam:
+class ShardedParam(AllGatherExtensions):
     """Owns one parameter of a group from `fully_shard` until the module dies.
 
     The sharded parameter (an `nn.Parameter` holding a DTensor) is what the optimizer, `state_dict`
@@ -193,7 +86,8 @@ class ShardedParam:
         # The dtype the module computes with when it is not the shard's: see `unsharded_dtype`.
         self.param_dtype = param_dtype
 
-        # See [Note: Sharding a tensor-parallel parameter]: below, `param` is the tp-local tensor.
+        # See [Note: Sharding a tensor-parallel parameter] in runtime/tp_layout.py: below, `param` is the
+        # tp-local tensor.
         self.tp = TensorParallelLayout(param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
         if self.tp is not None:
             param = param.to_local()
@@ -215,15 +109,8 @@ class ShardedParam:
         local = local.clone() if local.is_meta else local.to(shard_device, copy=True)
         local = local.contiguous()
         self.sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
-        self.mp_policy = mp_policy  # passed to fsdp_pre_all_gather
-        # [Note: All-gather extensions]: the hooks are looked up on the local shard before every
-        # all-gather; `gather_hooks` is what the eager runtime found last time.
-        self._shard_mesh = self._hook_mesh()
-        self.gather_hooks = self.has_gather_hooks()
-        self._check_hooks_survived_sharding(type(local))
-        self._gather_metadata = None  # the pre-hook's metadata, until the post-hook takes it
-        self._gather_outputs: list[torch.Tensor] = []  # one per pre-hook input, (world * rows, ...)
-        self._to_free: tuple[torch.Tensor, ...] = ()  # what the post-hook asked to free on reshard
+        # See [Note: All-gather extensions] in runtime/all_gather_extensions.py.
+        self._init_all_gather_extensions(mp_policy, type(local))
         # Whether `.grad` was None when the last compiled backward reached this parameter; see
         # [Note: Gradient flags in a graph] in runtime/traced.py.
         self.grad_was_none = True
@@ -260,7 +147,7 @@ class ShardedParam:
             self.placements,
             run_check=False,
             shape=self.orig_size,
-            stride=_contiguous_stride(self.orig_size),
+            stride=contiguous_stride(self.orig_size),
         )
 
     # [Note: Parameters changed after fully_shard]
@@ -420,199 +307,10 @@ class ShardedParam:
             self._unsharded_local = unsharded
             self.unsharded_param = nn.Parameter(self._wrap_tp(unsharded), self.requires_grad)
         else:
-            _refill(self._unsharded_padded)
+            refill(self._unsharded_padded)
             if self.shard_dim != 0:
-                _refill(self._unsharded_local)
+                refill(self._unsharded_local)
         return self._unsharded_padded.view(world, self.shard_numel)
-
-    def _find_hook(self, name: str):
-        """`(hook, on_instance)`: the all-gather extension `name` of the local shard, or `(None, False)`.
-
-        [Note: Extensions found on the tensor instance]
-        FSDP2 looks the hooks up on the sharded parameter's local tensor at every all-gather, as
-        `local.fsdp_pre_all_gather(...)`: a user may set them on the tensor instance (after
-        `fully_shard`, or after `to_empty()`, which makes new local tensors), with or without a
-        subclass. So the lookup happens here each time, on `sharded_param._local_tensor` (the object
-        the user patched; `to_local()` returns a new alias without its attributes). An instance
-        attribute wins, as in Python, and is called as stored (a bound method, or a function that
-        takes no self); a class's hook is called through the class with the shard as self, which
-        Dynamo inlines (a method call on a subclass instance is an op to Dynamo), and under Dynamo
-        `getattr` on a subclass instance does not see the class's hook at all, hence the fallback.
-        """
-        owner = self.sharded_param._local_tensor
-        class_hook = getattr(type(owner), name, None)
-        hook = getattr(owner, name, None)
-        if hook is None or (class_hook is not None and getattr(hook, "__func__", None) is class_hook):
-            return class_hook, False
-        return hook, True
-
-    def has_gather_hooks(self) -> bool:
-        """Whether the local shard has all-gather extensions now, checked; both runtimes ask before
-        each all-gather. See [Note: Extensions found on the tensor instance]."""
-        pre, pre_on_instance = self._find_hook("fsdp_pre_all_gather")
-        post, _ = self._find_hook("fsdp_post_all_gather")
-        if (pre is None) != (post is None):
-            raise ValueError(
-                f"Parameter '{self.fqn}' is a {type(self.sharded_param._local_tensor).__name__}, which defines only "
-                f"one of fsdp_pre_all_gather and fsdp_post_all_gather; define both or neither"
-            )
-        if pre is None:
-            return False
-        if self.shard_dim != 0:
-            raise ValueError(
-                f"Parameter '{self.fqn}' has fsdp_pre_all_gather, which fsdp_graph supports on dim 0 only; "
-                f"return Shard(0) or None from shard_placement_fn for it"
-            )
-        if self.tp is not None:
-            raise ValueError(
-                f"Parameter '{self.fqn}' has fsdp_pre_all_gather and is a tensor-parallel DTensor; fsdp_graph "
-                f"supports all-gather extensions on plain parameters only: apply the subclass to a model "
-                f"without tensor parallelism, or use a plain parameter here"
-            )
-        if self._shard_mesh is None:
-            raise ValueError(
-                f"Parameter '{self.fqn}' has fsdp_pre_all_gather, which is given the shard axis' mesh, but the "
-                f"{self.mesh_info.mesh.ndim}-D mesh has no dim names to slice it by; build it with "
-                f"init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
-            )
-        num_args = _num_hook_args(pre, pre_on_instance)
-        if num_args not in (1, 5):
-            raise TypeError(
-                f"fsdp_pre_all_gather of '{self.fqn}' ({type(self.sharded_param._local_tensor).__name__}) "
-                f"takes {num_args} arguments; FSDP2's contract is (mesh, orig_size, orig_stride, module, "
-                f"mp_policy), or (mesh) in its older form"
-            )
-        return True
-
-    def _check_hooks_survived_sharding(self, cls: type) -> None:
-        """At `fully_shard`: a parameter whose class has the hooks must still have them on its shard."""
-        pre, post = hasattr(cls, "fsdp_pre_all_gather"), hasattr(cls, "fsdp_post_all_gather")
-        if pre != post:
-            raise ValueError(
-                f"Parameter '{self.fqn}' is a {cls.__name__}, which defines only one of fsdp_pre_all_gather "
-                f"and fsdp_post_all_gather; define both or neither"
-            )
-        if pre and not self.gather_hooks:
-            raise ValueError(
-                f"Parameter '{self.fqn}' is a {cls.__name__} with fsdp_pre_all_gather, but its shard (the "
-                f"DTensor's local tensor) is a {type(self.sharded_param._local_tensor).__name__}: the subclass "
-                f"does not survive detach, slicing and views, so its hooks would never run; keep the subclass "
-                f"through those ops in its __torch_dispatch__, or set the hooks on the local tensor after fully_shard"
-            )
-
-    def refresh_gather_hooks(self) -> bool:
-        """Eager runtime, before an all-gather: look the hooks up again. Set or removed since the
-        last all-gather, the unsharded parameter is rebuilt from scratch (the post-hook's first-time
-        form makes it, or a plain gather fills a new one); the group is sharded then."""
-        found = self.has_gather_hooks()
-        if found != self.gather_hooks:
-            self._unsharded_padded = self._unsharded_local = self.unsharded_param = None
-            self._gather_outputs, self._to_free, self._gather_metadata = [], (), None
-            self.gather_hooks = found
-        return found
-
-    def call_pre_all_gather(self, local: torch.Tensor) -> tuple[list[torch.Tensor], object]:
-        """`(inputs, metadata)` of the pre-hook on this rank's shard `local`, checked. Both
-        runtimes call it; see [Note: All-gather extensions]."""
-        hook, on_instance = self._find_hook("fsdp_pre_all_gather")
-        if _num_hook_args(hook, on_instance) == 1:  # FSDP2's older signature: the mesh only
-            args = (self._shard_mesh,)
-        else:
-            args = (self._shard_mesh, self.orig_size, _contiguous_stride(self.orig_size), self.owners[0][0], self.mp_policy)
-        result = hook(*args) if on_instance else hook(local, *args)
-        inputs = self._check_pre_all_gather_result(result)
-        padded_size = (self.padded_dim0, *self.orig_size[1:])
-        if self.num_valid_rows != self.padded_dim0 and any(tuple(t.shape) != padded_size for t in inputs):
-            # Only the ranks with padding can tell: the others' inputs have the right size.
-            raise ValueError(
-                f"'{self.fqn}' is sharded unevenly ({self.orig_size[0]} rows over {self.mesh_info.shard_size} "
-                f"ranks; this rank holds {self.num_valid_rows}), and its fsdp_pre_all_gather returned inputs of "
-                f"sizes {[tuple(t.shape) for t in inputs]}; pad each input to the padded shard size {padded_size} "
-                f"(rows ceil(orig_size[0] / mesh.size())), as FSDP2 requires"
-            )
-        return inputs, result[1]
-
-    def call_post_all_gather(
-        self, local: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: object, out: torch.Tensor | None = None
-    ):
-        """The post-hook, found as the pre-hook. Its first-time form (no `out`) returns the unsharded
-        parameter (its valid rows) and what to free on reshard, checked; with `out` it refills it."""
-        hook, on_instance = self._find_hook("fsdp_post_all_gather")
-        args = (outputs, metadata, self.unsharded_dtype)
-        kwargs = {} if out is None else {"out": out}
-        result = hook(*args, **kwargs) if on_instance else hook(local, *args, **kwargs)
-        if out is not None:
-            return None
-        tensor = result[0] if isinstance(result, tuple) and len(result) == 2 else None
-        if not isinstance(tensor, torch.Tensor) or tensor.shape[0] < self.orig_size[0] or (
-            tensor.shape[1:] != self.orig_size[1:]
-        ):
-            raise TypeError(
-                f"fsdp_post_all_gather of '{self.fqn}' returned {type(result).__name__} {result!r:.200}; "
-                f"return (unsharded, tensors_to_free) where unsharded has the gathered rows "
-                f"(at least {self.orig_size[0]}) and the parameter's trailing dims {tuple(self.orig_size[1:])}"
-            )
-        return tensor[: self.orig_size[0]], tuple(result[1])
-
-    def pre_all_gather(self) -> list[torch.Tensor]:
-        """The pre-hook's all-gather inputs for this rank, each flat as bytes ([Note: All-gather extensions])."""
-        local = self.local_shard.to(self.device)  # an offloaded shard is gathered from the device
-        inputs, self._gather_metadata = self.call_pre_all_gather(local)
-        world = self.mesh_info.shard_size
-        sizes = [(world * t.shape[0], *t.shape[1:]) for t in inputs]
-        if not self._gather_outputs:
-            self._gather_outputs = [
-                torch.empty(size, dtype=t.dtype, device=self.device) for size, t in zip(sizes, inputs)
-            ]
-        expected = [(tuple(t.shape), t.dtype) for t in self._gather_outputs]
-        if [(size, t.dtype) for size, t in zip(sizes, inputs)] != expected:
-            raise ValueError(
-                f"fsdp_pre_all_gather of '{self.fqn}' returned inputs of shapes and dtypes "
-                f"{[(tuple(t.shape), t.dtype) for t in inputs]}, which changed since the first all-gather "
-                f"(gathered: {expected}); return the same shapes and dtypes every time"
-            )
-        return [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
-
-    def _hook_mesh(self) -> DeviceMesh | None:
-        """The mesh the pre-hook is given: the shard axis' (FSDP2's `shard_mesh`), 1-D under HSDP too;
-        None for a 2-D mesh without dim names (an error once a parameter has the hooks)."""
-        mesh = self.mesh_info.mesh
-        if mesh.ndim == 1:
-            return mesh
-        if mesh.mesh_dim_names is None:
-            return None
-        return mesh[mesh.mesh_dim_names[self.mesh_info.shard_axis]]
-
-    def _check_pre_all_gather_result(self, result) -> list[torch.Tensor]:
-        """The all-gather inputs of a pre-hook's `(inputs, metadata)`, or a TypeError naming the fix."""
-        inputs = result[0] if isinstance(result, tuple) and len(result) == 2 else None
-        if not isinstance(inputs, (tuple, list)) or not inputs or not all(
-            isinstance(t, torch.Tensor) and t.ndim >= 1 for t in inputs
-        ):
-            raise TypeError(
-                f"fsdp_pre_all_gather of '{self.fqn}' returned {type(result).__name__} {result!r:.200}; "
-                f"return (all_gather_inputs, metadata) where all_gather_inputs is a non-empty tuple of tensors "
-                f"with at least one dim (each is gathered on dim 0)"
-            )
-        return list(inputs)
-
-    def alloc_gather_outputs(self, world: int) -> list[torch.Tensor]:
-        """The pre-hook inputs' gathered outputs as (world, bytes per rank) views to copy out into."""
-        for t in self._gather_outputs:
-            _refill(t)
-        return [t.view(world, -1).view(torch.uint8) for t in self._gather_outputs]
-
-    def post_all_gather(self) -> None:
-        """Rebuild the unsharded parameter from the gathered inputs ([Note: All-gather extensions])."""
-        local = self.local_shard
-        if self.unsharded_param is None:
-            tensor, self._to_free = self.call_post_all_gather(local, tuple(self._gather_outputs), self._gather_metadata)
-            self.unsharded_param = nn.Parameter(tensor, self.requires_grad)
-        else:
-            for t in self._to_free:
-                _refill(t)
-            self.call_post_all_gather(local, tuple(self._gather_outputs), self._gather_metadata, out=self.unsharded_param)
-        self._gather_metadata = None
 
     def _wrap_tp(self, local: torch.Tensor) -> torch.Tensor:
         """`local` as the module computes with it: itself, or a tp DTensor sharing its storage."""
@@ -626,7 +324,7 @@ class ShardedParam:
         backward hands `local` the gradient on the tp placements (e.g. Partial summed to Replicate)."""
         return DTensor.from_local(
             local, self.tp.mesh, self.tp.placements, run_check=False,
-            shape=self.orig_size, stride=_contiguous_stride(self.orig_size),
+            shape=self.orig_size, stride=contiguous_stride(self.orig_size),
         )
 
     def unsharded_tensors(self) -> tuple[torch.Tensor, ...]:
@@ -737,13 +435,6 @@ class ShardedParam:
             self.host_copy_pending = False
 
 
-def _num_hook_args(hook, on_instance: bool) -> int:
-    """How many arguments a pre-hook takes after self: all of an instance attribute's (bound, or
-    a function called without self), a class function's but the first."""
-    num = len(inspect.signature(hook).parameters)
-    return num if on_instance or inspect.ismethod(hook) else num - 1
-
-
 def hook_even_if_frozen(param: torch.Tensor, register) -> None:
     """`register(param)` a gradient hook whatever `param.requires_grad` is now. Torch refuses hooks
     on a tensor without requires_grad, but keeps them through later `requires_grad_` calls, so a
@@ -758,19 +449,3 @@ def hook_even_if_frozen(param: torch.Tensor, register) -> None:
                 register(param)
             finally:
                 param.requires_grad_(False)
-
-
-def _refill(tensor: torch.Tensor) -> None:
-    """Give a tensor whose storage was freed (resized to 0) its bytes back."""
-    storage = tensor.untyped_storage()
-    nbytes = tensor.numel() * tensor.element_size()
-    if storage.size() != nbytes:
-        storage.resize_(nbytes)
-
-
-def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(size):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))

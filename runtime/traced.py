@@ -49,7 +49,8 @@ from torch.fx.traceback import annotate
 
 from .collectives import ReduceControls, divide_factors, wire_order
 from .meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
-from .param import MeshInfo, ShardedParam
+from .mesh_info import MeshInfo
+from .param import ShardedParam
 from .policies import MixedPrecisionPolicy
 from .traced_ops import C10D, AllGatherShards, GradientBucket, route_gradients
 from .trees import cast_floats
@@ -171,8 +172,8 @@ def unshard(group: TracedGroup) -> list[torch.Tensor]:
 
 # [Note: Traced tensor-parallel parameters]
 # A parameter that tensor parallelism made a DTensor is gathered as its tp-local tensor, as in the
-# eager runtime ([Note: Sharding a tensor-parallel parameter] in runtime/param.py), and handed to
-# the module as `DTensor.from_local` over the tp mesh with the tp placements. Dynamo traces that,
+# eager runtime ([Note: Sharding a tensor-parallel parameter] in runtime/tp_layout.py), and handed
+# to the module as `DTensor.from_local` over the tp mesh with the tp placements. Dynamo traces that,
 # and the module's DTensor ops, into tensor parallelism's own functional collectives (the
 # rowwise all-reduce, sequence parallelism's all-gathers and reduce-scatters); `from_local`'s
 # backward moves the gradient to the tp placements (a Partial gradient is all-reduced over tp)
@@ -239,7 +240,8 @@ def _unshard_plain(group: TracedGroup) -> list[torch.Tensor]:
 
 # [Note: Traced all-gather extensions]
 # A group with a parameter whose shard class defines fsdp_pre_all_gather / fsdp_post_all_gather
-# ([Note: All-gather extensions] in runtime/param.py) traces what the eager runtime does with it:
+# ([Note: All-gather extensions] in runtime/all_gather_extensions.py) traces what the eager
+# runtime does with it:
 #
 #   inputs, meta = type(shard).fsdp_pre_all_gather(shard, mesh, ...)   # e.g. fp8 data, 1 byte each
 #   bucket       = cat(input.view(uint8) for every input, padded_shard.view(uint8) for the others)
@@ -249,8 +251,8 @@ def _unshard_plain(group: TracedGroup) -> list[torch.Tensor]:
 #   params       = RouteGradients(bucket, flags, *flat_shards, *unsharded)  # identity forward
 #
 # The hooks are found and called as the eager runtime does ([Note: Extensions found on the tensor
-# instance] in runtime/param.py): a class's through the class, which Dynamo inlines (a method call on
-# a tensor subclass is an op it tries to put in the graph, and gives up), one set on the tensor
+# instance] in runtime/all_gather_extensions.py): a class's through the class, which Dynamo inlines
+# (a method call on a tensor subclass is an op it tries to put in the graph, and gives up), one set on the tensor
 # instance as stored, which Dynamo also inlines, guarding on the attribute. Both hooks run under no_grad, as in
 # FSDP2 and the eager runtime: the bytes and their casts carry no gradient (an fp8 cast has none
 # worth having). The gradient of the rebuilt parameter is the unsharded gradient, reduce-scattered

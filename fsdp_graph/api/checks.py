@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..runtime.param import MeshInfo, ShardedParam
+from ..runtime.mesh_info import MeshInfo
+from ..runtime.param import ShardedParam
 from .module import FSDPModule
 
 
@@ -127,7 +128,7 @@ def _check_shardable(owners, mesh: DeviceMesh) -> None:
 
 def _tensor_parallel_problem(param: DTensor, mesh: DeviceMesh) -> Optional[str]:
     """Why a DTensor parameter (tensor parallel) cannot be sharded over the data-parallel `mesh`,
-    or None. See [Note: Sharding a tensor-parallel parameter] in runtime/param.py."""
+    or None. See [Note: Sharding a tensor-parallel parameter] in runtime/tp_layout.py."""
     tp_mesh, placements = param.device_mesh, tuple(param.placements)
     fix = (
         "build one mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=('dp', 'tp')), "

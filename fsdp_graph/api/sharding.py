@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ..runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ..runtime.param import MeshInfo, ShardedParam
+from ..runtime.mesh_info import MeshInfo
+from ..runtime.param import ShardedParam
 from ..runtime.param_group import ParamGroup
 from ..runtime.state import FSDPState
 from .module import _OWNER_ATTR, FSDPModule, _fsdp_class

@@ -1,0 +1,54 @@
+"""The mesh a group is sharded over, read once: sizes, ranks and process groups of its axes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.tensor import DeviceMesh, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The mesh a group is sharded over and the ranks that play each role in it.
+
+    `shard_axis` is the mesh axis parameters are sharded on; on a 2-D (HSDP) mesh axis 0 replicates.
+    Sizes, ranks and group names are read from the mesh once, here: traced hooks read them as plain
+    values, so Dynamo guards on a few ints and strings instead of on the mesh's internals (fewer
+    guards to rebuild when `fsdp_graph.precompile` loads a saved step).
+    """
+
+    mesh: DeviceMesh
+    is_hsdp: bool = field(init=False)
+    shard_axis: int = field(init=False)
+    shard_size: int = field(init=False)
+    shard_rank: int = field(init=False)
+    replicate_size: int = field(init=False)
+    shard_group_name: str = field(init=False)
+    replicate_group_name: str | None = field(init=False)  # HSDP only
+
+    def __post_init__(self) -> None:
+        mesh = self.mesh
+        is_hsdp = mesh.ndim == 2
+        shard_axis = mesh.ndim - 1
+        values = {
+            "is_hsdp": is_hsdp,
+            "shard_axis": shard_axis,
+            "shard_size": mesh.size(shard_axis),
+            "shard_rank": mesh.get_local_rank(shard_axis),
+            "replicate_size": mesh.size(0) if is_hsdp else 1,
+            "shard_group_name": mesh.get_group(shard_axis).group_name,
+            "replicate_group_name": mesh.get_group(0).group_name if is_hsdp else None,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here
+
+    @property
+    def shard_group(self):
+        return self.mesh.get_group(self.shard_axis)
+
+    @property
+    def replicate_group(self):
+        return self.mesh.get_group(0) if self.is_hsdp else None
+
+    def placements(self, shard_dim: int = 0) -> tuple:
+        return (Replicate(), Shard(shard_dim)) if self.is_hsdp else (Shard(shard_dim),)
