@@ -90,7 +90,7 @@ def matrices(model: Llama) -> list[torch.Tensor]:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+    return (t.full_tensor() if isinstance(t, DTensor) else t.detach()).clone()  # a snapshot, never a view
 
 
 class Side:
