@@ -23,7 +23,7 @@ import fsdp_graph
 from _harness import run_ranks
 from _models import MLPStack, batch_for_step, loss_fn
 from fsdp_graph import fully_shard
-from fsdp_graph.optim import Muon
+from fsdp_graph.optim import Muon, WholeMatrixOptimizer, local
 from fsdp_graph.optim.owners import assign_owners, chunk_sizes
 
 SHAPES = [(7, 5), (5, 7), (16, 12), (3, 9), (1, 6), (12, 12), (9, 2)]
@@ -235,6 +235,48 @@ def test_owner_plan_keeps_every_rank_within_its_share_plus_one_matrix():
         loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(num_ranks)]
         assert max(loads) <= sum(costs) / num_ranks + max(costs)
     assert chunk_sizes(7, 2) == [4, 3] and chunk_sizes(1, 2) == [1, 0] and chunk_sizes(5, 4) == [2, 2, 1, 0]
+
+
+class NormalizedSGD(WholeMatrixOptimizer):
+    """Another whole-matrix optimizer on the hook: W <- W - lr * G / |G|_F (the whole matrix's norm).
+    Odd-numbered parameters travel in bfloat16, the others in fp32: one all-to-all carries both."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+        self.narrow = {id(p) for g in self.param_groups for p in g["params"][1::2]}
+
+    def transport_dtype(self, group, param):
+        return torch.bfloat16 if id(param) in self.narrow else torch.float32
+
+    def prepare(self, group, param, state):
+        return local(param.grad)
+
+    def whole_matrix_update(self, group, matrices):
+        return [m / m.float().norm() for m in matrices]
+
+    def apply_update(self, group, param, update):
+        local(param).add_(update, alpha=-group["lr"])
+
+
+def _hook(rank, world_size):
+    torch.manual_seed(0)
+    reference = Matrices(SHAPES)
+    sharded = fully_shard(copy.deepcopy(reference))
+    opt = NormalizedSGD(sharded.parameters(), lr=0.1)
+    for step in range(2):
+        grads = _global_grads(SHAPES, step)
+        for i, (r, s, g) in enumerate(zip(reference.weights, sharded.weights, grads)):
+            s.grad = distribute_tensor(g, s.device_mesh, s.placements)
+            g = g.bfloat16() if i % 2 else g
+            with torch.no_grad():
+                r.add_(g / g.float().norm(), alpha=-0.1)
+        opt.step()
+        for s, r in zip(sharded.parameters(), reference.parameters()):
+            assert torch.equal(_full(s), r.detach())
+
+
+def test_another_optimizer_reuses_the_owner_machinery():
+    run_ranks(_hook, 2)
 
 
 def _resume(rank, world_size, path):

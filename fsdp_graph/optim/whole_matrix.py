@@ -61,6 +61,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _from_bytes(data: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    if data.storage_offset() % dtype.itemsize:  # after a piece of a narrower dtype: not aligned for a view
+        data = data.clone()
     return data.view(dtype).reshape(shape)
 
 
@@ -145,7 +147,7 @@ class WholeMatrixOptimizer(Optimizer):
         for group, jobs in _by_group(plain):
             updates = self.whole_matrix_update(group, [j.piece for j in jobs])
             for job, update in zip(jobs, updates):
-                self.apply_update(group, job.param, update)
+                self.apply_update(group, job.param, update.to(job.piece.dtype))  # as if it had travelled
         self.last_step_sent_bytes = 0
         for mesh, jobs in by_mesh.items():  # every rank sees the meshes in the same order
             ranks = self._mesh_ranks.get(mesh) or self._mesh_ranks.setdefault(mesh, MeshRanks(mesh))
@@ -164,12 +166,12 @@ class WholeMatrixOptimizer(Optimizer):
             if ranks.replica_of(owner) == ranks.my_replica:
                 assert job.piece.shape == job.layout.piece_shape(ranks.my_shard), (job.piece.shape, job.layout)
                 send[owner].append(_as_bytes(job.piece))
-        recv_numel = [[] for _ in range(ranks.size)]
+        recv_nbytes = [[] for _ in range(ranks.size)]
         for s in range(ranks.num_shards):  # the owner hears from every shard of its own replica
             source = ranks.my_replica * ranks.num_shards + s
-            recv_numel[source] = [_nbytes(dtypes[i], jobs[i].layout.piece_shape(s)) for i in mine]
+            recv_nbytes[source] = [_nbytes(dtypes[i], jobs[i].layout.piece_shape(s)) for i in mine]
         device = jobs[0].piece.device
-        received = self._all_to_all(ranks, send, recv_numel, device)
+        received = self._all_to_all(ranks, send, recv_nbytes, device)
 
         # update: whole matrices on their owner, one call per param group.
         whole = [
@@ -191,10 +193,10 @@ class WholeMatrixOptimizer(Optimizer):
             pieces = jobs[i].layout.split(updates[i])
             for dest in range(ranks.size):
                 send[dest].append(_as_bytes(pieces[ranks.shard_of(dest)]))
-        recv_numel = [[] for _ in range(ranks.size)]
+        recv_nbytes = [[] for _ in range(ranks.size)]
         for i, (job, owner) in enumerate(zip(jobs, owners)):
-            recv_numel[owner].append(_nbytes(dtypes[i], job.layout.piece_shape(ranks.my_shard)))
-        received = self._all_to_all(ranks, send, recv_numel, device)
+            recv_nbytes[owner].append(_nbytes(dtypes[i], job.layout.piece_shape(ranks.my_shard)))
+        received = self._all_to_all(ranks, send, recv_nbytes, device)
         position = [0] * ranks.size
         for i, (job, owner) in enumerate(zip(jobs, owners)):
             data = received[owner][position[owner]]
