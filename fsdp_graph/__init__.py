@@ -14,6 +14,7 @@ One subpackage per kind of reader; the names above are re-exported here:
                `predict` (a step's graphs captured at any world size)
     inspect/   graph dumps, `python -m fsdp_graph.inspect DIR`, the predicted timeline, Chrome traces
     fsdp1/     FSDP1's conveniences above `fully_shard`: `wrap`, `full_params`, `comm_hooks`
+    optim/     `fsdp_graph.optim.Muon` and `WholeMatrixOptimizer`: matrix optimizers on sharded parameters
     predict.py the documented path of `compile/predict.py` (`fsdp_graph.predict.fake_world`, ...)
 """
 
