@@ -9,6 +9,8 @@ Compiled once, loaded on every relaunch (no tracing; the first step then takes s
 Inspect the compiled step: the graphs, the predicted schedule, and a measured one beside it:
     FSDP_GRAPH_DUMP=dump torchrun --nproc-per-node 2 examples/train_llama.py --compile --steps 2 --profile-dir prof
     python -m fsdp_graph.inspect dump --timeline timeline.svg --trace trace.json --measured prof/rank0.json
+Muon on the blocks' matrices (each matrix's Newton-Schulz on one rank, see docs/optim.md), AdamW on the rest:
+    torchrun --nproc-per-node 2 examples/train_llama.py --steps 50 --muon
 
 The data is synthetic but learnable: each sequence follows t[i+1] = (a * t[i] + b) % vocab with a
 per-sequence (a, b), so the loss falls quickly once the model picks the rule up from the context.
@@ -31,6 +33,7 @@ from progress import progress, write_profile
 
 import fsdp_graph
 from fsdp_graph import MixedPrecisionPolicy, fully_shard
+from fsdp_graph.optim import Muon
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precompile-dir", help="with --compile: fsdp_graph.precompile, whose first launch compiles "
                         "the step and saves it here, one file per rank; a relaunch loads it instead of tracing again")
     parser.add_argument("--profile-dir", help="write a torch.profiler Chrome trace of one step here, one file per rank")
+    parser.add_argument("--muon", action="store_true", help="fsdp_graph.optim.Muon on the blocks' matrices, AdamW on the rest")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -57,6 +61,16 @@ def synthetic_batch(cfg: LlamaConfig, batch: int, seq_len: int, gen: torch.Gener
     for _ in range(seq_len):
         tokens.append((a * tokens[-1] + b) % cfg.vocab_size)
     return torch.cat(tokens, dim=1).to(device)
+
+
+def make_optimizers(model: Llama, lr: float, muon_cls=None) -> list[torch.optim.Optimizer]:
+    """AdamW on every parameter; with `muon_cls` (e.g. `fsdp_graph.optim.Muon`), Muon on the blocks'
+    weight matrices and AdamW on the rest (embedding, head, norms), the usual split for Muon."""
+    if muon_cls is None:
+        return [torch.optim.AdamW(model.parameters(), lr=lr)]
+    matrices = [p for name, p in model.named_parameters() if name.startswith("layers.") and p.ndim == 2]
+    others = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    return [muon_cls(matrices, lr=0.02, weight_decay=0.01, adjust_lr_fn="match_rms_adamw"), torch.optim.AdamW(others, lr=lr)]
 
 
 def main() -> None:
@@ -76,7 +90,7 @@ def main() -> None:
     model = Llama(cfg).to(device)
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
     shard_llama(model, fully_shard, mp_policy=mp_policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizers = make_optimizers(model, args.lr, Muon if args.muon else None)
     step_fn = torch.compile(model, backend="fsdp_graph") if args.compile and not args.precompile_dir else model
 
     num_params = sum(p.numel() for p in model.parameters())
@@ -97,8 +111,9 @@ def main() -> None:
             logits = step_fn(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
             loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         global_loss = global_loss.item() / world_size
