@@ -15,6 +15,16 @@ from typing import Sequence
 import torch
 
 
+def init_cpu_ranks() -> tuple[int, int]:
+    """Join the gloo process group torchrun set up and split the cores between the ranks: (rank, world size)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    return rank, world_size
+
+
 def machine() -> str:
     """The machine in one line: OS and CPU, cores, accelerator, torch, and the ranks of this run."""
     parts = [platform.platform(), platform.processor() or platform.machine(), f"{os.cpu_count()} CPU cores"]

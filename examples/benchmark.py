@@ -34,8 +34,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from llama import Llama, LlamaConfig, shard_llama
-from bench_report import write_markdown
+from llama import Llama, LlamaConfig, llama_config, shard_llama
+from bench_report import init_cpu_ranks, write_markdown
 
 from fsdp_graph import MixedPrecisionPolicy, fully_shard
 
@@ -193,10 +193,8 @@ def write_markdown_report(args, cfg: LlamaConfig, world_size: int, results: dict
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    cfg = LlamaConfig(dim=args.dim, num_layers=args.layers, hidden_dim=args.dim * 8 // 3, max_seq_len=args.seq_len)
+    rank, world_size = init_cpu_ranks()
+    cfg = llama_config(args.dim, args.layers, args.seq_len)
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen) for _ in range(4)]
     if rank == 0:

@@ -36,8 +36,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench_report import write_markdown
-from llama import Llama, LlamaConfig, shard_llama
+from bench_report import init_cpu_ranks, write_markdown
+from llama import Llama, LlamaConfig, llama_config, shard_llama
 
 from fsdp_graph import fully_shard
 from fsdp_graph.optim import Muon
@@ -165,10 +165,8 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    cfg = LlamaConfig(dim=args.dim, num_layers=args.layers, hidden_dim=args.dim * 8 // 3, max_seq_len=args.seq_len)
+    rank, world_size = init_cpu_ranks()
+    cfg = llama_config(args.dim, args.layers, args.seq_len)
     kwargs = {"lr": 0.02, "weight_decay": 0.1}
     unsharded = Side("torch Muon, unsharded", cfg, None, torch.optim.Muon, **kwargs)
     sides = [

@@ -133,6 +133,11 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
+def llama_config(dim: int, num_layers: int, max_seq_len: int) -> LlamaConfig:
+    """The examples' and benchmarks' model: width `dim`, SwiGLU hidden width 8/3 of it."""
+    return LlamaConfig(dim=dim, num_layers=num_layers, hidden_dim=dim * 8 // 3, max_seq_len=max_seq_len)
+
+
 def shard_llama(model: Llama, fully_shard, **kwargs) -> Llama:
     """Apply `fully_shard` the usual way: one group per block, then the root (embedding, norm, head)."""
     for layer in model.layers:

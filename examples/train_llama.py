@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from llama import Llama, LlamaConfig, shard_llama
+from llama import Llama, LlamaConfig, llama_config, shard_llama
 from progress import progress, write_profile
 
 import fsdp_graph
@@ -86,7 +86,7 @@ def main() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    cfg = LlamaConfig(dim=args.dim, num_layers=args.layers, hidden_dim=args.dim * 8 // 3, max_seq_len=args.seq_len)
+    cfg = llama_config(args.dim, args.layers, args.seq_len)
     model = Llama(cfg).to(device)
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
     shard_llama(model, fully_shard, mp_policy=mp_policy)
