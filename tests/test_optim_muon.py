@@ -146,7 +146,7 @@ def test_same_updates_as_torch_with_hsdp():
 
 def _experts(rank, world_size, shard_dim):
     """3-D stacks [E, M, N], sharded on `shard_dim`, against torch.optim.Muon on each [M, N] expert."""
-    shapes = [(3, 7, 5), (5, 4, 6), (2, 3, 3)]
+    shapes = [(3, 7, 5), (5, 4, 6), (2, 3, 3), (1, 4, 4)]  # (1, 4, 4): rank 1 holds no expert under Shard(0)
     torch.manual_seed(0)
     model = Matrices(shapes)
     reference = [nn.Parameter(w.detach()[e].clone()) for w in model.weights for e in range(w.shape[0])]
@@ -167,6 +167,10 @@ def _experts(rank, world_size, shard_dim):
         updates = [(_full(p) - b)[e] for p, b in zip(sharded.parameters(), before) for e in range(b.shape[0])]
         for got, r, rb in zip(updates, reference, ref_before):
             assert _rel_error(got, r.detach() - rb) <= RTOL
+        if shard_dim == 0:  # each rank holds whole experts and updates them where they lie
+            assert opt.last_step_sent_bytes == 0, opt.last_step_sent_bytes
+        else:
+            assert opt.last_step_sent_bytes > 0
 
 
 @pytest.mark.parametrize("shard_dim", [0, 1])

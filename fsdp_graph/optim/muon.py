@@ -110,6 +110,8 @@ class Muon(WholeMatrixOptimizer):
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         super().__init__(params, defaults)
 
+    stacks_are_independent = True  # each [M, N] of a 3-D stack has its own Newton-Schulz
+
     def check_param(self, param: torch.Tensor) -> None:
         if param.ndim not in (2, 3):
             raise ValueError(

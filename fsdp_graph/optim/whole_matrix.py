@@ -25,7 +25,10 @@ about 2 * (W-1)/W of the matrix elements for W ranks, at the transport dtype's s
 `last_step_sent_bytes` holds this rank's count (self-sends excluded) after each step.
 
 Plain tensors (parameters `fully_shard` did not shard) are whole on every rank already: each rank
-updates them itself, as the unsharded optimizer does.
+updates them itself, as the unsharded optimizer does. So are stacks of matrices sharded on a
+leading dim (experts [E, M, N] under `Shard(0)`) where the optimizer updates each matrix of a stack
+on its own (`stacks_are_independent`): every rank holds whole matrices and updates its own, with no
+communication.
 """
 
 from __future__ import annotations
@@ -83,7 +86,12 @@ class WholeMatrixOptimizer(Optimizer):
       parameter's update; change `local(param)` in place.
     - `matrix_cost(group, shape) -> float`: the relative cost of `whole_matrix_update` on one matrix
       of `shape` (e.g. flops), for spreading matrices across ranks.
+    - `stacks_are_independent` (False by default): True where `whole_matrix_update` of a stack
+      [..., M, N] updates each [M, N] matrix on its own; then stacks sharded on a leading dim are
+      updated where they lie.
     """
+
+    stacks_are_independent = False
 
     def __init__(self, params: Any, defaults: dict) -> None:
         self._mesh_ranks: dict[DeviceMesh, MeshRanks] = {}
@@ -143,8 +151,8 @@ class WholeMatrixOptimizer(Optimizer):
                 layout = shard_layout(p)
                 piece = self.prepare(group, p, self.state[p]).to(self.transport_dtype(group, p))
                 job = _Job(p, group, layout, piece)
-                (plain if layout is None else by_mesh.setdefault(layout.mesh, [])).append(job)
-        for group, jobs in _by_group(plain):
+                (plain if self._whole_here(layout) else by_mesh.setdefault(layout.mesh, [])).append(job)
+        for group, jobs in _by_group([j for j in plain if j.piece.numel()]):  # a rank may hold no experts
             updates = self.whole_matrix_update(group, [j.piece for j in jobs])
             for job, update in zip(jobs, updates):
                 self.apply_update(group, job.param, update.to(job.piece.dtype))  # as if it had travelled
@@ -153,6 +161,11 @@ class WholeMatrixOptimizer(Optimizer):
             ranks = self._mesh_ranks.get(mesh) or self._mesh_ranks.setdefault(mesh, MeshRanks(mesh))
             self._update_sharded(ranks, jobs)
         return loss
+
+    def _whole_here(self, layout: ShardLayout | None) -> bool:
+        """Whether this rank holds whole matrices of the parameter: a plain tensor, or a stack
+        sharded on a leading dim that the optimizer updates matrix by matrix."""
+        return layout is None or (self.stacks_are_independent and layout.shard_dim < len(layout.shape) - 2)
 
     def _update_sharded(self, ranks: MeshRanks, jobs: list[_Job]) -> None:
         """Steps 2-5 of [Note: Whole-matrix updates on sharded parameters] for the jobs of one mesh."""
