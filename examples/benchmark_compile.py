@@ -5,6 +5,13 @@ CPU / gloo, 2 ranks, the 8-block example Llama (timings):
     torchrun --nproc-per-node 2 examples/benchmark_compile.py --dim 128 --seq-len 64 --rounds 5   # quicker
     torchrun --nproc-per-node 2 examples/benchmark_compile.py --rounds 10 --markdown compiled.md   # table for docs/benchmarks.md
 
+Compile cost against depth: an HF LlamaForCausalLM (the `hf` extra), only our row and FSDP2 + torch.compile, each
+launch with an empty Inductor cache (a second launch with the same cache is the warm relaunch):
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) torchrun --nproc-per-node 2 examples/benchmark_compile.py \
+        --model hf-llama --dim 128 --seq-len 64 --layers 16 --rows scheduled,fsdp2-compile --rounds 3
+Rows of one launch share Inductor's in-process caches, so the row compiled second may reuse kernels of
+the first; for cold first steps of one row alone, pass one row per launch (`--rows scheduled`).
+
 Predicted exposed communication of a Llama-3-8B-shaped model at world size 8 (one process, a fake
 8-rank process group, meta tensors: nothing is allocated or computed, the full 32-layer graph is
 traced; shapes as Llama-3-8B except full multi-head attention instead of grouped-query: 8.84B params;
@@ -49,6 +56,7 @@ import fsdp_graph  # noqa: E402
 from fsdp_graph import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 SCHEDULING = {"bucket_by_group", "auto_bucket", "reorder_for_overlap", "pin_order"}
+ROWS = ("scheduled", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes", "floor")
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,6 +64,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=8, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row (the first compiles)")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--model", choices=("ours", "hf-llama"), default="ours",
+                        help="examples/llama.py's Llama, or transformers' LlamaForCausalLM (the hf extra) of the same size")
+    parser.add_argument("--rows", default=",".join(ROWS),
+                        help=f"comma-separated rows to run, of {','.join(ROWS)} (selective needs fsdp2-eager: its budget)")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -69,7 +81,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeline", help="with --predict-8b: write our schedule's SVG timeline here (see fsdp_graph.inspect)")
     parser.add_argument("--trace", help="with --predict-8b: write our schedule as a Chrome trace (Perfetto) here")
     parser.add_argument("--markdown", metavar="FILE", help="also write the timings table as markdown, with date, machine and command")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = sorted(set(args.rows) - set(ROWS))
+    if unknown:
+        parser.error(f"--rows names {unknown}, which are not rows; rows: {','.join(ROWS)}")
+    return args
 
 
 # -- timings on 2 gloo ranks ---------------------------------------------------------------------------
@@ -98,6 +115,7 @@ class Row:
             if self.run is None:
                 self.run = self.precompile(tokens[:, :-1])
             logits = self.run(tokens[:, :-1])
+            logits = getattr(logits, "logits", logits)  # transformers' CausalLMOutput
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
             loss.backward()
         self.optimizer.step()
@@ -182,23 +200,34 @@ def timings(args) -> None:
 
     def model(shard):
         torch.manual_seed(0)
-        return shard_llama(Llama(cfg), shard)
+        if args.model == "ours":
+            return shard_llama(Llama(cfg), shard)
+        from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+        hf = LlamaForCausalLM(HFLlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=args.dim, intermediate_size=args.dim * 8 // 3, num_hidden_layers=args.layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len + 1, use_cache=False))
+        for layer in hf.model.layers:  # one group per decoder layer, then the root
+            shard(layer)
+        shard(hf)
+        return hf
 
     ours = fsdp_graph.backend(compiler="inductor")
     unscheduled = fsdp_graph.backend(compiler="inductor", disabled_passes=SCHEDULING)
     in_tree = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all", "reorder_for_compute_comm_overlap": True}
-    rows = [
-        Row("fsdp_graph scheduled", model(fully_shard), ours),
-        Row("fsdp_graph unscheduled", model(fully_shard), unscheduled),
-        Row("FSDP2 eager", model(torch_fully_shard)),
-        Row("FSDP2 + compile", model(torch_fully_shard), "inductor"),
+    makers = {
+        "scheduled": lambda: Row("fsdp_graph scheduled", model(fully_shard), ours),
+        "unscheduled": lambda: Row("fsdp_graph unscheduled", model(fully_shard), unscheduled),
+        "fsdp2-eager": lambda: Row("FSDP2 eager", model(torch_fully_shard)),
+        "fsdp2-compile": lambda: Row("FSDP2 + compile", model(torch_fully_shard), "inductor"),
         # The same as the first row, its step saved by fsdp_graph.precompile: a relaunch loads it.
-        Row("fsdp_graph precompiled", model(fully_shard), ours, precompile_dir=args.precompile_dir),
-        Row("ours + Inductor passes", model(fully_shard), unscheduled, in_tree),
+        "precompiled": lambda: Row("fsdp_graph precompiled", model(fully_shard), ours, precompile_dir=args.precompile_dir),
+        "inductor-passes": lambda: Row("ours + Inductor passes", model(fully_shard), unscheduled, in_tree),
         # The floor for any FSDP here: both ranks compute their own half batch at once, compiled,
         # unsharded, with no collective at all (the optimizer steps on local parameters).
-        Row("floor: no sharding/comm", model(lambda module: module), "inductor"),
-    ]
+        "floor": lambda: Row("floor: no sharding/comm", model(lambda module: module), "inductor"),
+    }
+    rows = [makers[key]() for key in ROWS if key in makers and key in args.rows]
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen) for _ in range(4)]
     def warm_up(row: Row) -> bool:
@@ -215,16 +244,17 @@ def timings(args) -> None:
             return False
 
     rows = [row for row in rows if warm_up(row)]
-    # Selective unsharding (passes/unshard_selection.py) with FSDP2 eager's measured peak heap as
-    # the memory budget: the groups that fit stay unsharded from forward to backward.
-    fsdp2 = next(r for r in rows if r.name == "FSDP2 eager")
-    fsdp2.measure(batches[0])
-    budget = fsdp2.peak_bytes // 2**20 * 2**20  # whole MiB: the same budget (and compile-cache key) each run
-    selective = Row("fsdp_graph selective", model(fully_shard), fsdp_graph.backend(compiler="inductor", memory_budget_bytes=budget))
-    if warm_up(selective):
-        rows.insert(1, selective)
-    if rank == 0:
-        print(f"selective unsharding budget: {budget / 2**20:.1f} MiB (FSDP2 eager's peak heap)")
+    fsdp2 = next((r for r in rows if r.name == "FSDP2 eager"), None)
+    if "selective" in args.rows and fsdp2 is not None:
+        # Selective unsharding (passes/unshard_selection.py) with FSDP2 eager's measured peak heap as
+        # the memory budget: the groups that fit stay unsharded from forward to backward.
+        fsdp2.measure(batches[0])
+        budget = fsdp2.peak_bytes // 2**20 * 2**20  # whole MiB: the same budget (and compile-cache key) each run
+        selective = Row("fsdp_graph selective", model(fully_shard), fsdp_graph.backend(compiler="inductor", memory_budget_bytes=budget))
+        if warm_up(selective):
+            rows.insert(1, selective)
+        if rank == 0:
+            print(f"selective unsharding budget: {budget / 2**20:.1f} MiB (FSDP2 eager's peak heap)")
     for i in range(args.rounds):
         for row in rows if i % 2 == 0 else reversed(rows):  # alternate who goes first
             row.timed_step(batches[i % len(batches)])
@@ -233,7 +263,7 @@ def timings(args) -> None:
     for row in rows:
         row.measure(batches[0])
     if rank == 0:
-        eager = statistics.median(next(r for r in rows if r.name == "FSDP2 eager").times)
+        eager = statistics.median(fsdp2.times) if fsdp2 is not None else math.nan  # without that row: nan
         floor = next((statistics.median(r.times) for r in rows if r.name.startswith("floor")), None)
         print(f"{'':26}{'step ms':>10}{'vs FSDP2 eager':>16}{'vs floor':>10}{'first step s':>14}{'peak MiB':>11}"
               f"{'gathered MiB':>14}  collectives per step")
@@ -251,7 +281,7 @@ def timings(args) -> None:
                 table.append([row.name, f"{median * 1e3:.1f}", f"{median / eager:.3f}",
                               f"{median / floor:.3f}" if floor else "n/a", f"{row.first_step_s:.1f}", row.peak,
                               row.gathered_mib, row.collectives])
-            caption = (f"Llama {args.layers} blocks, dim {args.dim}, batch {args.batch_size}x{args.seq_len} per rank, "
+            caption = (f"{'HF LlamaForCausalLM' if args.model == 'hf-llama' else 'Llama'} {args.layers} blocks, dim {args.dim}, batch {args.batch_size}x{args.seq_len} per rank, "
                        f"{dist.get_world_size()} gloo ranks, median of {args.rounds} alternating steps.")
             print(f"markdown: {write_markdown(args.markdown, 'Compiled', [(caption, header, table)])}")
     dist.barrier()

@@ -49,7 +49,7 @@ from .nodes import (
     PASS_META, all_gathers_in_flight_limit, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_reduce_scatter,
     is_wait_tensor, tensor_bytes, wait_of,
 )
-from .simulator import Op, OpKind, _kind, all_gathers_in_flight, in_flight, op_of, simulate
+from .simulator import Op, OpKind, OrderCost, _kind, op_of
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +84,17 @@ class ScheduleReport:
 class _Order:
     """The candidate order of a graph's nodes (placeholders and output fixed at the ends)."""
 
-    def __init__(self, gm: GraphModule) -> None:
+    def __init__(self, gm: GraphModule, cost_model: CostModel) -> None:
         nodes = list(gm.graph.nodes)
         self.head = [n for n in nodes if n.op == "placeholder"]
         self.body = [n for n in nodes if n.op not in ("placeholder", "output")]
         self.tail = [n for n in nodes if n.op == "output"]
         self.ops: dict[Node, Op] = {n: op_of(n) for n in nodes}
+        self.cost = OrderCost(self.ops, cost_model)  # see [Note: Measuring candidate orders]
 
-    def program(self, body: list[Node]) -> list[Op]:
-        return [self.ops[n] for n in self.head + body + self.tail]
+    def measure(self, body: list[Node]) -> tuple[int, float, tuple[int, int, int]]:
+        """(simulated peak bytes, exposed seconds, (bytes, collectives, all-gathers) most in flight)."""
+        return self.cost.measure(self.head + body + self.tail)
 
 
 def _moved(body: list[Node], nodes: list[Node], before: Optional[Node]) -> list[Node]:
@@ -189,11 +191,6 @@ def _largest_bucket_bytes(nodes: list[Node]) -> int:
 
 
 
-def _in_flight(program) -> tuple[int, int, int]:
-    """(bytes, collectives, all-gathers): the most of each in flight at any point of `program`."""
-    return (*in_flight(program), all_gathers_in_flight(program))
-
-
 class _Scheduler:
     def __init__(
         self,
@@ -204,7 +201,7 @@ class _Scheduler:
         max_collectives_in_flight: Optional[int],
         max_all_gathers_in_flight: Optional[int] = None,
     ) -> None:
-        self.order = _Order(gm)
+        self.order = _Order(gm, cost_model)
         self.cost_model = cost_model
         self.max_bytes_in_flight = max_bytes_in_flight
         self.max_collectives_in_flight = max_collectives_in_flight
@@ -222,16 +219,14 @@ class _Scheduler:
 
     def _measure(self, body: list[Node]) -> tuple[int, float, tuple[int, int, int]]:
         """(simulated peak bytes, exposed seconds, (bytes, collectives, all-gathers) most in flight)."""
-        program = self.order.program(body)
-        simulation = simulate(program, self.cost_model)  # its memory profile included
-        return simulation.memory.peak_bytes, simulation.exposed_comm_s, _in_flight(program)
+        return self.order.measure(body)
 
     def _accept(self, body: list[Node]) -> None:
         self.body = body
         self.peak, self.exposed, self.in_flight = self._measure(body)
 
     def _too_many_in_flight(self, flight: tuple[int, int, int]) -> Optional[str]:
-        """Why `flight` (as `_in_flight` gives it) breaks a limit on how many are in flight, or None;
+        """Why `flight` (the last of what `_measure` gives) breaks a limit on how many are in flight, or None;
         a body no worse than the current one passes."""
         _, count, all_gathers = flight
         limit = self.max_collectives_in_flight
@@ -269,7 +264,7 @@ class _Scheduler:
             candidate = _moved(self.body, [rs], following)
             # Only a collective limit needs the candidate measured; the caller re-measures after.
             if self.max_collectives_in_flight is not None or self.max_all_gathers_in_flight is not None:
-                if self._too_many_in_flight(_in_flight(self.order.program(candidate))):
+                if self._too_many_in_flight(self.order.measure(candidate)[2]):
                     continue
             self.body = candidate
             rs.meta[PASS_META] = "reorder_for_overlap"
