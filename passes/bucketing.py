@@ -30,7 +30,6 @@ from .cost_model import CostModel, op_facts
 from .nodes import (
     BUCKET_META,
     PASS_META,
-    all_gathers_in_flight_limit,
     group_of,
     is_all_gather,
     is_fsdp_collective,
@@ -208,9 +207,6 @@ def _split(gm: GraphModule, node: Node, num_pieces: int, pass_name: str) -> list
     old_wait = wait_of(node)
     groups = bucket_groups(node)
     pieces, waits = [], []
-    # On gloo only `limit` pieces are issued up front, the others each after an earlier one's wait
-    # ([Note: All-gathers in flight on gloo]).
-    limit = all_gathers_in_flight_limit([node]) if is_all_gather(node) else None
 
     def gather(chunk: Node) -> Node:
         return _call(gm, _C10D.all_gather_into_tensor.default, (chunk, world, node.args[2]), pass_name, like=node)
@@ -218,7 +214,7 @@ def _split(gm: GraphModule, node: Node, num_pieces: int, pass_name: str) -> list
     with gm.graph.inserting_before(node):
         if is_all_gather(node):
             chunks = [_call(gm, aten.slice.Tensor, (node.args[0], 0, lo, hi), pass_name) for lo, hi in bounds]
-            pieces = [gather(chunk) for chunk in chunks[:limit]]
+            pieces = [gather(chunk) for chunk in chunks]
         else:
             rows = _call(gm, aten.view.default, (node.args[0], [world, numel]), pass_name)
             for lo, hi in bounds:
@@ -226,10 +222,7 @@ def _split(gm: GraphModule, node: Node, num_pieces: int, pass_name: str) -> list
                 flat = _call(gm, aten.view.default, (_call(gm, aten.clone.default, (cols,), pass_name), [-1]), pass_name)
                 pieces.append(_call(gm, _C10D.reduce_scatter_tensor.default, (flat, *node.args[1:]), pass_name, like=node))
     with gm.graph.inserting_before(old_wait):
-        for k in range(len(bounds)):
-            waits.append(_call(gm, _C10D.wait_tensor.default, (pieces[k],), pass_name, like=old_wait))
-            if limit is not None and k + limit < len(bounds):
-                pieces.append(gather(chunks[k + limit]))
+        waits = [_call(gm, _C10D.wait_tensor.default, (p,), pass_name, like=old_wait) for p in pieces]
         if is_all_gather(node):
             rows = [_call(gm, aten.view.default, (w, [world, hi - lo]), pass_name) for w, (lo, hi) in zip(waits, bounds)]
             out = _call(gm, aten.view.default, (_call(gm, aten.cat.default, (rows, 1), pass_name), [-1]), pass_name)

@@ -25,7 +25,10 @@ KEPT_UNSHARDED_META = "fsdp_graph_kept_unsharded"
 
 
 def is_all_gather(node: Node) -> bool:
-    return node.op == "call_function" and node.target is _C10D.all_gather_into_tensor.default
+    """An all-gather: functional, or the `_out` form the gloo rewrite leaves (passes/gloo.py)."""
+    return node.op == "call_function" and node.target in (
+        _C10D.all_gather_into_tensor.default, _C10D.all_gather_into_tensor_out.default
+    )
 
 
 def is_reduce_scatter(node: Node) -> bool:
@@ -75,29 +78,6 @@ def backend_of(node: Node) -> Optional[str]:
         return group._get_backend(device).name()
     except RuntimeError:  # the group has no backend for that device
         return None
-
-
-# [Note: All-gathers in flight on gloo]
-# torch 2.13's gloo corrupts the heap when two or more all-gathers of one process group are in
-# flight through `allgather_into_tensor_coalesced` (what the functional `all_gather_into_tensor` of a
-# traced graph calls on gloo), with compute between their issue and their waits: "malloc(): unaligned
-# tcache chunk detected", "malloc_consolidate(): unaligned fastbin chunk detected", or SIGSEGV, in
-# seconds to a minute. examples/repro/gloo_all_gathers_in_flight.py shows it with torch alone (no
-# fsdp_graph): the same loop with one gloo worker thread, with `all_gather_into_tensor(async_op=True)`
-# (gloo's plain allgather), with all-reduces, or with functional reduce-scatters runs clean. So on
-# gloo the schedule keeps at most one all-gather in flight (passes/reorder.py); reduce-scatters still
-# overlap it, and prefetch issues AG(i+1) right after wait(AG(i)), before compute(i). An all-gather
-# split into pieces (passes/bucketing.py) gathers them one after another. Other backends (NCCL) are not
-# limited. `BackendConfig(max_collectives_in_flight=N)` adds a limit on all collectives.
-# Affected: torch 2.13, the only version tested (pyproject pins it); re-run the repro when the pin moves.
-GLOO_ALL_GATHERS_IN_FLIGHT = 1 if torch.__version__ < "2.14" else None
-
-
-def all_gathers_in_flight_limit(nodes) -> Optional[int]:
-    """How many all-gathers may be in flight at once where `nodes` hold one on gloo, else None (no
-    limit): see [Note: All-gathers in flight on gloo]."""
-    on_gloo = any(backend_of(n) == "gloo" for n in nodes if is_all_gather(n))
-    return GLOO_ALL_GATHERS_IN_FLIGHT if on_gloo else None
 
 
 def _process_group(node: Node) -> Optional[Any]:

@@ -29,8 +29,7 @@ Each move is one candidate, tried in graph order; it is kept only if afterwards
     - the simulated exposed communication does not grow (among prefetch depths, the smallest with
       the least exposure wins).
 With `max_collectives_in_flight` (no limit by default), a move is also kept only if at most that many
-collectives are in flight at any point; where all-gathers run on gloo, at most one all-gather is in
-flight (reduce-scatters may run beside it), for torch's sake ([Note: All-gathers in flight on gloo]).
+collectives are in flight at any point.
 So a tighter budget gives shallower prefetch (down to none), never an error. Decisions depend only
 on shapes and the cost model, hence are the same on every rank. Rejections are logged with the
 reason and recorded in `gm.meta[SCHEDULE_META]`.
@@ -46,7 +45,7 @@ from torch.fx import GraphModule, Node
 
 from .cost_model import CostModel
 from .nodes import (
-    PASS_META, all_gathers_in_flight_limit, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_reduce_scatter,
+    PASS_META, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_reduce_scatter,
     is_wait_tensor, tensor_bytes, wait_of,
 )
 from .simulator import Op, OpKind, OrderCost, _kind, op_of
@@ -199,13 +198,11 @@ class _Scheduler:
         max_bytes_in_flight: Optional[int],
         memory_budget_bytes: Optional[int],
         max_collectives_in_flight: Optional[int],
-        max_all_gathers_in_flight: Optional[int] = None,
     ) -> None:
         self.order = _Order(gm, cost_model)
         self.cost_model = cost_model
         self.max_bytes_in_flight = max_bytes_in_flight
         self.max_collectives_in_flight = max_collectives_in_flight
-        self.max_all_gathers_in_flight = max_all_gathers_in_flight
         self.memory_budget_bytes = memory_budget_bytes
         self.body = self.order.body
         self.report = ScheduleReport()
@@ -228,13 +225,10 @@ class _Scheduler:
     def _too_many_in_flight(self, flight: tuple[int, int, int]) -> Optional[str]:
         """Why `flight` (the last of what `_measure` gives) breaks a limit on how many are in flight, or None;
         a body no worse than the current one passes."""
-        _, count, all_gathers = flight
+        count = flight[1]
         limit = self.max_collectives_in_flight
         if limit is not None and count > limit and count > self.in_flight[1]:
             return f"{count} collectives in flight > max_collectives_in_flight={limit}"
-        limit = self.max_all_gathers_in_flight
-        if limit is not None and all_gathers > limit and all_gathers > self.in_flight[2]:
-            return f"{all_gathers} all-gathers in flight on gloo > {limit} ([Note: All-gathers in flight on gloo])"
         return None
 
     def _check(self, body: list[Node]) -> tuple[Optional[str], float]:
@@ -263,7 +257,7 @@ class _Scheduler:
             following = self.body[index[producer] + 1]
             candidate = _moved(self.body, [rs], following)
             # Only a collective limit needs the candidate measured; the caller re-measures after.
-            if self.max_collectives_in_flight is not None or self.max_all_gathers_in_flight is not None:
+            if self.max_collectives_in_flight is not None:
                 if self._too_many_in_flight(self.order.measure(candidate)[2]):
                     continue
             self.body = candidate
@@ -409,8 +403,7 @@ class _Scheduler:
 
     def _prefetch_after_wait(self, ag: Node, wait: Node, reasons: list[str]) -> Optional[tuple[float, int, list[Node]]]:
         """AG(i+1) issued just after wait(AG(i)) instead of before it: still under compute(i), with
-        one all-gather in flight, where issuing it earlier was rejected (e.g. on gloo: [Note: All-gathers
-        in flight on gloo]). Returns
+        one collective in flight, where issuing it earlier was rejected (e.g. by `max_collectives_in_flight`). Returns
         (exposed, 1, body) when that hides some of it, else None."""
         index = {n: i for i, n in enumerate(self.body)}
         moving = _inputs_after(ag, index[wait], index)
@@ -444,8 +437,8 @@ def reorder_for_overlap(
     max_collectives_in_flight: Optional[int] = None,
 ) -> GraphModule:
     """Schedule the graph's collectives for overlap; see the module docstring for the schedule.
-    `max_collectives_in_flight` None: no limit; where all-gathers run on gloo, one all-gather at a
-    time ([Note: All-gathers in flight on gloo]).
+    `max_collectives_in_flight` None: no limit (on gloo too: [Note: All-gathers on gloo] in
+    passes/gloo.py).
 
     Assumes: a partitioned forward or backward graph whose collectives are each waited on once.
     Guarantees: the same nodes with the same arguments, in a topological order; only all-gathers
@@ -455,8 +448,7 @@ def reorder_for_overlap(
     """
     if not any(is_collective(n) for n in gm.graph.nodes):
         return gm
-    max_all_gathers = all_gathers_in_flight_limit(gm.graph.nodes)  # [Note: All-gathers in flight on gloo]
-    scheduler = _Scheduler(gm, cost_model, max_bytes_in_flight, memory_budget_bytes, max_collectives_in_flight, max_all_gathers)
+    scheduler = _Scheduler(gm, cost_model, max_bytes_in_flight, memory_budget_bytes, max_collectives_in_flight)
     scheduler.issue_reduce_scatters_early()
     scheduler._measure_current()
     scheduler.hoist_reduce_scatters()

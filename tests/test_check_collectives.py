@@ -2,9 +2,9 @@
 
 The negative tests run hand-built graphs that break the rule on one process with a fake process
 group; `test_compiled_step_with_several_in_flight_passes_the_checks` compiles a sharded model there
-whose schedule keeps several collectives in flight. On two gloo ranks (one all-gather in flight beside
-reduce-scatters, see [Note: All-gathers in flight on gloo]) the checks run in
-tests/test_compile_parity.py (`test_gloo_keeps_one_all_gather_in_flight_under_the_check`).
+whose schedule keeps several collectives in flight. On two gloo ranks (several in flight too, see
+[Note: All-gathers on gloo]) the checks run in tests/test_compile_parity.py
+(`test_gloo_gathers_through_the_plain_allgather_with_several_in_flight`).
 """
 
 import operator

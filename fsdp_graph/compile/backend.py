@@ -32,6 +32,7 @@ from ..passes.cost_model import CostModel, Profile
 from ..passes.pipeline import GraphPass, PassPipeline
 from ..passes.reshard import tag_reshard_after_forward
 from ..passes.unshard_selection import select_unsharded
+from ..passes.gloo import plain_all_gathers_on_gloo
 from ..passes.scheduling import CROSS_GROUP_PASS_NAMES, PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
 from ..runtime.meta import GROUP_KEY
 from ..runtime.param_group import ParamGroup
@@ -76,8 +77,8 @@ class BackendConfig:
             larger buckets.
         max_bytes_in_flight: the most collective bytes issued and not yet waited on; None: no limit.
         max_collectives_in_flight: the most collectives issued and not yet waited on; None: no
-            limit. On gloo (torch 2.13) at most one all-gather is in flight whatever this says
-            ([Note: All-gathers in flight on gloo] in passes/reorder.py).
+            limit (gloo included: its all-gathers go through gloo's plain allgather, see
+            [Note: All-gathers on gloo] in passes/gloo.py).
         memory_budget_bytes: the predicted peak memory one graph may allocate (inputs excluded)
             when reordering; prefetch gets shallower to stay within it. None: the unscheduled
             peak plus two of the largest buckets. Given explicitly, it is also the budget for
@@ -380,6 +381,7 @@ def _schedule(schedule: PassPipeline, graph_id: str, kind: str, gm: GraphModule,
     from ..inspect.timeline import write_program
 
     gm = schedule(gm, f"{graph_id}.{kind}")
+    gm = plain_all_gathers_on_gloo(gm)  # [Note: All-gathers on gloo]
     if dump is not None and dump.directory is not None:
         write_program(dump.directory, f"{graph_id}.{kind}", gm)
     return gm
