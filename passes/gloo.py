@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
-from .nodes import backend_of, is_all_gather
+from .nodes import backend_of
 
 _C10D = torch.ops._c10d_functional
 
@@ -31,7 +31,7 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
     fresh buffer of its output's shape; uses of the old node read the new one (the buffer)."""
     changed = False
     for node in list(gm.graph.nodes):
-        if not is_all_gather(node) or node.target is not _C10D.all_gather_into_tensor.default:
+        if node.op != "call_function" or node.target is not _C10D.all_gather_into_tensor.default:
             continue
         if backend_of(node) != "gloo":
             continue
