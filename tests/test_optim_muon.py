@@ -83,10 +83,17 @@ def _step_both(reference, ref_opt, sharded, opt) -> float:
     return worst
 
 
+def _on_one_shard(shape, num_shards: int) -> bool:
+    """Whether one shard holds every row (e.g. 1x6 on 2 ranks): then that rank holds the whole matrix
+    and updates it in place (once per replica), with no bytes sent."""
+    return len(torch.arange(shape[0]).chunk(num_shards)) == 1
+
+
 def _expected_sent_bytes(opt: Muon, shapes: list, num_replicas: int, num_shards: int) -> int:
     """Bytes all ranks send per step (bfloat16): every piece but the owner's own to the owner, then
-    every rank but the owner its piece of the update."""
+    every rank but the owner its piece of the update; nothing for matrices on one shard."""
     group = opt.param_groups[0]
+    shapes = [s for s in shapes if not _on_one_shard(s, num_shards)]
     owners = assign_owners([opt.matrix_cost(group, torch.Size(s)) for s in shapes], num_replicas * num_shards)
     total = 0
     for shape, owner in zip(shapes, owners):
@@ -115,8 +122,8 @@ def _against_torch(rank, world_size, mesh_shape, variants, steps=4):
             dist.all_reduce(sent)
             num_replicas = mesh_shape[0] if len(mesh_shape) == 2 else 1
             assert sent.item() == _expected_sent_bytes(opt, [SHAPES[i] for i in with_grad], num_replicas, mesh_shape[-1])
-            num_updated += len(with_grad)
-        # Each matrix's Newton-Schulz ran once in the world per step.
+            num_updated += sum(num_replicas if _on_one_shard(SHAPES[i], mesh_shape[-1]) else 1 for i in with_grad)
+        # Each matrix's Newton-Schulz ran once in the world per step (once per replica where one shard holds it).
         count = torch.tensor([opt.num_updated])
         dist.all_reduce(count)
         assert count.item() == num_updated, count

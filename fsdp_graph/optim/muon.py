@@ -110,8 +110,6 @@ class Muon(WholeMatrixOptimizer):
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         super().__init__(params, defaults)
 
-    stacks_are_independent = True  # each [M, N] of a 3-D stack has its own Newton-Schulz
-
     def check_param(self, param: torch.Tensor) -> None:
         if param.ndim not in (2, 3):
             raise ValueError(
@@ -141,6 +139,10 @@ class Muon(WholeMatrixOptimizer):
         piece = local(param)
         piece.mul_(1 - lr * group["weight_decay"])
         piece.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
+
+    def independent_block(self, group: dict, shape: torch.Size) -> tuple[int, ...]:
+        """One matrix: each [M, N] of a stack [E, M, N] has its own Newton-Schulz."""
+        return (1,) * (len(shape) - 2) + tuple(shape[-2:])
 
     def matrix_cost(self, group: dict, shape: torch.Size) -> float:
         """Newton-Schulz flops: per step, X X^T and A X cost 2 m^2 n each and A A 2 m^3 (m <= n)."""

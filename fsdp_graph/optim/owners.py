@@ -8,7 +8,9 @@ whole_matrix.py for how the plan is used.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,18 @@ def chunk_sizes(dim_size: int, num_chunks: int) -> list[int]:
     """
     padded = math.ceil(dim_size / num_chunks) if dim_size else 0
     return [max(0, min(padded, dim_size - i * padded)) for i in range(num_chunks)]
+
+
+def pieces_hold_whole_blocks(shape: Sequence[int], shard_dim: int, num_shards: int, block: Sequence[int]) -> bool:
+    """Whether sharding `shape` on `shard_dim` over `num_shards` ranks leaves every rank whole blocks.
+
+    `block` is the shape of the independent blocks (one size per dim of `shape`; blocks tile the
+    tensor from index 0, the last ones along a dim cut short by its end). Every rank's piece is made of
+    whole blocks exactly when every cut between two ranks' pieces falls on a block edge.
+    """
+    size, block_size = shape[shard_dim], max(1, block[shard_dim])
+    cuts = itertools.accumulate(chunk_sizes(size, num_shards))
+    return all(cut % block_size == 0 or cut == size for cut in cuts)
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,10 @@ class ShardLayout:
         shape = list(self.shape)
         shape[self.shard_dim] = chunk_sizes(self.shape[self.shard_dim], self.num_shards)[shard_index]
         return torch.Size(shape)
+
+    def holds_whole_blocks(self, block: Sequence[int]) -> bool:
+        """Whether every shard's piece is made of whole blocks of shape `block`."""
+        return pieces_hold_whole_blocks(self.shape, self.shard_dim, self.num_shards, block)
 
     def split(self, whole: torch.Tensor) -> list[torch.Tensor]:
         """`whole` cut into the pieces of shards 0, 1, ... (views)."""

@@ -25,10 +25,13 @@ about 2 * (W-1)/W of the matrix elements for W ranks, at the transport dtype's s
 `last_step_sent_bytes` holds this rank's count (self-sends excluded) after each step.
 
 Plain tensors (parameters `fully_shard` did not shard) are whole on every rank already: each rank
-updates them itself, as the unsharded optimizer does. So are stacks of matrices sharded on a
-leading dim (experts [E, M, N] under `Shard(0)`) where the optimizer updates each matrix of a stack
-on its own (`stacks_are_independent`): every rank holds whole matrices and updates its own, with no
-communication.
+updates them itself, as the unsharded optimizer does. The same holds wherever every rank's piece is
+made of whole blocks of what the update treats independently (`independent_block`): each rank
+updates its own piece as it lies, with no communication and no owner. For Muon the block is one
+matrix, so a stack of experts [E, M, N] sharded on dim 0 qualifies; for a block-wise preconditioner
+with b x b blocks, any parameter whose cuts between ranks fall on multiples of b does.
+`whole_block_placement` (placement.py) builds a `shard_placement_fn` that picks such a shard dim
+where one exists. See [Note: Structure-aware placement] there.
 """
 
 from __future__ import annotations
@@ -86,12 +89,10 @@ class WholeMatrixOptimizer(Optimizer):
       parameter's update; change `local(param)` in place.
     - `matrix_cost(group, shape) -> float`: the relative cost of `whole_matrix_update` on one matrix
       of `shape` (e.g. flops), for spreading matrices across ranks.
-    - `stacks_are_independent` (False by default): True where `whole_matrix_update` of a stack
-      [..., M, N] updates each [M, N] matrix on its own; then stacks sharded on a leading dim are
-      updated where they lie.
+    - `independent_block(group, shape) -> tuple[int, ...]`: the shape of the blocks that
+      `whole_matrix_update` updates independently of each other (the whole parameter by default).
+      A parameter whose every piece is made of whole blocks is updated where it lies.
     """
-
-    stacks_are_independent = False
 
     def __init__(self, params: Any, defaults: dict) -> None:
         self._mesh_ranks: dict[DeviceMesh, MeshRanks] = {}
@@ -122,6 +123,16 @@ class WholeMatrixOptimizer(Optimizer):
     def matrix_cost(self, group: dict, shape: torch.Size) -> float:
         return float(shape.numel())
 
+    def independent_block(self, group: dict, shape: torch.Size) -> tuple[int, ...]:
+        """The shape of the blocks `whole_matrix_update` updates independently of each other.
+
+        The contract: called on a sub-tensor of a parameter's matrix (of `shape`) that starts and ends
+        on block edges, `whole_matrix_update` returns that sub-tensor of the whole update. Blocks tile
+        the parameter from index 0; the last ones along a dim may be cut short by its end. Default:
+        the whole parameter, i.e. no smaller independent unit.
+        """
+        return tuple(shape)
+
     # --- the machinery ---
 
     def add_param_group(self, param_group: dict) -> None:
@@ -151,8 +162,8 @@ class WholeMatrixOptimizer(Optimizer):
                 layout = shard_layout(p)
                 piece = self.prepare(group, p, self.state[p]).to(self.transport_dtype(group, p))
                 job = _Job(p, group, layout, piece)
-                (plain if self._whole_here(layout) else by_mesh.setdefault(layout.mesh, [])).append(job)
-        for group, jobs in _by_group([j for j in plain if j.piece.numel()]):  # a rank may hold no experts
+                (plain if self._whole_here(group, layout) else by_mesh.setdefault(layout.mesh, [])).append(job)
+        for group, jobs in _by_group([j for j in plain if j.piece.numel()]):  # a rank may hold no blocks
             updates = self.whole_matrix_update(group, [j.piece for j in jobs])
             for job, update in zip(jobs, updates):
                 self.apply_update(group, job.param, update.to(job.piece.dtype))  # as if it had travelled
@@ -162,10 +173,10 @@ class WholeMatrixOptimizer(Optimizer):
             self._update_sharded(ranks, jobs)
         return loss
 
-    def _whole_here(self, layout: ShardLayout | None) -> bool:
-        """Whether this rank holds whole matrices of the parameter: a plain tensor, or a stack
-        sharded on a leading dim that the optimizer updates matrix by matrix."""
-        return layout is None or (self.stacks_are_independent and layout.shard_dim < len(layout.shape) - 2)
+    def _whole_here(self, group: dict, layout: ShardLayout | None) -> bool:
+        """Whether every rank holds whole independent blocks of the parameter (a plain tensor holds
+        the whole), so that each updates its own piece where it lies."""
+        return layout is None or layout.holds_whole_blocks(self.independent_block(group, layout.shape))
 
     def _update_sharded(self, ranks: MeshRanks, jobs: list[_Job]) -> None:
         """Steps 2-5 of [Note: Whole-matrix updates on sharded parameters] for the jobs of one mesh."""
