@@ -18,6 +18,11 @@ FSDP side gets its shard of them), so the updates must agree. Per side it prints
   unsharded update; after each step every side's parameters are reset to the unsharded ones, so each
   step's updates start from the same state (momentum depends on the gradients only).
 
+With and without structure-aware placement (`whole_block_placement`, docs/optim.md): one more Muon
+row under the placement for Muon's blocks (one matrix each), and a second table (`--block-size B`,
+0 to skip) for a block-wise optimizer, examples/block_polar.py's `BlockPolarSGD` with B x B blocks:
+unsharded, under fully_shard's default `Shard(0)`, and under `whole_block_placement((B, B), W)`.
+
 This is a benchmark, not a test: it asserts nothing.
 """
 
@@ -37,10 +42,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench_report import init_cpu_ranks, write_markdown
+from block_polar import BlockPolarSGD
 from llama import Llama, LlamaConfig, llama_config, shard_llama
 
 from fsdp_graph import fully_shard
-from fsdp_graph.optim import Muon
+from fsdp_graph.optim import Muon, whole_block_placement
 
 
 class CommBytes(TorchDispatchMode):
@@ -94,11 +100,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 class Side:
-    def __init__(self, name: str, cfg: LlamaConfig, shard_fn, optimizer_cls, **optim_kwargs) -> None:
+    def __init__(self, name: str, cfg: LlamaConfig, shard_fn, optimizer_cls, shard_kwargs=None, **optim_kwargs) -> None:
         self.name = name
         torch.manual_seed(0)
         model = Llama(cfg)
-        self.model = shard_llama(model, shard_fn) if shard_fn is not None else model
+        self.model = shard_llama(model, shard_fn, **(shard_kwargs or {})) if shard_fn is not None else model
         self.params = matrices(self.model)
         self.optimizer = optimizer_cls(self.params, **optim_kwargs)
         self.times: list[float] = []
@@ -159,8 +165,14 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8, help="per rank, for the AdamW bytes")
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=32, help="BlockPolarSGD's blocks (0: skip its table)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
     return parser.parse_args()
+
+
+def one_matrix(shape: torch.Size) -> tuple[int, ...]:
+    """Muon's independent blocks: each matrix of a stack."""
+    return (1,) * (len(shape) - 2) + tuple(shape[-2:])
 
 
 def main() -> None:
@@ -168,19 +180,45 @@ def main() -> None:
     rank, world_size = init_cpu_ranks()
     cfg = llama_config(args.dim, args.layers, args.seq_len)
     kwargs = {"lr": 0.02, "weight_decay": 0.1}
-    unsharded = Side("torch Muon, unsharded", cfg, None, torch.optim.Muon, **kwargs)
-    sides = [
-        unsharded,
+    muon_sides = [
+        Side("torch Muon, unsharded", cfg, None, torch.optim.Muon, **kwargs),
         Side("torch fully_shard + torch Muon", cfg, torch_fully_shard, torch.optim.Muon, **kwargs),
         Side("fsdp_graph fully_shard + fsdp_graph Muon", cfg, fully_shard, Muon, **kwargs),
+        Side("fsdp_graph fully_shard + fsdp_graph Muon, whole_block_placement (one matrix)", cfg, fully_shard, Muon,
+             {"shard_placement_fn": whole_block_placement(one_matrix, world_size)}, **kwargs),
     ]
-    shapes = [p.shape for p in unsharded.params]
+    tables = [muon_sides]
+    if args.block_size:
+        b = args.block_size
+        block_kwargs = {"lr": 0.005, "block_size": b}
+        tables.append([
+            Side("BlockPolarSGD, unsharded", cfg, None, BlockPolarSGD, **block_kwargs),
+            Side("fsdp_graph fully_shard (Shard(0)) + BlockPolarSGD", cfg, fully_shard, BlockPolarSGD, **block_kwargs),
+            Side(f"fsdp_graph fully_shard + BlockPolarSGD, whole_block_placement(({b}, {b}))", cfg, fully_shard,
+                 BlockPolarSGD, {"shard_placement_fn": whole_block_placement((b, b), world_size)}, **block_kwargs),
+        ])
+    shapes = [p.shape for p in muon_sides[0].params]
     if rank == 0:
         print(f"{len(shapes)} matrices of the blocks of a Llama (dim {args.dim}, {args.layers} blocks), "
               f"{sum(s.numel() for s in shapes) / 1e6:.2f}M entries, {world_size} gloo ranks, {args.rounds} rounds", flush=True)
+    for sides in tables:
+        run_side_by_side(sides, shapes, args)
+        for side in sides:
+            side.measure_bytes(global_grads(shapes, 0), world_size)
+    adamw_bytes = adamw_training_bytes(cfg, args, world_size)
+    if rank == 0:
+        report(args, tables, adamw_bytes, world_size)
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # see train_llama.py: torch 2.13's gloo teardown can abort
+
+
+def run_side_by_side(sides: list[Side], shapes: list[torch.Size], args) -> None:
+    """Warm-up and timed steps, sides alternating who goes first; sides[0] (unsharded) is the reference."""
+    reference = sides[0]
     for step in range(args.warmup + args.rounds):
         grads = global_grads(shapes, step)
-        start = [p.detach().clone() for p in unsharded.params]
+        start = [p.detach().clone() for p in reference.params]
         order = sides if step % 2 == 0 else list(reversed(sides))
         for side in order:
             side.set_grads(grads)
@@ -188,43 +226,41 @@ def main() -> None:
                 side.optimizer.step()
             else:
                 side.timed_step()
-        expected = [p.detach() - s for p, s in zip(unsharded.params, start)]
+        expected = [p.detach() - s for p, s in zip(reference.params, start)]
         for side in sides[1:]:
             got = [full(p) - s for p, s in zip(side.params, start)]
             side.errors.append(max(((g - e).norm() / e.norm()).item() for g, e in zip(got, expected)))
-            side.set_params([p.detach() for p in unsharded.params])
-    for side in sides:
-        side.measure_bytes(global_grads(shapes, 0), world_size)
-    adamw_bytes = adamw_training_bytes(cfg, args, world_size)
-    if rank == 0:
-        report(args, sides, adamw_bytes, world_size)
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # see train_llama.py: torch 2.13's gloo teardown can abort
+            side.set_params([p.detach() for p in reference.params])
 
 
-def report(args, sides: list[Side], adamw_bytes: int, world_size: int) -> None:
-    base = statistics.median(sides[0].times)
-    torch_sharded = statistics.median(sides[1].times)
-    header = ["side", "step ms", "vs unsharded", "vs torch fully_shard + Muon", "MiB sent per rank per step",
-              "vs AdamW training step", "max rel. update error"]
-    rows = []
-    for side in sides:
-        ms = statistics.median(side.times)
-        error = f"{max(side.errors):.2e}" if side.errors else "(reference)"
-        rows.append([side.name, f"{1e3 * ms:.1f}", f"{ms / base:.3f}", f"{ms / torch_sharded:.3f}",
-                     f"{side.sent_bytes / 2**20:.3f}", f"{side.sent_bytes / adamw_bytes:.3f}", error])
+def report(args, tables: list[list[Side]], adamw_bytes: int, world_size: int) -> None:
     print(f"AdamW training step (forward + backward + step) of the whole model on fsdp_graph: "
           f"{adamw_bytes / 2**20:.3f} MiB sent per rank")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
-    if args.markdown:
-        caption = (f"Muon's optimizer step on the {len(sides[0].params)} block matrices of a Llama (dim {args.dim}, "
+    markdown = []
+    for sides in tables:
+        base = statistics.median(sides[0].times)
+        torch_sharded = statistics.median(sides[1].times) if sides[1].optimizer.__class__ is torch.optim.Muon else None
+        header = ["side", "step ms", "vs unsharded", *(["vs torch fully_shard + Muon"] if torch_sharded else []),
+                  "MiB sent per rank per step", "vs AdamW training step", "max rel. update error"]
+        rows = []
+        for side in sides:
+            ms = statistics.median(side.times)
+            error = f"{max(side.errors):.2e}" if side.errors else "(reference)"
+            rows.append([side.name, f"{1e3 * ms:.1f}", f"{ms / base:.3f}",
+                         *([f"{ms / torch_sharded:.3f}"] if torch_sharded else []),
+                         f"{side.sent_bytes / 2**20:.3f}", f"{side.sent_bytes / adamw_bytes:.3f}", error])
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+        print()
+        for row in [header, *rows]:
+            print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+        what = "Muon's" if torch_sharded else f"BlockPolarSGD's ({args.block_size} x {args.block_size} blocks)"
+        caption = (f"{what} optimizer step on the {len(sides[0].params)} block matrices of a Llama (dim {args.dim}, "
                    f"{args.layers} blocks), {world_size} gloo ranks, median of {args.rounds} alternating steps; "
                    f"bytes against one AdamW training step of the whole model on fsdp_graph "
                    f"({adamw_bytes / 2**20:.3f} MiB per rank, batch {args.batch_size}x{args.seq_len}).")
-        print(f"markdown: {write_markdown(args.markdown, 'Muon on sharded parameters', [(caption, header, rows)])}")
+        markdown.append((caption, header, rows))
+    if args.markdown:
+        print(f"markdown: {write_markdown(args.markdown, 'Muon on sharded parameters', markdown)}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ examples/block_polar.py's `BlockPolarSGD` (b x b blocks, each replaced by its po
 unsharded reference written here (a loop over blocks, polar factor by SVD), with and without the
 placement, on uneven matrices: the same updates either way, no bytes sent under the placement. Also a
 real backward (eager and compiled) through a Llama whose SwiGLU weights the placement shards on dim 1,
-and a DCP resume that continues bit for bit.
+HSDP on a 2 x 2 mesh, and a DCP resume that continues bit for bit.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fsdp_graph
@@ -101,32 +102,34 @@ def test_placement_refuses_a_block_shape_of_the_wrong_rank():
         placement(nn.Parameter(torch.zeros(2, 8, 8)))
 
 
-def _expected_sent_bytes(opt, shapes: list, travelling: list[bool], num_shards: int) -> int:
+def _expected_sent_bytes(opt, shapes: list, travelling: list[bool], num_replicas: int, num_shards: int) -> int:
     """Bytes all ranks send per step (fp32): each travelling matrix's pieces but the owner's own to
-    the owner, and the update's back to every rank but the owner."""
+    the owner (from the owner's replica), and the update's back to every rank but the owner."""
     moving = [s for s, t in zip(shapes, travelling) if t]
-    owners = assign_owners([opt.matrix_cost(opt.param_groups[0], torch.Size(s)) for s in moving], num_shards)
+    owners = assign_owners([opt.matrix_cost(opt.param_groups[0], torch.Size(s)) for s in moving],
+                           num_replicas * num_shards)
     total = 0
-    for shape, owner in zip(moving, owners):
-        own = torch.arange(shape[0]).chunk(num_shards)
-        own_rows = len(own[owner]) if owner < len(own) else 0
-        total += 2 * (shape[0] - own_rows) * shape[1]
+    for shape, owner in zip(moving, owners):  # travelling matrices keep Shard(0) here
+        rows = torch.arange(shape[0]).chunk(num_shards)
+        own = (len(rows[owner % num_shards]) if owner % num_shards < len(rows) else 0) * shape[1]
+        total += (shape[0] * shape[1] - own) + (num_replicas * shape[0] * shape[1] - own)
     return 4 * total
 
 
-def _against_reference(rank, world_size, with_placement):
+def _against_reference(rank, world_size, mesh_shape, with_placement):
     torch.manual_seed(0)
     reference = Matrices(SHAPES)
-    kwargs = {"shard_placement_fn": whole_block_placement((BLOCK, BLOCK), world_size)} if with_placement else {}
-    sharded = fully_shard(copy.deepcopy(reference), **kwargs)
-    expected_dims = [whole_block_dims(s, world_size, BLOCK) if with_placement else [0] for s in SHAPES]
-    assert [p.placements for p in sharded.parameters()] == [(Shard(d[0] if d else 0),) for d in expected_dims]
+    mesh = init_device_mesh("cpu", mesh_shape)
+    num_shards = mesh_shape[-1]
+    kwargs = {"shard_placement_fn": whole_block_placement((BLOCK, BLOCK), mesh)} if with_placement else {}
+    sharded = fully_shard(copy.deepcopy(reference), mesh=mesh, **kwargs)
+    expected_dims = [whole_block_dims(s, num_shards, BLOCK) if with_placement else [0] for s in SHAPES]
+    assert [p.placements[-1] for p in sharded.parameters()] == [Shard(d[0] if d else 0) for d in expected_dims]
     opt = BlockPolarSGD(sharded.parameters(), lr=LR, momentum=MOMENTUM, block_size=BLOCK, eps=EPS)
     bufs = [torch.zeros(s) for s in SHAPES]
     # A matrix travels when its pieces under its placement do not hold whole blocks.
-    travelling = [p.placements[0].dim not in whole_block_dims(s, world_size, BLOCK)
+    travelling = [p.placements[-1].dim not in whole_block_dims(s, num_shards, BLOCK)
                   for p, s in zip(sharded.parameters(), SHAPES)]
-    assert any(travelling) and not all(travelling)
     for step in range(3):
         grads = _global_grads(SHAPES, step)
         for s, g in zip(sharded.weights, grads):
@@ -139,7 +142,8 @@ def _against_reference(rank, world_size, with_placement):
             torch.testing.assert_close(_full(p) - b, expected, rtol=RTOL, atol=1e-6)
         sent = torch.tensor([opt.last_step_sent_bytes])
         dist.all_reduce(sent)
-        assert sent.item() == _expected_sent_bytes(opt, SHAPES, travelling, world_size)
+        num_replicas = mesh_shape[0] if len(mesh_shape) == 2 else 1
+        assert sent.item() == _expected_sent_bytes(opt, SHAPES, travelling, num_replicas, num_shards)
     for p in sharded.parameters():  # momentum stays sharded like the parameter
         assert opt.state[p]["momentum_buffer"].placements == p.placements
     return travelling
@@ -147,16 +151,23 @@ def _against_reference(rank, world_size, with_placement):
 
 @pytest.mark.parametrize("with_placement", [False, True], ids=["shard0", "whole_blocks"])
 def test_block_optimizer_matches_the_unsharded_reference(with_placement):
-    travelling = run_ranks(_against_reference, 2, with_placement)
+    travelling = run_ranks(_against_reference, 2, (2,), with_placement)
     # Shard(0) sends (9, 8), (3, 5) and (10, 6); the placement keeps (9, 8) whole-blocked on dim 1.
     assert travelling == [False, not with_placement, False, True, False, True]
+
+
+def test_block_optimizer_under_the_placement_with_hsdp():
+    """A 2 x 2 mesh: the placement follows the shard axis; local pieces update on both replicas, the
+    travelling matrices go to owners among all 4 ranks."""
+    travelling = run_ranks(_against_reference, 4, (2, 2), True)
+    assert travelling == [False, False, False, True, False, True]
 
 
 def _training(rank, world_size, compiled):
     """A real backward through a Llama sharded with the placement (eager or compiled); an unsharded copy
     gets the same global gradients and the reference update, AdamW on the rest on both sides."""
     torch.manual_seed(0)
-    model = tiny_llama()  # dim 32, SwiGLU hidden 56: w1, w3 [56, 32] are cut at row 28 under Shard(0)
+    model = tiny_llama(num_layers=1)  # dim 32, SwiGLU hidden 56: w1, w3 [56, 32] are cut at row 28 under Shard(0)
     reference = copy.deepcopy(model)
     placement = whole_block_placement((8, 8), world_size)
     sharded = copy.deepcopy(model)
@@ -175,7 +186,7 @@ def _training(rank, world_size, compiled):
     ref_matrices, ref_others = split(reference)
     ref_adamw = torch.optim.AdamW(ref_others, lr=1e-2)
     bufs = [torch.zeros_like(p) for p in ref_matrices]
-    for step in range(3):
+    for step in range(2):
         _, _, lx, ly = batch_for_step(model, step, 4, rank, world_size)
         loss_fn(sharded, run(lx), ly).backward()
         for r, s in zip(reference.parameters(), sharded.parameters()):
