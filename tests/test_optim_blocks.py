@@ -102,17 +102,34 @@ def test_placement_refuses_a_block_shape_of_the_wrong_rank():
         placement(nn.Parameter(torch.zeros(2, 8, 8)))
 
 
-def _expected_sent_bytes(opt, shapes: list, travelling: list[bool], num_replicas: int, num_shards: int) -> int:
-    """Bytes all ranks send per step (fp32): each travelling matrix's pieces but the owner's own to
-    the owner (from the owner's replica), and the update's back to every rank but the owner."""
-    moving = [s for s, t in zip(shapes, travelling) if t]
-    owners = assign_owners([opt.matrix_cost(opt.param_groups[0], torch.Size(s)) for s in moving],
+def crossed_runs(shape, dim: int, num_shards: int, b: int) -> list[list[int]]:
+    """The b-long runs along `dim` whose entries lie on more than one of torch.chunk's pieces (brute
+    force), each as its length on every shard: what travels to an owner."""
+    shard_of = [s for s, c in enumerate(torch.arange(shape[dim]).chunk(num_shards)) for _ in c]
+    runs = []
+    for first in range(0, shape[dim], b):
+        held = [shard_of[first:first + b].count(s) for s in range(num_shards)]
+        if sum(1 for n in held if n) > 1:
+            runs.append(held)
+    return runs
+
+
+def _expected_sent_bytes(opt, shapes: list, dims: list[int], num_replicas: int, num_shards: int) -> int:
+    """Bytes all ranks send per step (fp32): each crossed run's parts but the owner's own to the owner
+    (from the owner's replica), and the run's update back to every rank but the owner."""
+    runs = []  # (shape, each shard's length along the dim, dim), in parameter order
+    for shape, dim in zip(shapes, dims):
+        for held in crossed_runs(shape, dim, num_shards, BLOCK):
+            run_shape = list(shape)
+            run_shape[dim] = sum(held)
+            runs.append((run_shape, held, dim))
+    owners = assign_owners([opt.matrix_cost(opt.param_groups[0], torch.Size(r[0])) for r in runs],
                            num_replicas * num_shards)
     total = 0
-    for shape, owner in zip(moving, owners):  # travelling matrices keep Shard(0) here
-        rows = torch.arange(shape[0]).chunk(num_shards)
-        own = (len(rows[owner % num_shards]) if owner % num_shards < len(rows) else 0) * shape[1]
-        total += (shape[0] * shape[1] - own) + (num_replicas * shape[0] * shape[1] - own)
+    for (run_shape, held, dim), owner in zip(runs, owners):
+        numel = torch.Size(run_shape).numel()
+        own = held[owner % num_shards] * numel // sum(held)
+        total += (numel - own) + (num_replicas * numel - own)
     return 4 * total
 
 
@@ -127,9 +144,11 @@ def _against_reference(rank, world_size, mesh_shape, with_placement):
     assert [p.placements[-1] for p in sharded.parameters()] == [Shard(d[0] if d else 0) for d in expected_dims]
     opt = BlockPolarSGD(sharded.parameters(), lr=LR, momentum=MOMENTUM, block_size=BLOCK, eps=EPS)
     bufs = [torch.zeros(s) for s in SHAPES]
-    # A matrix travels when its pieces under its placement do not hold whole blocks.
-    travelling = [p.placements[-1].dim not in whole_block_dims(s, num_shards, BLOCK)
-                  for p, s in zip(sharded.parameters(), SHAPES)]
+    # A matrix sends the runs of blocks that cuts between pieces cross (none where its placement's
+    # dim holds whole blocks); its other blocks are updated where they lie.
+    dims = [p.placements[-1].dim for p in sharded.parameters()]
+    travelling = [bool(crossed_runs(s, d, num_shards, BLOCK)) for s, d in zip(SHAPES, dims)]
+    assert travelling == [d not in whole_block_dims(s, num_shards, BLOCK) for s, d in zip(SHAPES, dims)]
     for step in range(3):
         grads = _global_grads(SHAPES, step)
         for s, g in zip(sharded.weights, grads):
@@ -143,7 +162,7 @@ def _against_reference(rank, world_size, mesh_shape, with_placement):
         sent = torch.tensor([opt.last_step_sent_bytes])
         dist.all_reduce(sent)
         num_replicas = mesh_shape[0] if len(mesh_shape) == 2 else 1
-        assert sent.item() == _expected_sent_bytes(opt, SHAPES, travelling, num_replicas, num_shards)
+        assert sent.item() == _expected_sent_bytes(opt, SHAPES, dims, num_replicas, num_shards)
     for p in sharded.parameters():  # momentum stays sharded like the parameter
         assert opt.state[p]["momentum_buffer"].placements == p.placements
     return travelling
@@ -154,6 +173,12 @@ def test_block_optimizer_matches_the_unsharded_reference(with_placement):
     travelling = run_ranks(_against_reference, 2, (2,), with_placement)
     # Shard(0) sends (9, 8), (3, 5) and (10, 6); the placement keeps (9, 8) whole-blocked on dim 1.
     assert travelling == [False, not with_placement, False, True, False, True]
+
+
+def test_block_optimizer_on_three_ranks_sends_only_the_crossed_runs():
+    """Shard(0) on 3 ranks: pieces of 3 rows against 4-row blocks, so a piece may lie inside one
+    crossed run (7x16: rows 6-7) or across two (9x8: rows 3-6), beside pieces with blocks of their own."""
+    run_ranks(_against_reference, 3, (3,), False)
 
 
 def test_block_optimizer_under_the_placement_with_hsdp():

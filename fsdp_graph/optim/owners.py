@@ -50,11 +50,14 @@ class ShardLayout:
             axis 0, sharded on axis 1).
         shard_dim: the tensor dim the shard axis splits.
         shape: the global shape.
+        sizes: each shard's length along `shard_dim`; None for `Shard`'s (`chunk_sizes`). A run of
+            blocks cut out of a parameter (`shared_blocks`) has its own.
     """
 
     mesh: DeviceMesh
     shard_dim: int
     shape: torch.Size
+    sizes: tuple[int, ...] | None = None
 
     @property
     def num_shards(self) -> int:
@@ -64,20 +67,63 @@ class ShardLayout:
     def num_replicas(self) -> int:
         return self.mesh.size(0) if self.mesh.ndim == 2 else 1
 
+    @property
+    def piece_sizes(self) -> tuple[int, ...]:
+        return self.sizes if self.sizes is not None else tuple(chunk_sizes(self.shape[self.shard_dim], self.num_shards))
+
     def piece_shape(self, shard_index: int) -> torch.Size:
         """The shape of the piece shard `shard_index` holds (the same on every replica)."""
         shape = list(self.shape)
-        shape[self.shard_dim] = chunk_sizes(self.shape[self.shard_dim], self.num_shards)[shard_index]
+        shape[self.shard_dim] = self.piece_sizes[shard_index]
         return torch.Size(shape)
-
-    def holds_whole_blocks(self, block: Sequence[int]) -> bool:
-        """Whether every shard's piece is made of whole blocks of shape `block`."""
-        return pieces_hold_whole_blocks(self.shape, self.shard_dim, self.num_shards, block)
 
     def split(self, whole: torch.Tensor) -> list[torch.Tensor]:
         """`whole` cut into the pieces of shards 0, 1, ... (views)."""
-        sizes = chunk_sizes(self.shape[self.shard_dim], self.num_shards)
-        return list(torch.split(whole, sizes, dim=self.shard_dim))
+        return list(torch.split(whole, self.piece_sizes, dim=self.shard_dim))
+
+
+@dataclass(frozen=True)
+class SharedBlocks:
+    """One block's run along a parameter's shard dim that a cut between two pieces crosses: it is
+    updated as one matrix on an owner (its layout: its shape and each shard's part of it).
+
+    Attributes:
+        layout: the run as a matrix of its own, sharded as the parameter is.
+        offset: where this rank's part of the run starts inside this rank's piece (along the shard dim).
+    """
+
+    layout: ShardLayout
+    offset: int
+
+
+def block_parts(layout: ShardLayout, block: Sequence[int], shard_index: int) -> tuple[tuple[int, int], list[SharedBlocks]]:
+    """Cut one parameter by its independent blocks (`block`, one size per dim): (the range, inside
+    shard `shard_index`'s piece along the shard dim, of the whole blocks that piece holds alone; and
+    the runs of blocks that cuts between pieces cross, in order along the dim).
+
+    Blocks tile the parameter from index 0. A cut on a block edge crosses nothing; any other cut
+    crosses the one block run [c - c % b, c - c % b + b) (shortened at the end of the dim), which
+    several cuts may share. With one block spanning the whole dim (Muon's matrices), every cut
+    crosses it and the run is the whole parameter.
+    """
+    dim, size = layout.shard_dim, layout.shape[layout.shard_dim]
+    b = max(1, block[dim])
+    sizes = layout.piece_sizes
+    starts = [0, *itertools.accumulate(sizes)][:-1]
+    cut_blocks = sorted({c - c % b for c in itertools.accumulate(sizes) if 0 < c < size and c % b})
+    shared = []
+    for first in cut_blocks:
+        last = min(first + b, size)
+        run_sizes = tuple(max(0, min(s + n, last) - max(s, first)) for s, n in zip(starts, sizes))
+        shape = list(layout.shape)
+        shape[dim] = last - first
+        lo = starts[shard_index]
+        offset = max(lo, first) - lo if run_sizes[shard_index] else 0
+        shared.append(SharedBlocks(ShardLayout(layout.mesh, dim, torch.Size(shape), run_sizes), offset))
+    lo, hi = starts[shard_index], starts[shard_index] + sizes[shard_index]
+    alone_lo = lo if lo % b == 0 else min(hi, lo - lo % b + b)
+    alone_hi = hi if hi % b == 0 or hi == size else max(alone_lo, hi - hi % b)
+    return (alone_lo - lo, alone_hi - lo), shared
 
 
 def shard_layout(param: torch.Tensor) -> ShardLayout | None:

@@ -1,15 +1,16 @@
 """`whole_block_placement`: a `shard_placement_fn` for `fully_shard` that leaves every rank whole blocks.
 
 [Note: Structure-aware placement]
-A whole-matrix optimizer (whole_matrix.py) moves a parameter's pieces to an owner and the update
-back, unless every rank's piece is already made of whole independent blocks (`independent_block`):
-then each rank updates its own piece where it lies. FSDP2's `fully_shard` already lets the user pick
-each parameter's shard dim (`shard_placement_fn` returning `Shard(dim)`), and the pieces along a
-dim are fixed by that choice (`torch.chunk`'s split: ceil(size / W) per rank). So the placement that
-keeps structure is a choice of dim, per parameter: the first dim, from 0 up, whose cuts between ranks
-all fall on block edges. Where none does, `Shard(0)` (FSDP2's default) stays and that parameter takes
-the owner path. Nothing else changes: parameters stay `Shard(k)` DTensors, so state dicts, DCP and
-torch's own `fully_shard` take the same `shard_placement_fn`.
+A whole-matrix optimizer (whole_matrix.py) updates the independent blocks (`independent_block`) a
+rank's piece holds whole where they lie, and sends to an owner (and the update back) only the runs
+of blocks that a cut between two ranks' pieces crosses. A placement with no such cut sends nothing.
+FSDP2's `fully_shard` already lets the user pick each parameter's shard dim (`shard_placement_fn`
+returning `Shard(dim)`), and the pieces along a dim are fixed by that choice (`torch.chunk`'s split:
+ceil(size / W) per rank). So the placement that keeps structure is a choice of dim, per parameter:
+the first dim, from 0 up, whose cuts between ranks all fall on block edges. Where none does,
+`Shard(0)` (FSDP2's default) stays and that parameter's crossed runs take the owner path. Nothing
+else changes: parameters stay `Shard(k)` DTensors, so state dicts, DCP and torch's own
+`fully_shard` take the same `shard_placement_fn`.
 
 What it gives, by block shape:
 - Muon on a stack of matrices [E, M, N] (block [1, M, N]): dim 0, always (FSDP2's default already).
@@ -48,8 +49,8 @@ def whole_block_placement(block: BlockShape, mesh: DeviceMesh | int) -> Callable
 
     Returns:
         A function giving, per parameter, `Shard(dim)` for the first dim (from 0) whose cuts between
-        ranks all fall on block edges, or None (FSDP2's default, `Shard(0)`) where no dim does: that
-        parameter's pieces then travel to an owner each step.
+        ranks all fall on block edges, or None (FSDP2's default, `Shard(0)`) where no dim does: the
+        blocks its cuts cross then travel to an owner each step.
     """
     num_shards = _num_shards(mesh)
     block_of = _block_fn(block)

@@ -24,13 +24,15 @@ step, its pieces of the matrices others own, and each owner the update pieces of
 about 2 * (W-1)/W of the matrix elements for W ranks, at the transport dtype's size.
 `last_step_sent_bytes` holds this rank's count (self-sends excluded) after each step.
 
-Plain tensors (parameters `fully_shard` did not shard) are whole on every rank already: each rank
-updates them itself, as the unsharded optimizer does. The same holds wherever every rank's piece is
-made of whole blocks of what the update treats independently (`independent_block`): each rank
-updates its own piece as it lies, with no communication and no owner. For Muon the block is one
-matrix, so a stack of experts [E, M, N] sharded on dim 0 qualifies; for a block-wise preconditioner
-with b x b blocks, any parameter whose cuts between ranks fall on multiples of b does.
-`whole_block_placement` (placement.py) builds a `shard_placement_fn` that picks such a shard dim
+What travels is less than whole matrices where the update treats blocks independently
+(`independent_block`). Plain tensors (parameters `fully_shard` did not shard) are whole on every
+rank: each rank updates them itself, as the unsharded optimizer does. A sharded parameter is cut by
+its blocks along the shard dim (owners.py, `block_parts`): the whole blocks a rank's piece holds
+alone are updated where they lie, and only the runs of blocks that a cut between two pieces crosses
+are matrices for steps 2-5. For Muon a block is one matrix: a 2-D parameter is one crossed run (the
+whole matrix, as above), and a stack of experts [E, M, N] under `Shard(0)` has none. For a
+block-wise preconditioner with b x b blocks, a cut that is not a multiple of b sends one run of b
+rows (or columns), and `whole_block_placement` (placement.py) picks a shard dim with no such cut
 where one exists. See [Note: Structure-aware placement] there.
 """
 
@@ -44,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor
 from torch.optim import Optimizer
 
-from .owners import MeshRanks, ShardLayout, assign_owners, shard_layout
+from .owners import MeshRanks, ShardLayout, assign_owners, block_parts, shard_layout
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -53,13 +55,25 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class _Job:
-    """One matrix parameter in one step: where it is, and this rank's piece of what the owner needs."""
+class _Param:
+    """One parameter with a gradient in one step: this rank's piece of what is to be updated, and of
+    the update, which its jobs fill in."""
 
     param: torch.Tensor
     group: dict
-    layout: ShardLayout | None  # None: a plain tensor, whole here
-    piece: torch.Tensor  # this rank's piece of the matrix to update, in the transport dtype
+    piece: torch.Tensor  # `prepare`'s result, in the transport dtype
+    update: torch.Tensor  # same shape; every entry is written by exactly one job
+
+
+@dataclass
+class _Job:
+    """One matrix updated as one: the whole of a plain tensor, the blocks a piece holds alone, or a
+    run of blocks that a cut between pieces crosses (then with its layout, and updated on an owner)."""
+
+    group: dict
+    layout: ShardLayout | None  # None: whole on this rank
+    piece: torch.Tensor  # this rank's piece of the matrix (a view of its _Param's piece)
+    out: torch.Tensor  # where this rank's piece of its update goes (a view of its _Param's update)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -91,7 +105,8 @@ class WholeMatrixOptimizer(Optimizer):
       of `shape` (e.g. flops), for spreading matrices across ranks.
     - `independent_block(group, shape) -> tuple[int, ...]`: the shape of the blocks that
       `whole_matrix_update` updates independently of each other (the whole parameter by default).
-      A parameter whose every piece is made of whole blocks is updated where it lies.
+      Blocks a rank's piece holds whole are updated where they lie; only blocks cut between
+      ranks travel to an owner.
     """
 
     def __init__(self, params: Any, defaults: dict) -> None:
@@ -149,8 +164,9 @@ class WholeMatrixOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        by_mesh: dict[DeviceMesh, list[_Job]] = {}
-        plain: list[_Job] = []
+        params: list[_Param] = []
+        alone: list[_Job] = []  # updated on this rank, with no communication
+        by_mesh: dict[DeviceMesh, list[_Job]] = {}  # updated on an owner
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -161,22 +177,40 @@ class WholeMatrixOptimizer(Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 layout = shard_layout(p)
                 piece = self.prepare(group, p, self.state[p]).to(self.transport_dtype(group, p))
-                job = _Job(p, group, layout, piece)
-                (plain if self._whole_here(group, layout) else by_mesh.setdefault(layout.mesh, [])).append(job)
-        for group, jobs in _by_group([j for j in plain if j.piece.numel()]):  # a rank may hold no blocks
+                params.append(_Param(p, group, piece, torch.empty_like(piece)))
+                if layout is None:
+                    alone.append(_Job(group, None, piece, params[-1].update))
+                    continue
+                ranks = self._ranks(layout.mesh)
+                self._cut_by_blocks(group, layout, ranks, params[-1], alone, by_mesh.setdefault(layout.mesh, []))
+        for group, jobs in _by_group([j for j in alone if j.piece.numel()]):
             updates = self.whole_matrix_update(group, [j.piece for j in jobs])
             for job, update in zip(jobs, updates):
-                self.apply_update(group, job.param, update.to(job.piece.dtype))  # as if it had travelled
+                job.out.copy_(update)  # in the transport dtype, as if it had travelled
         self.last_step_sent_bytes = 0
         for mesh, jobs in by_mesh.items():  # every rank sees the meshes in the same order
-            ranks = self._mesh_ranks.get(mesh) or self._mesh_ranks.setdefault(mesh, MeshRanks(mesh))
-            self._update_sharded(ranks, jobs)
+            if jobs:
+                self._update_sharded(self._ranks(mesh), jobs)
+        for entry in params:
+            self.apply_update(entry.group, entry.param, entry.update)
         return loss
 
-    def _whole_here(self, group: dict, layout: ShardLayout | None) -> bool:
-        """Whether every rank holds whole independent blocks of the parameter (a plain tensor holds
-        the whole), so that each updates its own piece where it lies."""
-        return layout is None or layout.holds_whole_blocks(self.independent_block(group, layout.shape))
+    def _ranks(self, mesh: DeviceMesh) -> MeshRanks:
+        return self._mesh_ranks.get(mesh) or self._mesh_ranks.setdefault(mesh, MeshRanks(mesh))
+
+    def _cut_by_blocks(self, group: dict, layout: ShardLayout, ranks: MeshRanks, entry: _Param,
+                       alone: list[_Job], shared: list[_Job]) -> None:
+        """The jobs of one sharded parameter: the whole blocks this rank's piece holds alone, and one
+        job per run of blocks a cut between pieces crosses (every rank adds the same runs in the same
+        order, its own part of each possibly empty). See [Note: Structure-aware placement]."""
+        dim = layout.shard_dim
+        (lo, hi), runs = block_parts(layout, self.independent_block(group, layout.shape), ranks.my_shard)
+        if hi > lo:
+            alone.append(_Job(group, None, entry.piece.narrow(dim, lo, hi - lo), entry.update.narrow(dim, lo, hi - lo)))
+        for run in runs:
+            n = run.layout.piece_sizes[ranks.my_shard]
+            shared.append(_Job(group, run.layout, entry.piece.narrow(dim, run.offset, n),
+                               entry.update.narrow(dim, run.offset, n)))
 
     def _update_sharded(self, ranks: MeshRanks, jobs: list[_Job]) -> None:
         """Steps 2-5 of [Note: Whole-matrix updates on sharded parameters] for the jobs of one mesh."""
@@ -225,7 +259,7 @@ class WholeMatrixOptimizer(Optimizer):
         for i, (job, owner) in enumerate(zip(jobs, owners)):
             data = received[owner][position[owner]]
             position[owner] += 1
-            self.apply_update(job.group, job.param, _from_bytes(data, dtypes[i], job.layout.piece_shape(ranks.my_shard)))
+            job.out.copy_(_from_bytes(data, dtypes[i], job.layout.piece_shape(ranks.my_shard)))
 
     def _all_to_all(self, ranks: MeshRanks, send: list[list[torch.Tensor]],
                     recv_nbytes: list[list[int]], device: torch.device) -> list[list[torch.Tensor]]:
