@@ -10,8 +10,8 @@ each block B of the momentum by its polar factor (B B^T + eps I)^(-1/2) B: a blo
 preconditioner, Shampoo's left factor taken from the block itself. Each block's update needs that
 whole block, not the whole matrix, so it declares its blocks through `independent_block`. Under
 `whole_block_placement((b, b), mesh)` every rank holds whole blocks of every matrix and updates them
-where they lie: no bytes sent. Under `Shard(0)` alone, matrices whose cut between ranks falls inside
-a block go to an owner and back (docs/optim.md).
+where they lie: no bytes sent. Under `Shard(0)` alone, a cut between ranks that falls inside a row of
+blocks sends that row of blocks to an owner and its update back (docs/optim.md).
 """
 
 from __future__ import annotations
