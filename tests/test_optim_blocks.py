@@ -4,7 +4,8 @@ examples/block_polar.py's `BlockPolarSGD` (b x b blocks, each replaced by its po
 unsharded reference written here (a loop over blocks, polar factor by SVD), with and without the
 placement, on uneven matrices: the same updates either way, no bytes sent under the placement. Also a
 real backward (eager and compiled) through a Llama whose SwiGLU weights the placement shards on dim 1,
-HSDP on a 2 x 2 mesh, and a DCP resume that continues bit for bit.
+HSDP on a 2 x 2 mesh, PyTorch's own `fully_shard` given the same placement, and a DCP resume that
+continues bit for bit.
 """
 
 from __future__ import annotations
@@ -133,13 +134,13 @@ def _expected_sent_bytes(opt, shapes: list, dims: list[int], num_replicas: int, 
     return 4 * total
 
 
-def _against_reference(rank, world_size, mesh_shape, with_placement):
+def _against_reference(rank, world_size, mesh_shape, with_placement, shard_fn=fully_shard):
     torch.manual_seed(0)
     reference = Matrices(SHAPES)
     mesh = init_device_mesh("cpu", mesh_shape)
     num_shards = mesh_shape[-1]
     kwargs = {"shard_placement_fn": whole_block_placement((BLOCK, BLOCK), mesh)} if with_placement else {}
-    sharded = fully_shard(copy.deepcopy(reference), mesh=mesh, **kwargs)
+    sharded = shard_fn(copy.deepcopy(reference), mesh=mesh, **kwargs)
     expected_dims = [whole_block_dims(s, num_shards, BLOCK) if with_placement else [0] for s in SHAPES]
     assert [p.placements[-1] for p in sharded.parameters()] == [Shard(d[0] if d else 0) for d in expected_dims]
     opt = BlockPolarSGD(sharded.parameters(), lr=LR, momentum=MOMENTUM, block_size=BLOCK, eps=EPS)
@@ -179,6 +180,15 @@ def test_block_optimizer_on_three_ranks_sends_only_the_crossed_runs():
     """Shard(0) on 3 ranks: pieces of 3 rows against 4-row blocks, so a piece may lie inside one
     crossed run (7x16: rows 6-7) or across two (9x8: rows 3-6), beside pieces with blocks of their own."""
     run_ranks(_against_reference, 3, (3,), False)
+
+
+def test_placement_and_optimizer_on_torchs_fully_shard():
+    """The same shard_placement_fn given to PyTorch's FSDP2 `fully_shard`: the same placements, and
+    the optimizer on its DTensors matches the unsharded reference with the same bytes."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    travelling = run_ranks(_against_reference, 2, (2,), True, torch_fully_shard)
+    assert travelling == [False, False, False, True, False, True]
 
 
 def test_block_optimizer_under_the_placement_with_hsdp():
