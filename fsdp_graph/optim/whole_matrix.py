@@ -57,12 +57,14 @@ def local(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class _Param:
     """One parameter with a gradient in one step: this rank's piece of what is to be updated, and of
-    the update, which its jobs fill in."""
+    the update, which its jobs deliver."""
 
     param: torch.Tensor
     group: dict
     piece: torch.Tensor  # `prepare`'s result, in the transport dtype
-    update: torch.Tensor  # same shape; every entry is written by exactly one job
+    # This rank's piece of the update: the one job's result where a job covers the whole piece (no
+    # copy), else a buffer each job writes its part of. Dies after `apply_update`.
+    update: torch.Tensor | None = None
 
 
 @dataclass
@@ -73,7 +75,20 @@ class _Job:
     group: dict
     layout: ShardLayout | None  # None: whole on this rank
     piece: torch.Tensor  # this rank's piece of the matrix (a view of its _Param's piece)
-    out: torch.Tensor  # where this rank's piece of its update goes (a view of its _Param's update)
+    target: _Param
+    dim: int = 0  # where `piece` lies in the target's piece: along `dim`, from `offset`
+    offset: int = 0
+
+    def deliver(self, update: torch.Tensor) -> None:
+        """Hand this rank's piece of the job's update to its parameter."""
+        update = update.to(self.piece.dtype)  # as if it had travelled in the transport dtype
+        target = self.target
+        if self.piece.shape == target.piece.shape:  # the whole piece: the other jobs' parts are empty
+            target.update = update
+            return
+        if target.update is None:
+            target.update = torch.empty_like(target.piece)
+        target.update.narrow(self.dim, self.offset, self.piece.size(self.dim)).copy_(update)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -177,22 +192,26 @@ class WholeMatrixOptimizer(Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 layout = shard_layout(p)
                 piece = self.prepare(group, p, self.state[p]).to(self.transport_dtype(group, p))
-                params.append(_Param(p, group, piece, torch.empty_like(piece)))
+                params.append(_Param(p, group, piece))
                 if layout is None:
-                    alone.append(_Job(group, None, piece, params[-1].update))
+                    alone.append(_Job(group, None, piece, params[-1]))
                     continue
                 ranks = self._ranks(layout.mesh)
                 self._cut_by_blocks(group, layout, ranks, params[-1], alone, by_mesh.setdefault(layout.mesh, []))
         for group, jobs in _by_group([j for j in alone if j.piece.numel()]):
             updates = self.whole_matrix_update(group, [j.piece for j in jobs])
             for job, update in zip(jobs, updates):
-                job.out.copy_(update)  # in the transport dtype, as if it had travelled
+                job.deliver(update)
         self.last_step_sent_bytes = 0
         for mesh, jobs in by_mesh.items():  # every rank sees the meshes in the same order
             if jobs:
                 self._update_sharded(self._ranks(mesh), jobs)
-        for entry in params:
-            self.apply_update(entry.group, entry.param, entry.update)
+        for entry in params:  # every rank calls apply_update for the same parameters
+            update, entry.update = entry.update, None
+            if update is None:  # an empty piece (e.g. no rows on this rank): nothing to deliver
+                assert entry.piece.numel() == 0, entry.piece.shape
+                update = torch.empty_like(entry.piece)
+            self.apply_update(entry.group, entry.param, update)
         return loss
 
     def _ranks(self, mesh: DeviceMesh) -> MeshRanks:
@@ -206,11 +225,10 @@ class WholeMatrixOptimizer(Optimizer):
         dim = layout.shard_dim
         (lo, hi), runs = block_parts(layout, self.independent_block(group, layout.shape), ranks.my_shard)
         if hi > lo:
-            alone.append(_Job(group, None, entry.piece.narrow(dim, lo, hi - lo), entry.update.narrow(dim, lo, hi - lo)))
+            alone.append(_Job(group, None, entry.piece.narrow(dim, lo, hi - lo), entry, dim, lo))
         for run in runs:
             n = run.layout.piece_sizes[ranks.my_shard]
-            shared.append(_Job(group, run.layout, entry.piece.narrow(dim, run.offset, n),
-                               entry.update.narrow(dim, run.offset, n)))
+            shared.append(_Job(group, run.layout, entry.piece.narrow(dim, run.offset, n), entry, dim, run.offset))
 
     def _update_sharded(self, ranks: MeshRanks, jobs: list[_Job]) -> None:
         """Steps 2-5 of [Note: Whole-matrix updates on sharded parameters] for the jobs of one mesh."""
@@ -259,7 +277,7 @@ class WholeMatrixOptimizer(Optimizer):
         for i, (job, owner) in enumerate(zip(jobs, owners)):
             data = received[owner][position[owner]]
             position[owner] += 1
-            job.out.copy_(_from_bytes(data, dtypes[i], job.layout.piece_shape(ranks.my_shard)))
+            job.deliver(_from_bytes(data, dtypes[i], job.layout.piece_shape(ranks.my_shard)))
 
     def _all_to_all(self, ranks: MeshRanks, send: list[list[torch.Tensor]],
                     recv_nbytes: list[list[int]], device: torch.device) -> list[list[torch.Tensor]]:
