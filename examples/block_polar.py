@@ -62,7 +62,9 @@ class BlockPolarSGD(WholeMatrixOptimizer):
 
     def check_param(self, param: torch.Tensor) -> None:
         if param.ndim < 2:
-            raise ValueError(f"BlockPolarSGD updates matrices; got a parameter of shape {tuple(param.shape)}: use AdamW for it")
+            raise ValueError(
+                f"BlockPolarSGD updates matrices; got a parameter of shape {tuple(param.shape)}: use AdamW for it"
+            )
 
     def independent_block(self, group: dict, shape: torch.Size) -> tuple[int, ...]:
         return (1,) * (len(shape) - 2) + (group["block_size"], group["block_size"])

@@ -90,7 +90,7 @@ def test_placement_picks_the_first_dim_whose_pieces_hold_whole_blocks():
 
 @pytest.mark.parametrize("block, mesh, error", [
     ((0, 4), 2, ValueError), ((4, "4"), 2, ValueError), ((), 2, ValueError), ((4, 4), "2", TypeError),
-    ((4, 4), 0, TypeError),
+    ((4, 4), 0, ValueError),
 ])
 def test_placement_refuses_bad_arguments(block, mesh, error):
     with pytest.raises(error):

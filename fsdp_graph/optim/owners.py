@@ -96,7 +96,9 @@ class SharedBlocks:
     offset: int
 
 
-def block_parts(layout: ShardLayout, block: Sequence[int], shard_index: int) -> tuple[tuple[int, int], list[SharedBlocks]]:
+def block_parts(
+    layout: ShardLayout, block: Sequence[int], shard_index: int
+) -> tuple[tuple[int, int], list[SharedBlocks]]:
     """Cut one parameter by its independent blocks (`block`, one size per dim): (the range, inside
     shard `shard_index`'s piece along the shard dim, of the whole blocks that piece holds alone; and
     the runs of blocks that cuts between pieces cross, in order along the dim).

@@ -77,7 +77,9 @@ def whole_block_placement(block: BlockShape, mesh: DeviceMesh | int) -> Callable
 def _num_shards(mesh: DeviceMesh | int) -> int:
     if isinstance(mesh, DeviceMesh):
         return mesh.size(mesh.ndim - 1)
-    if isinstance(mesh, int) and not isinstance(mesh, bool) and mesh >= 1:
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
+        if mesh < 1:
+            raise ValueError(f"the number of shards must be at least 1; got {mesh}")
         return mesh
     raise TypeError(f"mesh must be the DeviceMesh fully_shard will use or a positive number of shards; got {mesh!r}")
 
