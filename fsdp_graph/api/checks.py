@@ -31,17 +31,13 @@ def _check_modules(module) -> tuple[nn.Module, ...]:
                 f"fully_shard got the same {type(m).__name__} twice in its list (position {i}); "
                 f"list each module once"
             )
-        if isinstance(m, OptimizedModule):
-            raise ValueError(
-                f"fully_shard got a torch.compile'd module (OptimizedModule of "
-                f"{type(m._orig_mod).__name__}); shard the original module first, then compile: "
-                f"fully_shard(model); model = torch.compile(model, backend='fsdp_graph')"
-            )
         if isinstance(m, FSDPModule):
             raise ValueError(
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once per module"
             )
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) or type(m).forward is nn.Module.forward:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) or (
+            type(m).forward is nn.Module.forward and not isinstance(m, OptimizedModule)  # its forward: an attribute
+        ):
             raise ValueError(
                 f"fully_shard cannot hook {type(m).__name__}, which has no forward; shard its "
                 f"children one by one, or pass them as a list: fully_shard(list(container))"
