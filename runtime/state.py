@@ -173,6 +173,10 @@ class FSDPState:
         # This step's eager forward ran inside a compiled call (a fallback): see
         # [Note: Fallback groups keep the traced order].
         self._fell_back = False
+        # Set by fully_shard where a torch.compiler.nested_compile_region reads this group's
+        # parameters: compiled calls run the hooks eagerly around a body Dynamo compiles on its own.
+        # See [Note: Compile regions under fully_shard] in fsdp_graph/api/module.py.
+        self.hooks_around_compiled_body: Optional[str] = None
         traced.trace_hooks_inside_checkpoint()
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
