@@ -56,7 +56,8 @@ import fsdp_graph  # noqa: E402
 from fsdp_graph import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 SCHEDULING = {"bucket_by_group", "auto_bucket", "reorder_for_overlap", "pin_order"}
-ROWS = ("scheduled", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes", "floor")
+ROWS = ("scheduled", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes",
+        "blocks", "fsdp2-blocks", "floor")
 
 
 def parse_args() -> argparse.Namespace:
@@ -94,10 +95,14 @@ def parse_args() -> argparse.Namespace:
 
 class Row:
     def __init__(self, name: str, model: torch.nn.Module, compile_backend=None, inductor_patches=None,
-                 precompile_dir=None) -> None:
+                 precompile_dir=None, compile_blocks=False) -> None:
         self.name = name
         self.model = model
         self.run = torch.compile(model, backend=compile_backend) if compile_backend is not None else model
+        if compile_blocks:  # torchtitan's way: each sharded block compiled on its own, the root eager
+            for sub in model.modules():
+                if sub is not model and hasattr(sub, "reshard"):  # ours or torch's FSDPModule
+                    sub.compile(backend="inductor")
         if precompile_dir is not None:  # fsdp_graph.precompile in the first step: compiles and saves, or loads
             self.run = None
             self.precompile = lambda tokens: fsdp_graph.precompile(model, (tokens,), save_dir=precompile_dir, backend=compile_backend)
@@ -105,6 +110,7 @@ class Row:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         self.times: list[float] = []
         self.first_step_s = 0.0  # the first warm-up step: compiles, for compiled rows
+        self.first_step_cpu_s = 0.0  # its CPU time, compiler processes included: steadier than wall time on a loaded machine
         self.peak = "n/a"
         self.collectives = "n/a"
         self.gathered_mib = "n/a"
@@ -149,6 +155,14 @@ class Row:
                 gathered += math.prod(event.input_shapes[0]) * dist.get_world_size()
         self.collectives = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         self.gathered_mib = f"{gathered * 4 / 2**20:.1f}"  # fp32 parameters
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of the children it waited for (Inductor's compiler workers and C++ compilers)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 class HeapPeak:
@@ -223,6 +237,8 @@ def timings(args) -> None:
         # The same as the first row, its step saved by fsdp_graph.precompile: a relaunch loads it.
         "precompiled": lambda: Row("fsdp_graph precompiled", model(fully_shard), ours, precompile_dir=args.precompile_dir),
         "inductor-passes": lambda: Row("ours + Inductor passes", model(fully_shard), unscheduled, in_tree),
+        "blocks": lambda: Row("fsdp_graph blocks compiled", model(fully_shard), compile_blocks=True),
+        "fsdp2-blocks": lambda: Row("FSDP2 blocks compiled", model(torch_fully_shard), compile_blocks=True),
         # The floor for any FSDP here: both ranks compute their own half batch at once, compiled,
         # unsharded, with no collective at all (the optimizer steps on local parameters).
         "floor": lambda: Row("floor: no sharding/comm", model(lambda module: module), "inductor"),
@@ -233,10 +249,11 @@ def timings(args) -> None:
     def warm_up(row: Row) -> bool:
         try:
             for i in range(args.warmup):
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), cpu_seconds()
                 row.step(batches[i % len(batches)])
                 if i == 0:  # includes the cold compile of compiled rows
                     row.first_step_s = time.perf_counter() - start
+                    row.first_step_cpu_s = cpu_seconds() - start_cpu
             return True
         except Exception as error:
             if rank == 0:
@@ -271,15 +288,15 @@ def timings(args) -> None:
             median = statistics.median(row.times)
             vs_floor = f"{median / floor:.3f}" if floor else "n/a"
             print(f"{row.name:26}{median * 1e3:>10.1f}{median / eager:>16.3f}{vs_floor:>10}{row.first_step_s:>14.1f}"
-                  f"{row.peak:>11}{row.gathered_mib:>14}  {row.collectives}")
+                  f"{row.peak:>11}{row.gathered_mib:>14}  {row.collectives}  (first step CPU {row.first_step_cpu_s:.1f} s)")
         if args.markdown:
-            header = ["row", "step ms", "vs FSDP2 eager", "vs floor", "first step s", "peak heap MiB", "gathered MiB per step",
+            header = ["row", "step ms", "vs FSDP2 eager", "vs floor", "first step s: wall / CPU", "peak heap MiB", "gathered MiB per step",
                       "collectives per step"]
             table = []
             for row in rows:
                 median = statistics.median(row.times)
                 table.append([row.name, f"{median * 1e3:.1f}", f"{median / eager:.3f}",
-                              f"{median / floor:.3f}" if floor else "n/a", f"{row.first_step_s:.1f}", row.peak,
+                              f"{median / floor:.3f}" if floor else "n/a", f"{row.first_step_s:.1f} / {row.first_step_cpu_s:.1f}", row.peak,
                               row.gathered_mib, row.collectives])
             caption = (f"{'HF LlamaForCausalLM' if args.model == 'hf-llama' else 'Llama'} {args.layers} blocks, dim {args.dim}, batch {args.batch_size}x{args.seq_len} per rank, "
                        f"{dist.get_world_size()} gloo ranks, median of {args.rounds} alternating steps.")

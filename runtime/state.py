@@ -173,6 +173,10 @@ class FSDPState:
         # This step's eager forward ran inside a compiled call (a fallback): see
         # [Note: Fallback groups keep the traced order].
         self._fell_back = False
+        # Set by fully_shard where a torch.compiler.nested_compile_region reads this group's
+        # parameters: compiled calls run the hooks eagerly around a body Dynamo compiles on its own.
+        # See [Note: Compile regions under fully_shard] in fsdp_graph/api/module.py.
+        self.hooks_around_compiled_body: Optional[str] = None
         traced.trace_hooks_inside_checkpoint()
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -214,9 +218,15 @@ class FSDPState:
         logger.debug("fsdp_graph::claim_root (%s) states=%d", self.name, len(states))
 
     def eager_only_reason(self) -> Optional[str]:
-        """Why calls under this state's root must run on the eager hooks when compiled, or None.
-        See [Note: Groups that stay on the eager hooks] in runtime/traced.py."""
-        for state in self.ctx.states if self.ctx is not None else [self]:
+        """Why this state's compiled calls must run on the eager hooks, or None. See [Note: Groups
+        that stay on the eager hooks] in runtime/traced.py.
+
+        The root answers for every group under it: its call's frame encloses theirs, so a reason
+        anywhere sends the whole call to the eager hooks. Any other state answers for its own group:
+        inside a traced root call the root has already asked for it, and a block compiled on its
+        own holds only its group. (Asking every group at every module call made tracing a step
+        quadratic in the number of groups.)"""
+        for state in self.ctx.states if self.ctx is not None and self.is_root else [self]:
             reason = state.group.eager_only_reason() if state.group is not None else None
             if reason is not None:
                 return reason

@@ -488,6 +488,9 @@ def record_fallback(state: TracedState) -> None:
     fallbacks = state.ctx.fallbacks
     if state.name not in fallbacks:
         reason = state.eager_only_reason()
-        reason = _FALLBACK_REASON if reason is None else f"its group stays on the eager runtime's hooks: {reason}"
+        if reason is not None:
+            reason = f"its group stays on the eager runtime's hooks: {reason}"
+        else:
+            reason = state.hooks_around_compiled_body or _FALLBACK_REASON
         fallbacks[state.name] = reason
         logger.warning("fsdp_graph::fallback (%s): %s", state.name, reason)

@@ -130,24 +130,3 @@ def test_needs_a_process_group():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
 
 
-class _RegionBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    @torch.compiler.nested_compile_region
-    def forward(self, x):
-        return self.fc(x)
-
-
-class _RegionFree(nn.Module):  # a region that reads no parameter is fine
-    @torch.compiler.nested_compile_region
-    def forward(self, x):
-        return x * 2
-
-
-def test_nested_compile_region_reading_sharded_parameters():
-    _raises(ValueError, r"_RegionBlock.forward is a torch.compiler.nested_compile_region.*Remove the decorator", fully_shard, _RegionBlock())
-    outer = nn.Sequential(nn.Linear(4, 4), _RegionBlock())
-    _raises(ValueError, r"submodule '1'", fully_shard, outer)
-    fully_shard(nn.Sequential(nn.Linear(4, 4), _RegionFree()))

@@ -101,11 +101,6 @@ def test_mesh_without_this_rank():
     _raises(ValueError, r"mesh \[2, 3\] does not include this process \(global rank 0 of 4\)", fully_shard, nn.Linear(4, 4), mesh=mesh)
 
 
-def test_compiled_module_given_to_fully_shard():
-    compiled = torch.compile(nn.Linear(4, 4))
-    _raises(ValueError, "torch.compile'd module .* fully_shard\\(model\\); model = torch.compile", fully_shard, compiled)
-
-
 def test_module_listed_twice():
     a = nn.Linear(4, 4)
     _raises(ValueError, "same Linear twice .* list each module once", fully_shard, [a, nn.Linear(4, 4), a])

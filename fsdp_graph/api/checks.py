@@ -31,17 +31,13 @@ def _check_modules(module) -> tuple[nn.Module, ...]:
                 f"fully_shard got the same {type(m).__name__} twice in its list (position {i}); "
                 f"list each module once"
             )
-        if isinstance(m, OptimizedModule):
-            raise ValueError(
-                f"fully_shard got a torch.compile'd module (OptimizedModule of "
-                f"{type(m._orig_mod).__name__}); shard the original module first, then compile: "
-                f"fully_shard(model); model = torch.compile(model, backend='fsdp_graph')"
-            )
         if isinstance(m, FSDPModule):
             raise ValueError(
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once per module"
             )
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) or type(m).forward is nn.Module.forward:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) or (
+            type(m).forward is nn.Module.forward and not isinstance(m, OptimizedModule)  # its forward: an attribute
+        ):
             raise ValueError(
                 f"fully_shard cannot hook {type(m).__name__}, which has no forward; shard its "
                 f"children one by one, or pass them as a list: fully_shard(list(container))"
@@ -161,18 +157,3 @@ def _tensor_parallel_problem(param: DTensor, mesh: DeviceMesh) -> Optional[str]:
         )
     return None
 
-
-def _check_no_compile_regions(modules: list[nn.Module], owners) -> None:
-    """Raise if a module whose forward reads this group's parameters is a
-    `torch.compiler.nested_compile_region`: see docs/compiler.md, Known limits."""
-    owner_ids = {id(m) for _, param_owners, _ in owners for m, _ in param_owners}
-    for root in modules:
-        for name, sub in root.named_modules():
-            marked = getattr(getattr(sub, "forward", None), "__marked_compile_region_fn__", None)
-            if marked is not None and any(id(m) in owner_ids for m in sub.modules()):
-                where = f"{type(sub).__name__}.forward" + (f" (submodule '{name}')" if name else "")
-                raise ValueError(
-                    f"{where} is a torch.compiler.nested_compile_region and reads parameters that "
-                    f"fully_shard gathers; Dynamo cannot reuse such a region. Remove the decorator: "
-                    f"torch.compile(model, backend='fsdp_graph') compiles the whole step as one graph"
-                )

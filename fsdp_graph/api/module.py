@@ -38,8 +38,11 @@ class FSDPModule:
         # in a file Dynamo traces, the whole call (hooks and forward) becomes one frame, without
         # changing torch's `wrap_top_frame` config. In eager this is one plain Python call more.
         # Each FSDP class gets its own copy of this code object: see `_own_call`.
-        if torch.compiler.is_compiling() and self._fsdp_state.eager_only_reason() is not None:
-            return _call_on_eager_hooks(self, args, kwargs)  # [Note: Groups that stay on the eager hooks]
+        if torch.compiler.is_compiling():
+            if self._fsdp_state.eager_only_reason() is not None:
+                return _call_on_eager_hooks(self, args, kwargs)  # [Note: Groups that stay on the eager hooks]
+            if self._fsdp_state.hooks_around_compiled_body is not None:
+                return _call_around_compiled_body(self, args, kwargs)  # [Note: Compile regions under fully_shard]
         return super().__call__(*args, **kwargs)
 
     def __new__(cls, *args, **kwargs):
@@ -322,6 +325,21 @@ def _new_for_unpickling(cls: type, *args):
 
 @torch._dynamo.disable
 def _call_on_eager_hooks(module: nn.Module, args: tuple, kwargs: dict):
+    return nn.Module.__call__(module, *args, **kwargs)
+
+
+# [Note: Compile regions under fully_shard]
+# A `torch.compiler.nested_compile_region` is traced once and reused by Dynamo, which needs every
+# tensor the region reads to come from a source it can guard. Parameters gathered inside the graph
+# have none (Dynamo stops with "Freevar has no source"). So a sharded module whose parameters such a
+# region reads is not traced into the step's graph: its call is a graph break (this function is
+# disabled for its own frame only), its hooks run on the eager runtime, and Dynamo compiles what
+# the call reaches, the module's forward with its regions, as frames of their own, once for every
+# block of the same code. That is what torch's fully_shard does for every module under compile; the
+# numbers are the eager runtime's. Calls that enclose this one are broken up around it, so the root
+# runs on the eager hooks too. tests/test_compile_blocks.py compares with torch's fully_shard.
+@functools.partial(torch._dynamo.disable, recursive=False)
+def _call_around_compiled_body(module: nn.Module, args: tuple, kwargs: dict):
     return nn.Module.__call__(module, *args, **kwargs)
 
 

@@ -23,7 +23,6 @@ from .checks import (
     _check_devices,
     _check_ignored_params,
     _check_modules,
-    _check_no_compile_regions,
     _check_reshard_after_forward,
     _check_shardable,
     _check_taken,
@@ -80,7 +79,6 @@ def fully_shard(
     owners = _collect_params(modules, ignored)
     _check_devices(owners)
     _check_shardable(owners, mesh)
-    _check_no_compile_regions(modules, owners)
     params = []
     for param, param_owners, fqn in owners:
         shard_dim = _shard_dim(shard_placement_fn, param, fqn)
@@ -101,12 +99,31 @@ def fully_shard(
         _move_buffers(m, device)
 
     state = FSDPState(modules, group, mp_policy, reshard_after_forward, device)
+    state.hooks_around_compiled_body = _compile_region_reading(modules, owners)
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
         _register_as_fully_shard(m)
     state.claim_root()
     return module
+
+
+def _compile_region_reading(modules: tuple[nn.Module, ...], owners) -> Optional[str]:
+    """Why compiled calls must run the hooks around a body compiled on its own, or None: a module
+    whose forward is a `torch.compiler.nested_compile_region` reads parameters of this group
+    ([Note: Compile regions under fully_shard] in fsdp_graph/api/module.py)."""
+    owner_ids = {id(m) for _, param_owners, _ in owners for m, _ in param_owners}
+    for root in modules:
+        for name, sub in root.named_modules():
+            marked = getattr(getattr(sub, "forward", None), "__marked_compile_region_fn__", None)
+            if marked is not None and any(id(m) in owner_ids for m in sub.modules()):
+                where = f"{type(sub).__name__}.forward" + (f" (submodule '{name}')" if name else "")
+                return (
+                    f"{where} is a torch.compiler.nested_compile_region reading parameters this group "
+                    f"gathers: the module's hooks ran on the eager runtime around its forward, which "
+                    f"Dynamo compiled on its own (as under torch's fully_shard)"
+                )
+    return None
 
 
 def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:
