@@ -16,14 +16,13 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import fsdp_graph
 from _harness import run_ranks
+from _optim_helpers import Matrices, full, global_grads, resume_continues_bitwise
 from _models import batch_for_step, loss_fn, tiny_llama
 from block_polar import BlockPolarSGD
 from fsdp_graph import fully_shard
@@ -36,15 +35,6 @@ BLOCK = 4
 SHAPES = [(7, 16), (9, 8), (8, 8), (3, 5), (1, 6), (10, 6)]
 LR, MOMENTUM, EPS = 0.05, 0.9, 1e-8
 RTOL = 1e-5
-
-
-class Matrices(nn.Module):
-    def __init__(self, shapes) -> None:
-        super().__init__()
-        self.weights = nn.ParameterList(nn.Parameter(torch.randn(*s)) for s in shapes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # fully_shard hooks a forward; the tests set gradients
-        return sum(w.sum() for w in self.weights) * x
 
 
 def reference_update(momentum: torch.Tensor, b: int, eps: float) -> torch.Tensor:
@@ -64,15 +54,6 @@ def whole_block_dims(shape, num_shards: int, b: int) -> list[int]:
     block = [1] * (len(shape) - 2) + [b, b]
     return [d for d in range(len(shape))
             if all(int(c[0]) % block[d] == 0 for c in torch.arange(shape[d]).chunk(num_shards))]
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t.detach()).clone()
-
-
-def _global_grads(shapes, step):
-    gen = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(*s, generator=gen) for s in shapes]
 
 
 def test_placement_picks_the_first_dim_whose_pieces_hold_whole_blocks():
@@ -151,15 +132,15 @@ def _against_reference(rank, world_size, mesh_shape, with_placement, shard_fn=fu
     travelling = [bool(crossed_runs(s, d, num_shards, BLOCK)) for s, d in zip(SHAPES, dims)]
     assert travelling == [d not in whole_block_dims(s, num_shards, BLOCK) for s, d in zip(SHAPES, dims)]
     for step in range(3):
-        grads = _global_grads(SHAPES, step)
+        grads = global_grads(SHAPES, step)
         for s, g in zip(sharded.weights, grads):
             s.grad = distribute_tensor(g, s.device_mesh, s.placements)
-        before = [_full(p) for p in sharded.parameters()]
+        before = [full(p) for p in sharded.parameters()]
         opt.step()
         for i, (p, b, g) in enumerate(zip(sharded.parameters(), before, grads)):
             bufs[i] = MOMENTUM * bufs[i] + g
             expected = -LR * reference_update(bufs[i], BLOCK, EPS)
-            torch.testing.assert_close(_full(p) - b, expected, rtol=RTOL, atol=1e-6)
+            torch.testing.assert_close(full(p) - b, expected, rtol=RTOL, atol=1e-6)
         sent = torch.tensor([opt.last_step_sent_bytes])
         dist.all_reduce(sent)
         num_replicas = mesh_shape[0] if len(mesh_shape) == 2 else 1
@@ -225,7 +206,7 @@ def _training(rank, world_size, compiled):
         _, _, lx, ly = batch_for_step(model, step, 4, rank, world_size)
         loss_fn(sharded, run(lx), ly).backward()
         for r, s in zip(reference.parameters(), sharded.parameters()):
-            r.grad = _full(s.grad)
+            r.grad = full(s.grad)
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -238,7 +219,7 @@ def _training(rank, world_size, compiled):
                 p.add_(reference_update(bufs[i], 8, EPS), alpha=-LR)
                 p.grad = None
         for s, r in zip(sharded.parameters(), reference.parameters()):
-            torch.testing.assert_close(_full(s), r.detach(), rtol=RTOL, atol=1e-6)
+            torch.testing.assert_close(full(s), r.detach(), rtol=RTOL, atol=1e-6)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -247,37 +228,15 @@ def test_training_with_the_placement_matches_the_unsharded_reference(compiled):
 
 
 def _resume(rank, world_size, path):
-    """Train 3 steps under the placement, checkpoint model and optimizer through DCP, train 2 more; a
-    fresh model and optimizer loaded from the checkpoint must take the same 2 steps bit for bit."""
+    """Train under the placement, checkpoint through DCP, resume: the same steps bit for bit."""
     def build(seed):
         torch.manual_seed(seed)
         model = fully_shard(Matrices(SHAPES), shard_placement_fn=whole_block_placement((BLOCK, BLOCK), world_size))
         return model, BlockPolarSGD(model.parameters(), lr=LR, momentum=MOMENTUM, block_size=BLOCK, eps=EPS)
 
-    def train(model, opt, steps):
-        for step in steps:
-            for s, g in zip(model.weights, _global_grads(SHAPES, step)):
-                s.grad = distribute_tensor(g, s.device_mesh, s.placements)
-            opt.step()
-            opt.zero_grad()
-
-    model, opt = build(0)
-    train(model, opt, range(3))
-    model_state, optim_state = get_state_dict(model, opt)
-    placements = {b["momentum_buffer"].placements for b in optim_state["state"].values()}
+    saved = resume_continues_bitwise(build, SHAPES, path)
+    placements = {b["momentum_buffer"].placements for b in saved["state"].values()}
     assert placements == {(Shard(0),), (Shard(1),)}  # saved sharded, as placed
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-    train(model, opt, range(3, 5))
-
-    resumed, resumed_opt = build(1)
-    model_state, optim_state = get_state_dict(resumed, resumed_opt)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(resumed, resumed_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    train(resumed, resumed_opt, range(3, 5))
-    for p, q in zip(model.parameters(), resumed.parameters()):
-        assert torch.equal(p.to_local(), q.to_local())
-        assert torch.equal(opt.state[p]["momentum_buffer"].to_local(), resumed_opt.state[q]["momentum_buffer"].to_local())
 
 
 def test_dcp_resume_under_the_placement_continues_bitwise():

@@ -13,15 +13,14 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fsdp_graph
 from _harness import run_ranks
+from _optim_helpers import Matrices, full, global_grads, resume_continues_bitwise
 from _models import MLPStack, batch_for_step, loss_fn
 from fsdp_graph import fully_shard
 from fsdp_graph.optim import Muon, WholeMatrixOptimizer, local
@@ -38,15 +37,6 @@ NO_GRAD = (2, 1)  # (step, matrix): that matrix gets no gradient that step, so b
 RTOL = 1e-5  # per step, relative Frobenius error of each matrix's update
 
 
-class Matrices(nn.Module):
-    def __init__(self, shapes) -> None:
-        super().__init__()
-        self.weights = nn.ParameterList(nn.Parameter(torch.randn(*s)) for s in shapes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # fully_shard hooks a forward; the tests set gradients
-        return sum(w.sum() for w in self.weights) * x
-
-
 class CountingMuon(Muon):
     """Muon counting the matrices whose Newton-Schulz this rank ran (through the documented hook)."""
 
@@ -57,29 +47,20 @@ class CountingMuon(Muon):
         return super().whole_matrix_update(group, matrices)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t.detach()).clone()  # a snapshot, never a view
-
-
-def _global_grads(shapes, step):
-    gen = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(*s, generator=gen) for s in shapes]
-
-
 def _rel_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got - expected).norm() / expected.norm().clamp(min=1e-30)).item()
 
 
 def _step_both(reference, ref_opt, sharded, opt) -> float:
     """One step of each optimizer; the largest relative error of a sharded update against torch's."""
-    before = [_full(p) for p in sharded.parameters()]
+    before = [full(p) for p in sharded.parameters()]
     ref_before = [p.detach().clone() for p in reference.parameters()]
     ref_opt.step()
     opt.step()
     worst = 0.0
     for p, r, b, rb in zip(sharded.parameters(), reference.parameters(), before, ref_before):
-        worst = max(worst, _rel_error(_full(p) - b, r.detach() - rb))
-        torch.testing.assert_close(_full(p), r.detach(), rtol=RTOL, atol=1e-6)
+        worst = max(worst, _rel_error(full(p) - b, r.detach() - rb))
+        torch.testing.assert_close(full(p), r.detach(), rtol=RTOL, atol=1e-6)
     return worst
 
 
@@ -114,7 +95,7 @@ def _against_torch(rank, world_size, mesh_shape, variants, steps=4):
         num_updated = 0
         for step in range(steps):
             with_grad = [i for i in range(len(SHAPES)) if (step, i) != NO_GRAD]
-            for i, (r, s, g) in enumerate(zip(reference.weights, sharded.weights, _global_grads(SHAPES, step))):
+            for i, (r, s, g) in enumerate(zip(reference.weights, sharded.weights, global_grads(SHAPES, step))):
                 r.grad = g.clone() if i in with_grad else None
                 s.grad = distribute_tensor(g, s.device_mesh, s.placements) if i in with_grad else None
             worst = max(worst, _step_both(reference, ref_opt, sharded, opt))
@@ -162,16 +143,16 @@ def _experts(rank, world_size, shard_dim):
     ref_opt = torch.optim.Muon(reference, **kwargs)
     opt = Muon(sharded.parameters(), **kwargs)
     for step in range(3):
-        grads = _global_grads(shapes, step)
+        grads = global_grads(shapes, step)
         for s, g in zip(sharded.weights, grads):
             s.grad = distribute_tensor(g, s.device_mesh, s.placements)
         for r, g in zip(reference, [g[e] for g in grads for e in range(g.shape[0])]):
             r.grad = g.clone()
-        before = [_full(p) for p in sharded.parameters()]
+        before = [full(p) for p in sharded.parameters()]
         ref_before = [r.detach().clone() for r in reference]
         ref_opt.step()
         opt.step()
-        updates = [(_full(p) - b)[e] for p, b in zip(sharded.parameters(), before) for e in range(b.shape[0])]
+        updates = [(full(p) - b)[e] for p, b in zip(sharded.parameters(), before) for e in range(b.shape[0])]
         for got, r, rb in zip(updates, reference, ref_before):
             assert _rel_error(got, r.detach() - rb) <= RTOL
         if shard_dim == 0:  # each rank holds whole experts and updates them where they lie
@@ -205,7 +186,7 @@ def _training(rank, world_size, compiled):
         _, _, lx, ly = batch_for_step(model, step, 8, rank, world_size)
         loss_fn(sharded, run(lx), ly).backward()
         for r, s in zip(reference.parameters(), sharded.parameters()):
-            r.grad = _full(s.grad)
+            r.grad = full(s.grad)
         ref_opts[1].step()
         opts[1].step()
         worst = max(worst, _step_both(reference, ref_opts[0], sharded, opts[0]))
@@ -276,7 +257,7 @@ def _hook(rank, world_size):
     sharded = fully_shard(copy.deepcopy(reference))
     opt = NormalizedSGD(sharded.parameters(), lr=0.1)
     for step in range(2):
-        grads = _global_grads(SHAPES, step)
+        grads = global_grads(SHAPES, step)
         for i, (r, s, g) in enumerate(zip(reference.weights, sharded.weights, grads)):
             s.grad = distribute_tensor(g, s.device_mesh, s.placements)
             g = g.bfloat16() if i % 2 else g
@@ -284,7 +265,7 @@ def _hook(rank, world_size):
                 r.add_(g / g.float().norm(), alpha=-0.1)
         opt.step()
         for s, r in zip(sharded.parameters(), reference.parameters()):
-            assert torch.equal(_full(s), r.detach())
+            assert torch.equal(full(s), r.detach())
 
 
 def test_another_optimizer_reuses_the_owner_machinery():
@@ -292,8 +273,7 @@ def test_another_optimizer_reuses_the_owner_machinery():
 
 
 def _resume(rank, world_size, path):
-    """Train 3 steps, checkpoint (model and optimizer through DCP), train 2 more; a fresh model and
-    optimizer loaded from the checkpoint must take the same 2 steps bit for bit."""
+    """Train, checkpoint through DCP, resume: the same steps bit for bit."""
     kwargs = {"lr": 0.02, "weight_decay": 0.1}
 
     def build(seed):
@@ -301,30 +281,9 @@ def _resume(rank, world_size, path):
         model = fully_shard(Matrices(SHAPES))
         return model, Muon(model.parameters(), **kwargs)
 
-    def train(model, opt, steps):
-        for step in steps:
-            for s, g in zip(model.weights, _global_grads(SHAPES, step)):
-                s.grad = distribute_tensor(g, s.device_mesh, s.placements)
-            opt.step()
-            opt.zero_grad()
-
-    model, opt = build(0)
-    train(model, opt, range(3))
-    model_state, optim_state = get_state_dict(model, opt)
-    bufs = [v["momentum_buffer"] for v in optim_state["state"].values()]
+    saved = resume_continues_bitwise(build, SHAPES, path)
+    bufs = [v["momentum_buffer"] for v in saved["state"].values()]
     assert len(bufs) == len(SHAPES) and all(isinstance(b, DTensor) for b in bufs)  # saved sharded
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-    train(model, opt, range(3, 5))
-
-    resumed, resumed_opt = build(1)  # different weights: everything must come from the checkpoint
-    model_state, optim_state = get_state_dict(resumed, resumed_opt)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(resumed, resumed_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    train(resumed, resumed_opt, range(3, 5))
-    for p, q in zip(model.parameters(), resumed.parameters()):
-        assert torch.equal(p.to_local(), q.to_local())
-        assert torch.equal(opt.state[p]["momentum_buffer"].to_local(), resumed_opt.state[q]["momentum_buffer"].to_local())
 
 
 def test_dcp_resume_continues_bitwise():
@@ -360,7 +319,7 @@ def _llama_example(rank, world_size, compiled):
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / world_size)
         ref_losses.append(ref_loss.item())
-    worst = max(_rel_error(_full(p), r.detach()) for p, r in zip(model.parameters(), reference.parameters()))
+    worst = max(_rel_error(full(p), r.detach()) for p, r in zip(model.parameters(), reference.parameters()))
     return losses, ref_losses, worst
 
 
