@@ -8,6 +8,9 @@ CPU / gloo, 2 ranks, the 8-block example Llama (timings):
 The per-model tables of docs/benchmarks.md, one launch per model (ours, hf-llama, hf-gpt2; the hf extra):
     torchrun --nproc-per-node 2 examples/benchmark_compile.py --model hf-gpt2 --dim 256 --layers 4 --seq-len 64 \
         --batch-size 4 --rows scheduled,selective,fsdp2-eager,fsdp2-compile,floor,collectives --rounds 9 --markdown gpt2.md
+Where the time goes: `--profile-dir prof` profiles one more step of each row (a Chrome trace per row and rank there,
+rank 0's forward / backward / optimizer split and ops by self CPU time printed); with `FSDP_GRAPH_DUMP=dump`, compare
+our row's trace with the predicted schedule: `python -m fsdp_graph.inspect dump --trace t.json --measured prof/<row>.rank0.json`.
 
 Compile cost against depth: an HF LlamaForCausalLM (the `hf` extra), only our row and FSDP2 + torch.compile, each
 launch with an empty Inductor cache (a second launch with the same cache is the warm relaunch):
@@ -92,6 +95,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeline", help="with --predict-8b: write our schedule's SVG timeline here (see fsdp_graph.inspect)")
     parser.add_argument("--trace", help="with --predict-8b: write our schedule as a Chrome trace (Perfetto) here")
     parser.add_argument("--markdown", metavar="FILE", help="also write the timings table as markdown, with date, machine and command")
+    parser.add_argument("--profile-dir", help="after the timed rounds, profile one more step of each row: a Chrome trace per row and "
+                                                "rank here, and rank 0's ops by self CPU time printed (where the time goes)")
     args = parser.parse_args()
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = sorted(set(args.rows) - set(ROWS))
@@ -125,12 +130,15 @@ class Row:
         with patch:
             if self.run is None:
                 self.run = self.precompile(tokens[:, :-1])
-            logits = self.run(tokens[:, :-1])
-            logits = getattr(logits, "logits", logits)  # transformers' CausalLMOutput
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-            loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+            with torch.profiler.record_function("bench::forward"):
+                logits = self.run(tokens[:, :-1])
+                logits = getattr(logits, "logits", logits)  # transformers' CausalLMOutput
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            with torch.profiler.record_function("bench::backward"):
+                loss.backward()
+        with torch.profiler.record_function("bench::optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad()
         return loss.item()
 
     def timed_step(self, tokens: torch.Tensor) -> None:
@@ -326,10 +334,34 @@ def timings(args) -> None:
             print(f"round {i + 1}/{args.rounds}", file=sys.stderr)
     for row in rows:
         row.measure(batches[0])
+    if args.profile_dir:
+        for row in rows:
+            where_the_time_goes(args.profile_dir, row, batches[0])
     if rank == 0:
         report(args, rows)
     dist.barrier()
     os._exit(0)  # see train_llama.py: torch 2.13's gloo teardown can abort
+
+
+def where_the_time_goes(directory: str, row: Row, tokens: torch.Tensor, num_ops: int = 18) -> None:
+    """One step of `row` under torch.profiler: its Chrome trace in `directory` (one per rank; for
+    `python -m fsdp_graph.inspect DUMP --trace out.json --measured ...` beside the predicted
+    schedule), and on rank 0 the step's phases and its ops by self CPU time."""
+    os.makedirs(directory, exist_ok=True)
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        row.step(tokens)
+    slug = "".join(c if c.isalnum() else "_" for c in row.name).strip("_")
+    prof.export_chrome_trace(os.path.join(directory, f"{slug}.rank{dist.get_rank()}.json"))
+    if dist.get_rank() != 0:
+        return
+    averages = prof.key_averages()
+    phases = {e.key: e.cpu_time_total for e in averages if e.key.startswith("bench::")}
+    total = sum(phases.values()) or 1.0
+    print(f"\n{row.name}: " + ", ".join(f"{k[7:]} {v / 1e3:.1f} ms" for k, v in phases.items()))
+    ops = sorted((e for e in averages if not e.key.startswith("bench::")), key=lambda e: -e.self_cpu_time_total)
+    for e in ops[:num_ops]:
+        print(f"  {e.self_cpu_time_total / 1e3:8.2f} ms {100 * e.self_cpu_time_total / total:5.1f}%  x{e.count:<5} {e.key[:90]}")
 
 
 def report(args, rows: list[Row]) -> None:
