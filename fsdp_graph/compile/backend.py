@@ -32,7 +32,7 @@ from ..passes.cost_model import CostModel, Profile
 from ..passes.pipeline import GraphPass, PassPipeline
 from ..passes.reshard import tag_reshard_after_forward
 from ..passes.unshard_selection import select_unsharded
-from ..passes.gloo import plain_all_gathers_on_gloo
+from ..passes.gloo import plain_all_gathers_on_gloo, reduce_scatters_in_place_on_gloo
 from ..passes.scheduling import CROSS_GROUP_PASS_NAMES, PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
 from ..runtime.meta import GROUP_KEY
 from ..runtime.param_group import ParamGroup
@@ -384,7 +384,7 @@ def _schedule(schedule: PassPipeline, graph_id: str, kind: str, gm: GraphModule,
     gm = plain_all_gathers_on_gloo(gm)  # [Note: All-gathers on gloo]
     if dump is not None and dump.directory is not None:
         write_program(dump.directory, f"{graph_id}.{kind}", gm)
-    return gm
+    return reduce_scatters_in_place_on_gloo(gm)  # [Note: Reduce-scatters on gloo]
 
 
 class _RecordFallbacks:
