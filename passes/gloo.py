@@ -1,9 +1,9 @@
 """All-gathers on gloo through gloo's plain allgather ([Note: All-gathers on gloo]), and
 reduce-scatters on gloo as an all-reduce of their own buffer ([Note: Reduce-scatters on gloo]).
 
-Both run on every scheduled forward and backward graph, after the scheduling passes (they are not
-among them and cannot be switched off: without the first, a schedule may put torch 2.13's gloo at
-risk; the second changes no value and no byte on the wire).
+Both run after the scheduling passes (they are not among them and cannot be switched off: without
+the first, a schedule may put torch 2.13's gloo at risk; the second changes no value and no byte on
+the wire): the first on every scheduled graph, the second on the graphs Inductor compiles.
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
 # (torch alone, HF Llama's five buckets at dim 256, 2 ranks: 0.70 of the time). The divide after it
 # reads the row and makes the shard-sized gradient, so the bucket dies there as before. Only
 # where the input is a fresh tensor nothing else reads (not a view, not a graph input); any other
-# reduce-scatter stays as it is. Applied after the program is written for the inspector, which
-# shows the reduce-scatter as scheduled.
+# reduce-scatter stays as it is. Applied for Inductor only (aot_eager runs the graph as traced, op
+# for op like eager mode) and after the program is written for the inspector, which shows the
+# reduce-scatter as scheduled.
 
 
 def _owned_by(node: Node, user: Node) -> bool:

@@ -361,6 +361,8 @@ class _InductorLogPass(CustomGraphPass):
         if self.dump is not None:
             _log_graph(self.graph_id, kind, graph.owning_module, self.dump)
         gm = _schedule(self.schedule, self.graph_id, kind, graph.owning_module, self.dump)
+        # Inductor only: aot_eager keeps gloo's reduce-scatters as traced, op for op like eager mode.
+        gm = reduce_scatters_in_place_on_gloo(gm)  # [Note: Reduce-scatters on gloo]
         self.pin(gm, f"{self.graph_id}.{kind}")
 
     def uuid(self) -> Optional[str]:
@@ -384,7 +386,7 @@ def _schedule(schedule: PassPipeline, graph_id: str, kind: str, gm: GraphModule,
     gm = plain_all_gathers_on_gloo(gm)  # [Note: All-gathers on gloo]
     if dump is not None and dump.directory is not None:
         write_program(dump.directory, f"{graph_id}.{kind}", gm)
-    return reduce_scatters_in_place_on_gloo(gm)  # [Note: Reduce-scatters on gloo]
+    return gm
 
 
 class _RecordFallbacks:
