@@ -5,6 +5,13 @@ CPU / gloo, 2 ranks, the 8-block example Llama (timings):
     torchrun --nproc-per-node 2 examples/benchmark_compile.py --dim 128 --seq-len 64 --rounds 5   # quicker
     torchrun --nproc-per-node 2 examples/benchmark_compile.py --rounds 10 --markdown compiled.md   # table for docs/benchmarks.md
 
+The per-model tables of docs/benchmarks.md, one launch per model (ours, hf-llama, hf-gpt2; the hf extra):
+    torchrun --nproc-per-node 2 examples/benchmark_compile.py --model hf-gpt2 --dim 256 --layers 4 --seq-len 64 \
+        --batch-size 4 --rows scheduled,selective,fsdp2-eager,fsdp2-compile,floor,collectives --rounds 9 --markdown gpt2.md
+Where the time goes: `--profile-dir prof` profiles one more step of each row (a Chrome trace per row and rank there,
+rank 0's forward / backward / optimizer split and ops by self CPU time printed); with `FSDP_GRAPH_DUMP=dump`, compare
+our row's trace with the predicted schedule: `python -m fsdp_graph.inspect dump --trace t.json --measured prof/<row>.rank0.json`.
+
 Compile cost against depth: an HF LlamaForCausalLM (the `hf` extra), only our row and FSDP2 + torch.compile, each
 launch with an empty Inductor cache (a second launch with the same cache is the warm relaunch):
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) torchrun --nproc-per-node 2 examples/benchmark_compile.py \
@@ -24,8 +31,11 @@ Timing rows: fsdp_graph compiled (Inductor) with the scheduling passes, the same
 PyTorch's FSDP2 eager, FSDP2 + torch.compile, the first row through `fsdp_graph.precompile` (its
 first step compiles and saves to --precompile-dir; run the benchmark again, a relaunch, and it
 loads), our captured graph with Inductor's in-tree FX
-bucketing and comm reordering instead of our passes, and the floor: the same model unsharded and
-compiled, each of the two processes on its own half batch at once, with no communication. Steps alternate between the rows. Per row:
+bucketing and comm reordering instead of our passes, the floor: the same model unsharded and
+compiled, each of the two processes on its own half batch at once, with no communication, and
+"collectives only": the collectives of the selective row's step (the scheduled row's without it),
+the same ops and bytes, with no compute. The measured bound is the floor plus that row; each row is
+reported against FSDP2 eager, the floor and the bound. Steps alternate between the rows. Per row:
 median step time, collectives per step (gloo's profiler events), peak heap of one step above its start
 (glibc's in-use bytes, sampled).
 The prediction compares, on the chosen profile, the unscheduled graph, our schedule, and Inductor's
@@ -57,7 +67,8 @@ from fsdp_graph import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 SCHEDULING = {"bucket_by_group", "auto_bucket", "reorder_for_overlap", "pin_order"}
 ROWS = ("scheduled", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes",
-        "blocks", "fsdp2-blocks", "floor")
+        "blocks", "fsdp2-blocks", "floor", "collectives")
+MODELS = {"ours": "Llama (examples/llama.py)", "hf-llama": "HF LlamaForCausalLM", "hf-gpt2": "HF GPT2LMHeadModel"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -65,10 +76,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=8, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row (the first compiles)")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--model", choices=("ours", "hf-llama"), default="ours",
-                        help="examples/llama.py's Llama, or transformers' LlamaForCausalLM (the hf extra) of the same size")
+    parser.add_argument("--model", choices=tuple(MODELS), default="ours",
+                        help="examples/llama.py's Llama, or transformers' LlamaForCausalLM or GPT2LMHeadModel (the hf extra) of the "
+                             "same width and depth")
     parser.add_argument("--rows", default=",".join(ROWS),
-                        help=f"comma-separated rows to run, of {','.join(ROWS)} (selective needs fsdp2-eager: its budget)")
+                        help=f"comma-separated rows to run, of {','.join(ROWS)} (selective needs fsdp2-eager: its budget; "
+                             "collectives replays the selective row's collectives, or the scheduled row's without it)")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -82,6 +95,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeline", help="with --predict-8b: write our schedule's SVG timeline here (see fsdp_graph.inspect)")
     parser.add_argument("--trace", help="with --predict-8b: write our schedule as a Chrome trace (Perfetto) here")
     parser.add_argument("--markdown", metavar="FILE", help="also write the timings table as markdown, with date, machine and command")
+    parser.add_argument("--profile-dir", help="after the timed rounds, profile one more step of each row: a Chrome trace per row and "
+                                                "rank here, and rank 0's ops by self CPU time printed (where the time goes)")
     args = parser.parse_args()
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = sorted(set(args.rows) - set(ROWS))
@@ -120,12 +135,15 @@ class Row:
         with patch:
             if self.run is None:
                 self.run = self.precompile(tokens[:, :-1])
-            logits = self.run(tokens[:, :-1])
-            logits = getattr(logits, "logits", logits)  # transformers' CausalLMOutput
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-            loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+            with torch.profiler.record_function("bench::forward"):
+                logits = self.run(tokens[:, :-1])
+                logits = getattr(logits, "logits", logits)  # transformers' CausalLMOutput
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            with torch.profiler.record_function("bench::backward"):
+                loss.backward()
+        with torch.profiler.record_function("bench::optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad()
         return loss.item()
 
     def timed_step(self, tokens: torch.Tensor) -> None:
@@ -141,20 +159,58 @@ class Row:
         dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
         self.peak_bytes = int(peak_t.item())
         self.peak = f"{peak_t.item() / 2**20:.1f}"
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-            self.step(tokens)
-        # Gloo names what it runs ("gloo:all_gather", ...); its reduce-scatter may run as another op.
+        wire = collectives_of(self, tokens)
         counts: dict[str, int] = {}
-        gathered = 0  # elements all-gathered per step (the gathered size), from the c10d ops' shapes
-        for event in prof.events():
-            if event.name.startswith("gloo:"):
-                counts[event.name[5:]] = counts.get(event.name[5:], 0) + 1
-            elif event.name == "c10d::_allgather_base_":  # eager: (output, input)
-                gathered += math.prod(event.input_shapes[0])
-            elif event.name == "_c10d_functional::all_gather_into_tensor":  # traced: (input, ...)
-                gathered += math.prod(event.input_shapes[0]) * dist.get_world_size()
+        for kind, _, _ in wire:
+            counts[kind] = counts.get(kind, 0) + 1
         self.collectives = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
-        self.gathered_mib = f"{gathered * 4 / 2**20:.1f}"  # fp32 parameters
+        gathered = sum(numel * dist.get_world_size() * dtype.itemsize for kind, numel, dtype in wire if kind == "all_gather")
+        self.gathered_mib = f"{gathered / 2**20:.1f}"
+
+
+_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16, "double": torch.float64}
+
+
+def collectives_of(row: Row, tokens: torch.Tensor) -> list[tuple[str, int, torch.dtype]]:
+    """What one step of `row` puts on the wire: (gloo's op, elements this rank sends in, dtype) per
+    collective, from gloo's own profiler events, so eager and compiled steps count alike. Gloo runs a
+    reduce-scatter as an all-reduce of the full buffer; `all_reduce` here is that."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        row.step(tokens)
+    wire = []
+    for event in prof.events():
+        if event.name.startswith("gloo:") and event.input_shapes and event.input_shapes[0]:
+            wire.append((event.name[5:], math.prod(event.input_shapes[0]), _DTYPES[event.input_dtypes[0]]))
+    return wire
+
+
+class CollectivesOnly(Row):
+    """The collectives of another row's step with no compute: the same ops, bytes and count, all
+    issued at once and then waited on (the least they cost here, with gloo's threads moving and
+    adding the bytes on the cores the step computes on). Its step time plus the floor's is the
+    measured bound for that row."""
+
+    def __init__(self, name: str, wire: list[tuple[str, int, torch.dtype]]) -> None:
+        super().__init__(name, torch.nn.Linear(1, 1))
+        world = dist.get_world_size()
+        # The sent buffers, made once (zeros: no denormals or NaNs to slow the additions); outputs
+        # are allocated per step, as the step allocates its gathered buffers.
+        self.wire = [(kind, torch.zeros(numel, dtype=dtype), numel * world if kind == "all_gather" else numel // world)
+                     for kind, numel, dtype in wire]
+        if any(kind not in ("all_gather", "all_reduce") for kind, _, _ in self.wire):
+            raise ValueError(f"cannot replay {sorted({k for k, _, _ in self.wire})}: only all_gather and all_reduce")
+
+    def step(self, tokens: torch.Tensor) -> float:
+        works = []
+        for kind, sent, out_numel in self.wire:
+            out = torch.empty(out_numel, dtype=sent.dtype)
+            if kind == "all_gather":
+                works.append(dist.all_gather_into_tensor(out, sent, async_op=True))
+            else:  # a reduce-scatter, which gloo runs as an all-reduce of `sent`
+                works.append(dist.reduce_scatter_tensor(out, sent, async_op=True))
+        for work in works:
+            work.wait()
+        return 0.0
 
 
 def cpu_seconds() -> float:
@@ -216,13 +272,22 @@ def timings(args) -> None:
         torch.manual_seed(0)
         if args.model == "ours":
             return shard_llama(Llama(cfg), shard)
-        from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+        if args.model == "hf-llama":
+            from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
 
-        hf = LlamaForCausalLM(HFLlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=args.dim, intermediate_size=args.dim * 8 // 3, num_hidden_layers=args.layers,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len + 1, use_cache=False))
-        for layer in hf.model.layers:  # one group per decoder layer, then the root
-            shard(layer)
+            hf = LlamaForCausalLM(HFLlamaConfig(
+                vocab_size=cfg.vocab_size, hidden_size=args.dim, intermediate_size=args.dim * 8 // 3, num_hidden_layers=args.layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len + 1, use_cache=False))
+            blocks = hf.model.layers
+        else:  # GPT-2: tied input/output embeddings (both in the root group), Conv1D (transposed) weights
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            hf = GPT2LMHeadModel(GPT2Config(
+                vocab_size=cfg.vocab_size, n_embd=args.dim, n_layer=args.layers, n_head=4, n_positions=args.seq_len + 1,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+            blocks = hf.transformer.h
+        for block in blocks:  # one group per transformer block, then the root
+            shard(block)
         shard(hf)
         return hf
 
@@ -272,6 +337,12 @@ def timings(args) -> None:
             rows.insert(1, selective)
         if rank == 0:
             print(f"selective unsharding budget: {budget / 2**20:.1f} MiB (FSDP2 eager's peak heap)")
+    source = next((r for name in ("fsdp_graph selective", "fsdp_graph scheduled") for r in rows if r.name == name), None)
+    if "collectives" in args.rows and source is not None:
+        # The measured bound's second half: the collectives of the target row's step, without compute.
+        replay = CollectivesOnly(f"collectives only (of {source.name.split()[-1]})", collectives_of(source, batches[0]))
+        if warm_up(replay):
+            rows.append(replay)
     for i in range(args.rounds):
         for row in rows if i % 2 == 0 else reversed(rows):  # alternate who goes first
             row.timed_step(batches[i % len(batches)])
@@ -279,30 +350,62 @@ def timings(args) -> None:
             print(f"round {i + 1}/{args.rounds}", file=sys.stderr)
     for row in rows:
         row.measure(batches[0])
-    if rank == 0:
-        eager = statistics.median(fsdp2.times) if fsdp2 is not None else math.nan  # without that row: nan
-        floor = next((statistics.median(r.times) for r in rows if r.name.startswith("floor")), None)
-        print(f"{'':26}{'step ms':>10}{'vs FSDP2 eager':>16}{'vs floor':>10}{'first step s':>14}{'peak MiB':>11}"
-              f"{'gathered MiB':>14}  collectives per step")
+    if args.profile_dir:
         for row in rows:
-            median = statistics.median(row.times)
-            vs_floor = f"{median / floor:.3f}" if floor else "n/a"
-            print(f"{row.name:26}{median * 1e3:>10.1f}{median / eager:>16.3f}{vs_floor:>10}{row.first_step_s:>14.1f}"
-                  f"{row.peak:>11}{row.gathered_mib:>14}  {row.collectives}  (first step CPU {row.first_step_cpu_s:.1f} s)")
-        if args.markdown:
-            header = ["row", "step ms", "vs FSDP2 eager", "vs floor", "first step s: wall / CPU", "peak heap MiB", "gathered MiB per step",
-                      "collectives per step"]
-            table = []
-            for row in rows:
-                median = statistics.median(row.times)
-                table.append([row.name, f"{median * 1e3:.1f}", f"{median / eager:.3f}",
-                              f"{median / floor:.3f}" if floor else "n/a", f"{row.first_step_s:.1f} / {row.first_step_cpu_s:.1f}", row.peak,
-                              row.gathered_mib, row.collectives])
-            caption = (f"{'HF LlamaForCausalLM' if args.model == 'hf-llama' else 'Llama'} {args.layers} blocks, dim {args.dim}, batch {args.batch_size}x{args.seq_len} per rank, "
-                       f"{dist.get_world_size()} gloo ranks, median of {args.rounds} alternating steps.")
-            print(f"markdown: {write_markdown(args.markdown, 'Compiled', [(caption, header, table)])}")
+            where_the_time_goes(args.profile_dir, row, batches[0])
+    if rank == 0:
+        report(args, rows)
     dist.barrier()
     os._exit(0)  # see train_llama.py: torch 2.13's gloo teardown can abort
+
+
+def where_the_time_goes(directory: str, row: Row, tokens: torch.Tensor, num_ops: int = 18) -> None:
+    """One step of `row` under torch.profiler: its Chrome trace in `directory` (one per rank; for
+    `python -m fsdp_graph.inspect DUMP --trace out.json --measured ...` beside the predicted
+    schedule), and on rank 0 the step's phases and its ops by self CPU time."""
+    os.makedirs(directory, exist_ok=True)
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        row.step(tokens)
+    slug = "".join(c if c.isalnum() else "_" for c in row.name).strip("_")
+    prof.export_chrome_trace(os.path.join(directory, f"{slug}.rank{dist.get_rank()}.json"))
+    if dist.get_rank() != 0:
+        return
+    averages = prof.key_averages()
+    phases = {e.key: e.cpu_time_total for e in averages if e.key.startswith("bench::")}
+    total = sum(phases.values()) or 1.0
+    print(f"\n{row.name}: " + ", ".join(f"{k[7:]} {v / 1e3:.1f} ms" for k, v in phases.items()))
+    ops = sorted((e for e in averages if not e.key.startswith("bench::")), key=lambda e: -e.self_cpu_time_total)
+    for e in ops[:num_ops]:
+        print(f"  {e.self_cpu_time_total / 1e3:8.2f} ms {100 * e.self_cpu_time_total / total:5.1f}%  x{e.count:<5} {e.key[:90]}")
+
+
+def report(args, rows: list[Row]) -> None:
+    """Print the table (and write it with --markdown): each row against FSDP2 eager, the floor and
+    the measured bound (the floor plus the collectives-only row)."""
+    median = {row.name: statistics.median(row.times) for row in rows}
+    eager = median.get("FSDP2 eager", math.nan)
+    floor = next((median[r.name] for r in rows if r.name.startswith("floor")), math.nan)
+    alone = next((median[r.name] for r in rows if isinstance(r, CollectivesOnly)), math.nan)
+    bound = floor + alone
+    header = ["row", "step ms", "vs FSDP2 eager", "vs floor", "vs bound", "first step s: wall / CPU", "peak heap MiB",
+              "gathered MiB per step", "collectives per step"]
+    table = []
+    for row in rows:
+        t = median[row.name]
+        vs_bound = "" if isinstance(row, CollectivesOnly) or row.name.startswith("floor") else f"{t / bound:.3f}"
+        table.append([row.name, f"{t * 1e3:.1f}", f"{t / eager:.3f}", f"{t / floor:.3f}", vs_bound,
+                      f"{row.first_step_s:.1f} / {row.first_step_cpu_s:.1f}", row.peak, row.gathered_mib, row.collectives])
+    widths = [max(len(str(r[i])) for r in [header, *table]) for i in range(len(header))]
+    for line in [header, *table]:
+        print("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)))
+    print(f"bound = floor + collectives only = {bound * 1e3:.1f} ms")
+    if args.markdown:
+        caption = (f"{MODELS[args.model]}, {args.layers} blocks, dim {args.dim}, vocab 256, batch {args.batch_size}x{args.seq_len} per "
+                   f"rank, fp32, {dist.get_world_size()} gloo ranks x 1 thread, median of {args.rounds} alternating rounds. "
+                   f"Bound: the floor plus the collectives-only row ({bound * 1e3:.1f} ms).")
+        title = f"Compiled: {MODELS[args.model]}"
+        print(f"markdown: {write_markdown(args.markdown, title, [(caption, header, table)])}")
 
 
 # -- predicted exposed communication, Llama-3-8B shape at world size 8 ----------------------------------
