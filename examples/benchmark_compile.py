@@ -94,7 +94,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--budget-gib", type=float, help="with --predict-8b: memory_budget_bytes for selective unsharding")
     parser.add_argument("--timeline", help="with --predict-8b: write our schedule's SVG timeline here (see fsdp_graph.inspect)")
     parser.add_argument("--trace", help="with --predict-8b: write our schedule as a Chrome trace (Perfetto) here")
-    parser.add_argument("--markdown", metavar="FILE", help="also write the timings table as markdown, with date, machine and command")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table (the timings, or with --predict-8b the prediction) as markdown, with date, machine and command")
     parser.add_argument("--profile-dir", help="after the timed rounds, profile one more step of each row: a Chrome trace per row and "
                                                 "rank here, and rank 0's ops by self CPU time printed (where the time goes)")
     args = parser.parse_args()
@@ -501,6 +501,16 @@ def predict_8b(args) -> None:
         for name, (total, exposed, peaks) in totals.items():
             print(f"{name:18} step {total * 1e3:8.1f} ms, exposed comm {exposed * 1e3:7.2f} ms = {100 * exposed / total:.2f}% of the step, "
                   f"peak {' / '.join(f'{p / 2**30:.2f}' for p in peaks)} GiB")
+        if args.markdown:
+            header = ["schedule", "step ms", "exposed communication ms", "share of the step", "peak GiB (forward / backward)"]
+            table = [[name, f"{total * 1e3:.1f}", f"{exposed * 1e3:.2f}", f"{100 * exposed / total:.2f}%",
+                      " / ".join(f"{p / 2**30:.2f}" for p in peaks)] for name, (total, exposed, peaks) in totals.items()]
+            caption = (f"Predicted on one CPU process: Llama-3-8B shape ({num_params / 1e9:.2f}B parameters, full multi-head "
+                       f"attention), traced whole at world size 8 on the fake process group with meta tensors, "
+                       f"{args.predict_batch}x{args.predict_seq_len} tokens per rank, bf16 parameters, fp32 reduction, "
+                       f"profile {args.profile}; {sum(gathered.values()) / 2**30:.2f} GiB all-gathered per step and rank; "
+                       f"selective unsharding budget: {f'{args.budget_gib} GiB' if budget else 'none'}.")
+            print(f"markdown: {write_markdown(args.markdown, 'Predicted, Llama-3-8B shape', [(caption, header, table)])}")
         if args.timeline:
             print(f"timeline: {write_timeline(args.timeline, drawn[1])}")
         if args.trace:
