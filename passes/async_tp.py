@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 _ATEN = torch.ops.aten
 _C10D = torch.ops._c10d_functional
 PASS_NAME = "async_tp"
+MERGE_PASS_NAME = "merge_tp_all_reduces"
 DEFAULT_NUM_CHUNKS = 4
 _VIEWS = (_ATEN.view.default, _ATEN._unsafe_view.default, _ATEN.reshape.default)
 _MATMULS = (_ATEN.mm.default, _ATEN.addmm.default)  # addmm: a rowwise layer's bias added before the sum
@@ -71,21 +72,24 @@ def is_tp_all_reduce(node: Node) -> bool:
     return is_all_reduce(node) and not is_fsdp_collective(node)
 
 
-def _matmul_into(all_reduce: Node) -> Optional[tuple[Node, list[Node]]]:
-    """(mm, views from it to `all_reduce`'s input, in order) if the all-reduce reduces a 2-D matmul
-    through views only, each used by nothing else; else None."""
-    views = []
-    node = all_reduce.args[0]
-    while isinstance(node, Node) and node.op == "call_function" and node.target in _VIEWS:
-        if len(node.users) != 1:
+def _summed_matmuls(node: Node) -> Optional[list[Node]]:
+    """The matmuls whose outputs `node` sums, if it is (views of) one 2-D matmul or an `add` of such
+    sums, all of the same shape and each intermediate used by nothing else; else None."""
+    if not (isinstance(node, Node) and node.op == "call_function") or len(node.users) != 1:
+        return None
+    if node.target in _VIEWS:
+        return _summed_matmuls(node.args[0])
+    if node.target in _MATMULS:
+        return [node]
+    if node.target is _ATEN.add.Tensor and not node.kwargs and len(node.args) == 2:
+        a, b = node.args
+        if not (isinstance(a, Node) and isinstance(b, Node)) or a.meta["val"].shape != b.meta["val"].shape:
             return None
-        views.append(node)
-        node = node.args[0]
-    if not (isinstance(node, Node) and node.op == "call_function" and node.target in _MATMULS):
-        return None
-    if len(node.users) != 1:
-        return None
-    return node, views[::-1]
+        terms = [_summed_matmuls(a), _summed_matmuls(b)]
+        if None in terms or terms[0][0].meta["val"].shape != terms[1][0].meta["val"].shape:
+            return None
+        return terms[0] + terms[1]
+    return None
 
 
 def _chunk_bounds(num_rows: int, num_chunks: int) -> list[tuple[int, int]]:
@@ -98,12 +102,12 @@ def _chunk_bounds(num_rows: int, num_chunks: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _add(graph, target, args, kwargs=None) -> Node:
+def _add(graph, target, args, kwargs=None, pass_name: str = PASS_NAME) -> Node:
     """A new node of this pass, with its fake value computed from its inputs' values."""
     node = graph.call_function(target, args, kwargs)
     vals = torch.fx.node.map_arg(args, lambda a: a.meta["val"])
     node.meta["val"] = target(*vals, **(kwargs or {}))
-    node.meta[PASS_META] = PASS_NAME
+    node.meta[PASS_META] = pass_name
     return node
 
 
@@ -113,32 +117,43 @@ def _first_user(wait: Node) -> Node:
 
 
 def _decompose(gm: GraphModule, all_reduce: Node, num_chunks: int) -> bool:
-    found = _matmul_into(all_reduce)
+    matmuls = _summed_matmuls(all_reduce.args[0])
     wait = wait_of(all_reduce)
-    if found is None or wait is None or len(all_reduce.users) != 1 or not wait.users:
+    if matmuls is None or wait is None or len(all_reduce.users) != 1 or not wait.users:
         return False
-    mm, views = found
-    num_rows = mm.meta["val"].shape[0]
+    num_rows = matmuls[0].meta["val"].shape[0]
     if not isinstance(num_rows, int) or num_rows < 2:
         return False
     bounds = _chunk_bounds(num_rows, num_chunks)
     graph = gm.graph
     op, group = all_reduce.args[1], all_reduce.args[2]
+    # Every element of the all-reduced tensor is, through views that only reinterpret the matmuls'
+    # row-major [rows, cols] outputs, the sum of the same element of each matmul: chunk c of the
+    # rows is the sum of each matmul's chunk c.
+    # Issued as early as the matmuls' inputs allow: computation that stayed after (in backward, the
+    # weight gradients of the same layers) then runs under the chunks' all-reduces too.
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    inputs = [a for mm in matmuls for a in mm.all_input_nodes]
     reduced = []
-    with graph.inserting_before(mm):
+    with graph.inserting_before(max(inputs, key=order.__getitem__).next):
         for c, (start, end) in enumerate(bounds):
-            product = _chunk_matmul(graph, mm, start, end)
-            chunk = _add(graph, _C10D.all_reduce.default, (product, op, group))
+            summed = _chunk_matmul(graph, matmuls[0], start, end)
+            for mm in matmuls[1:]:
+                summed = _add(graph, _ATEN.add.Tensor, (summed, _chunk_matmul(graph, mm, start, end)))
+            chunk = _add(graph, _C10D.all_reduce.default, (summed, op, group))
             chunk.meta[ASYNC_TP_META] = (c, len(bounds))
             reduced.append(chunk)
+    shape = list(all_reduce.meta["val"].shape)
     with graph.inserting_before(_first_user(wait)):
         waits = [_add(graph, _C10D.wait_tensor.default, (chunk,)) for chunk in reduced]
-        out = _add(graph, _ATEN.cat.default, (waits, 0))
-        for view in views:
-            out = _add(graph, view.target, (out, *view.args[1:]))
+        out = _add(graph, _ATEN.view.default, (_add(graph, _ATEN.cat.default, (waits, 0)), shape))
     wait.replace_all_uses_with(out)
-    for node in (wait, all_reduce, *reversed(views), mm):
+    dead = [wait, all_reduce]
+    while dead:
+        node = dead.pop(0)
+        inputs = node.all_input_nodes
         graph.erase_node(node)
+        dead += [n for n in inputs if not n.users and n.op == "call_function" and n not in dead]
     return True
 
 
@@ -153,6 +168,76 @@ def decompose_tp_matmuls(gm: GraphModule, num_chunks: int = DEFAULT_NUM_CHUNKS) 
                  num_done, len(candidates), num_chunks)
     gm.graph.lint()
     gm.recompile()
+    return gm
+
+
+def _reduced_by(node: Node) -> Optional[tuple[Node, list[Node]]]:
+    """(tp all-reduce, views from its wait to `node`) if `node` is (views of) such an all-reduce's
+    wait, each used by nothing else; else None."""
+    views = []
+    while node.op == "call_function" and node.target in _VIEWS and len(node.users) == 1:
+        views.append(node)
+        node = node.args[0]
+    if not (node.op == "call_function" and node.target is _C10D.wait_tensor.default and len(node.users) == 1):
+        return None
+    all_reduce = node.args[0]
+    if not (is_tp_all_reduce(all_reduce) and len(all_reduce.users) == 1 and all_reduce.args[1] == "sum"):
+        return None
+    return all_reduce, views[::-1]
+
+
+def _merge(gm: GraphModule, add: Node) -> bool:
+    if add.target is not _ATEN.add.Tensor or add.kwargs or len(add.args) != 2:
+        return False
+    if not all(isinstance(a, Node) for a in add.args) or add.args[0].meta["val"].shape != add.args[1].meta["val"].shape:
+        return False
+    found = [_reduced_by(a) for a in add.args]
+    if None in found or found[0][0].args[2] != found[1][0].args[2]:
+        return False
+    graph = gm.graph
+    with graph.inserting_before(add):
+        inputs = []
+        for all_reduce, views in found:
+            x = all_reduce.args[0]
+            for view in views:  # the same reinterpretation, before the sum instead of after
+                x = _add(graph, view.target, (x, *view.args[1:]), pass_name=MERGE_PASS_NAME)
+            inputs.append(x)
+        summed = _add(graph, _ATEN.add.Tensor, tuple(inputs), pass_name=MERGE_PASS_NAME)
+        group = found[0][0].args[2]
+        merged = _add(graph, _C10D.all_reduce.default, (summed, "sum", group), pass_name=MERGE_PASS_NAME)
+        wait = _add(graph, _C10D.wait_tensor.default, (merged,), pass_name=MERGE_PASS_NAME)
+    add.replace_all_uses_with(wait)
+    graph.erase_node(add)
+    for all_reduce, views in found:
+        chain = [*reversed(views), wait_of(all_reduce), all_reduce]
+        for node in chain:
+            graph.erase_node(node)
+    return True
+
+
+def merge_summed_all_reduces(gm: GraphModule) -> GraphModule:
+    """Sum before all-reducing: `AR(a) + AR(b)` becomes `AR(a + b)`, one all-reduce instead of two.
+
+    In backward, each column-parallel layer all-reduces its own partial input gradient, and autograd
+    then adds them up (attention's wq, wk and wv: three all-reduces of a full activation's size; the
+    MLP's w1 and w3: two). Assumes: sum all-reduces of tensor parallelism on one group whose waits
+    feed only that add (through views that only reinterpret the shape). Guarantees: each such add
+    tree becomes one all-reduce of the summed inputs. The sums are then taken per rank first and
+    across ranks after: a different order of the same additions, which changes the result within
+    rounding ([Note: Async TP numbers]); disable "merge_tp_all_reduces" to keep the traced order.
+    """
+    num_merged = 0
+    changed = True
+    while changed:  # a tree (a + b) + c merges from the inside out
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target is _ATEN.add.Tensor and _merge(gm, node):
+                num_merged += 1
+                changed = True
+    if num_merged:
+        logger.debug("fsdp_graph::merge_tp_all_reduces %d all-reduces fewer", num_merged)
+        gm.graph.lint()
+        gm.recompile()
     return gm
 
 

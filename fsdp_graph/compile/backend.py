@@ -69,7 +69,7 @@ class BackendConfig:
         disabled_passes: names of passes to skip (see `JOINT_PASS_NAMES`), e.g. to compare graphs or
             numbers with and without one. Skipping "reshard_after_forward" keeps every group's
             unsharded parameters from forward to backward. The scheduling passes of the forward and
-            backward graphs (passes/scheduling.py) are "async_tp", "bucket_by_group",
+            backward graphs (passes/scheduling.py) are "merge_tp_all_reduces", "async_tp", "bucket_by_group",
             "auto_bucket", "reorder_for_overlap" and "pin_order".
         hardware_profile: the cost model's machine: a name ("h100-nvlink", "h100-infiniband",
             "cpu-gloo") or a `HardwareProfile` (e.g. from `passes.cost_model.calibrate`). None:
