@@ -14,14 +14,16 @@ composition, peak heap of one step (glibc's in-use bytes, sampled; max over rank
 per step (gloo's profiler events). This is a benchmark, not a test: it asserts nothing.
 
 `--predict-70b` traces a Llama-3-70B-shaped model (80 layers, dim 8192, 64 heads, 8 key/value
-heads, bf16 parameters, fp32 reduction) composed as FSDP 8 x TP 8 on the fake process group of 64
-ranks with meta tensors, schedules it with the backend's passes and simulates a step: TP's
-collectives on `h100-nvlink` (inside a node), FSDP's on `h100-infiniband` (across nodes), each
-on its own stream. It prints the predicted step, the communication per parallelism and how much of
-it is exposed. The traced model has no activation checkpointing, so the predicted forward peak holds
-every activation saved for backward: read the memory column as that, not as a real 70B run's.
-TP's collectives stay in place (the computation right after each needs its result), so they are
-exposed by construction; only FSDP's are scheduled to hide.
+heads, bf16 parameters, fp32 reduction, activation checkpointing per block) composed as FSDP 8 x TP 8
+on the fake process group of 64 ranks with meta tensors, schedules it with the backend's passes and
+simulates a step: TP's collectives on `h100-nvlink` (inside a node), FSDP's on `h100-infiniband`
+(across nodes), each on its own stream. The backward graph recomputes each block's forward (its
+all-gather and TP all-reduces included), and the simulator counts that time. Rows: unscheduled, the
+scheduling passes without async TP, and with it (`--predict-chunks` row chunks). Each prints the
+step, the exposed communication with FSDP's and TP's shares, and the peak of one rank: fp32
+parameter shards, gradients and AdamW moments, plus the larger of the forward's peak and the
+backward's (saved block inputs counted until their last use).
+    python examples/benchmark_tp.py --predict-70b --predict-layers 4    # a dry run in about a minute
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--predict-batch", type=int, default=4, help="sequences per dp rank in the prediction")
     parser.add_argument("--predict-seq-len", type=int, default=8192, help="tokens per sequence in the prediction")
     parser.add_argument("--predict-layers", type=int, default=80, help="blocks in the prediction (fewer: a quick dry run)")
-    parser.add_argument("--predict-chunks", type=int, default=4, help="async TP: row chunks per matmul -> all-reduce")
+    parser.add_argument("--predict-chunks", type=int, default=8, help="async TP: row chunks per matmul -> all-reduce")
     parser.add_argument("--predict-no-checkpoint", action="store_true", help="predict without activation checkpointing")
     return parser.parse_args()
 
