@@ -66,6 +66,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--predict-seq-len", type=int, default=8192, help="tokens per sequence in the prediction")
     parser.add_argument("--predict-layers", type=int, default=80, help="blocks in the prediction (fewer: a quick dry run)")
     parser.add_argument("--predict-chunks", type=int, default=8, help="async TP: row chunks per matmul -> all-reduce")
+    parser.add_argument("--predict-async-only", action="store_true", help="only the async TP row (skips the slower baselines)")
     parser.add_argument("--predict-no-checkpoint", action="store_true", help="predict without activation checkpointing")
     return parser.parse_args()
 
@@ -175,7 +176,7 @@ def predict_70b(args) -> None:
         rows = (("unscheduled", lambda: graphs),
                 ("fsdp_graph, async TP off", lambda: scheduled({"async_tp"})),
                 (f"fsdp_graph, async TP {args.predict_chunks} chunks", lambda: scheduled(set())))
-        for name, schedule in rows:
+        for name, schedule in rows[-1:] if args.predict_async_only else rows:
             start = time.perf_counter()
             step = predict_step(schedule(), cost_model, resident)
             for kind, sim in step.simulations.items():
