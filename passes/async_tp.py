@@ -111,12 +111,27 @@ def _add(graph, target, args, kwargs=None, pass_name: str = PASS_NAME) -> Node:
     return node
 
 
-def _first_user(wait: Node) -> Node:
-    order = {n: i for i, n in enumerate(wait.graph.nodes)}
-    return min(wait.users, key=order.__getitem__)
+class _Positions:
+    """Node positions, computed once and again only when asked about a node made since: inserting
+    nodes keeps the order of the others, so one pass stays linear in the graph's size."""
+
+    def __init__(self, graph) -> None:
+        self.graph = graph
+        self.index = {}
+
+    def latest(self, nodes) -> Node:
+        return max(nodes, key=self._of)
+
+    def earliest(self, nodes) -> Node:
+        return min(nodes, key=self._of)
+
+    def _of(self, node: Node) -> int:
+        if node not in self.index:
+            self.index = {n: i for i, n in enumerate(self.graph.nodes)}
+        return self.index[node]
 
 
-def _decompose(gm: GraphModule, all_reduce: Node, num_chunks: int) -> bool:
+def _decompose(gm: GraphModule, all_reduce: Node, num_chunks: int, positions: _Positions) -> bool:
     matmuls = _summed_matmuls(all_reduce.args[0])
     wait = wait_of(all_reduce)
     if matmuls is None or wait is None or len(all_reduce.users) != 1 or not wait.users:
@@ -132,10 +147,9 @@ def _decompose(gm: GraphModule, all_reduce: Node, num_chunks: int) -> bool:
     # rows is the sum of each matmul's chunk c.
     # Issued as early as the matmuls' inputs allow: computation that stayed after (in backward, the
     # weight gradients of the same layers) then runs under the chunks' all-reduces too.
-    order = {n: i for i, n in enumerate(graph.nodes)}
     inputs = [a for mm in matmuls for a in mm.all_input_nodes]
     reduced = []
-    with graph.inserting_before(max(inputs, key=order.__getitem__).next):
+    with graph.inserting_before(positions.latest(inputs).next):
         for c, (start, end) in enumerate(bounds):
             summed = _chunk_matmul(graph, matmuls[0], start, end)
             for mm in matmuls[1:]:
@@ -144,7 +158,7 @@ def _decompose(gm: GraphModule, all_reduce: Node, num_chunks: int) -> bool:
             chunk.meta[ASYNC_TP_META] = (c, len(bounds))
             reduced.append(chunk)
     shape = list(all_reduce.meta["val"].shape)
-    with graph.inserting_before(_first_user(wait)):
+    with graph.inserting_before(positions.earliest(wait.users)):
         waits = [_add(graph, _C10D.wait_tensor.default, (chunk,)) for chunk in reduced]
         out = _add(graph, _ATEN.view.default, (_add(graph, _ATEN.cat.default, (waits, 0)), shape))
     wait.replace_all_uses_with(out)
@@ -163,7 +177,8 @@ def decompose_tp_matmuls(gm: GraphModule, num_chunks: int = DEFAULT_NUM_CHUNKS) 
     if num_chunks < 2 or not any(is_tp_all_reduce(n) for n in gm.graph.nodes):
         return gm
     candidates = [n for n in gm.graph.nodes if is_tp_all_reduce(n)]
-    num_done = sum(_decompose(gm, n, num_chunks) for n in candidates)
+    positions = _Positions(gm.graph)
+    num_done = sum(_decompose(gm, n, num_chunks, positions) for n in candidates)
     logger.debug("fsdp_graph::async_tp %d of %d tp all-reduces decomposed into %d chunks",
                  num_done, len(candidates), num_chunks)
     gm.graph.lint()
