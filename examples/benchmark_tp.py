@@ -14,14 +14,16 @@ composition, peak heap of one step (glibc's in-use bytes, sampled; max over rank
 per step (gloo's profiler events). This is a benchmark, not a test: it asserts nothing.
 
 `--predict-70b` traces a Llama-3-70B-shaped model (80 layers, dim 8192, 64 heads, 8 key/value
-heads, bf16 parameters, fp32 reduction) composed as FSDP 8 x TP 8 on the fake process group of 64
-ranks with meta tensors, schedules it with the backend's passes and simulates a step: TP's
-collectives on `h100-nvlink` (inside a node), FSDP's on `h100-infiniband` (across nodes), each
-on its own stream. It prints the predicted step, the communication per parallelism and how much of
-it is exposed. The traced model has no activation checkpointing, so the predicted forward peak holds
-every activation saved for backward: read the memory column as that, not as a real 70B run's.
-TP's collectives stay in place (the computation right after each needs its result), so they are
-exposed by construction; only FSDP's are scheduled to hide.
+heads, bf16 parameters, fp32 reduction, activation checkpointing per block) composed as FSDP 8 x TP 8
+on the fake process group of 64 ranks with meta tensors, schedules it with the backend's passes and
+simulates a step: TP's collectives on `h100-nvlink` (inside a node), FSDP's on `h100-infiniband`
+(across nodes), each on its own stream. The backward graph recomputes each block's forward (its
+all-gather and TP all-reduces included), and the simulator counts that time. Rows: unscheduled, the
+scheduling passes without async TP, and with it (`--predict-chunks` row chunks). Each prints the
+step, the exposed communication with FSDP's and TP's shares, and the peak of one rank: fp32
+parameter shards, gradients and AdamW moments, plus the larger of the forward's peak and the
+backward's (saved block inputs counted until their last use).
+    python examples/benchmark_tp.py --predict-70b --predict-layers 4    # a dry run in about a minute
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--predict-70b", action="store_true", help="only the Llama-3-70B FSDP 8 x TP 8 prediction, one process")
     parser.add_argument("--predict-batch", type=int, default=4, help="sequences per dp rank in the prediction")
     parser.add_argument("--predict-seq-len", type=int, default=8192, help="tokens per sequence in the prediction")
+    parser.add_argument("--predict-layers", type=int, default=80, help="blocks in the prediction (fewer: a quick dry run)")
+    parser.add_argument("--predict-chunks", type=int, default=8, help="async TP: row chunks per matmul -> all-reduce")
+    parser.add_argument("--predict-async-only", action="store_true", help="only the async TP row (skips the slower baselines)")
+    parser.add_argument("--predict-no-checkpoint", action="store_true", help="predict without activation checkpointing")
     return parser.parse_args()
 
 
@@ -132,19 +138,18 @@ def main() -> None:
 
 
 def predict_70b(args) -> None:
+    import copy
     import time
-    from collections import defaultdict
 
-    from fsdp_graph.predict import capture_graphs, fake_world
+    from fsdp_graph.predict import capture_graphs, fake_world, predict_step
 
-    from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group
     from fsdp_graph.passes.cost_model import CostModel
-    from fsdp_graph.passes.reorder import reorder_for_overlap
-    from fsdp_graph.passes.simulator import simulate
+    from fsdp_graph.passes.pipeline import PassPipeline
+    from fsdp_graph.passes.scheduling import scheduling_passes
 
     cost_model = CostModel("h100-infiniband", links={"tp": "h100-nvlink"})
-    cfg = LlamaConfig(vocab_size=128256, dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, hidden_dim=28672,
-                      max_seq_len=args.predict_seq_len)
+    cfg = LlamaConfig(vocab_size=128256, dim=8192, num_layers=args.predict_layers, num_heads=64, num_kv_heads=8,
+                      hidden_dim=28672, max_seq_len=args.predict_seq_len, checkpoint_blocks=not args.predict_no_checkpoint)
     with fake_world(64):
         mesh = init_device_mesh("cpu", (8, 8), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
@@ -152,37 +157,38 @@ def predict_70b(args) -> None:
         num_params = sum(p.numel() for p in model.parameters())
         policy = fsdp_graph.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         parallelize_llama(model, mesh, fsdp_graph.fully_shard, mp_policy=policy)
+        # Lives through the step outside the graphs: fp32 parameter shards, their gradients, AdamW's two moments.
+        resident = 4 * sum(p.to_local().numel() for p in model.parameters()) * 4
         start = time.perf_counter()
         tokens = torch.randint(0, cfg.vocab_size, (args.predict_batch, args.predict_seq_len), device="meta")
         graphs = capture_graphs(model, tokens)
-        print(f"Llama-3-70B shape ({num_params / 1e9:.2f}B params), FSDP 8 x TP 8 (64 ranks), "
-              f"{args.predict_batch}x{args.predict_seq_len} tokens per dp rank, bf16 params, fp32 reduce, "
-              f"traced in {time.perf_counter() - start:.0f} s; {cost_model}")
+        ac = "no activation checkpointing" if args.predict_no_checkpoint else "activation checkpointing per block"
+        print(f"Llama-3-70B shape, {cfg.num_layers} layers ({num_params / 1e9:.2f}B params), FSDP 8 x TP 8 (64 ranks), "
+              f"{args.predict_batch}x{args.predict_seq_len} tokens per dp rank, bf16 params, fp32 reduce, {ac}, "
+              f"traced in {time.perf_counter() - start:.0f} s; {cost_model}; resident per rank (fp32 shards, "
+              f"gradients, AdamW moments) {resident / 2**30:.2f} GiB")
 
-        def ours(gm):
-            return reorder_for_overlap(auto_bucket(bucket_by_group(gm), cost_model, 1 << 30), cost_model)
+        def scheduled(disabled):
+            passes = scheduling_passes(cost_model, 1 << 30, None, None, None, args.predict_chunks)
+            pipeline = PassPipeline("schedule", passes, frozenset(disabled), None)
+            return {kind: pipeline(copy.deepcopy(gm), kind) for kind, gm in graphs.items()}
 
-        for name, schedule in (("unscheduled", lambda gm: gm), ("fsdp_graph", ours)):
-            total = exposed = 0.0
-            exposed_by = defaultdict(float)
-            for kind, gm in graphs.items():
-                sim = simulate(schedule(gm), cost_model)
-                total, exposed = total + sim.total_s, exposed + sim.exposed_comm_s
-                comm, hidden = defaultdict(float), defaultdict(float)
-                count = defaultdict(int)
-                for c in sim.collectives:
-                    duration = c.end_s - c.start_s
-                    comm[c.parallelism] += duration
-                    hidden[c.parallelism] += duration - c.exposed_s
-                    count[c.parallelism] += 1
-                    exposed_by[c.parallelism] += c.exposed_s
-                per = ", ".join(f"{p} {count[p]} collectives {comm[p] * 1e3:.1f} ms ({100 * hidden[p] / comm[p]:.0f}% hidden)"
-                                for p in sorted(comm))
-                print(f"  {name:12} {kind:9} step {sim.total_s * 1e3:8.1f} ms  exposed {sim.exposed_comm_s * 1e3:7.2f} ms "
-                      f"({100 * sim.exposed_fraction:5.2f}%)  peak {sim.memory.peak_bytes / 2**30:6.2f} GiB  {per}")
-            by = ", ".join(f"{p} {100 * exposed_by[p] / total:.2f}%" for p in sorted(exposed_by))
-            print(f"{name:12} step {total * 1e3:8.1f} ms, exposed comm {exposed * 1e3:7.2f} ms = "
-                  f"{100 * exposed / total:.2f}% of the step ({by})")
+        rows = (("unscheduled", lambda: graphs),
+                ("fsdp_graph, async TP off", lambda: scheduled({"async_tp"})),
+                (f"fsdp_graph, async TP {args.predict_chunks} chunks", lambda: scheduled(set())))
+        for name, schedule in rows[-1:] if args.predict_async_only else rows:
+            start = time.perf_counter()
+            step = predict_step(schedule(), cost_model, resident)
+            for kind, sim in step.simulations.items():
+                print(f"  {name:30} {kind:9} {sim.total_s * 1e3:8.1f} ms  exposed {sim.exposed_comm_s * 1e3:7.2f} ms "
+                      f"({100 * sim.exposed_fraction:5.2f}%)")
+            per = ", ".join(f"{p} {step.num_collectives[p]} collectives {step.comm_s[p] * 1e3:.1f} ms "
+                            f"({100 * (1 - step.exposed_s_by[p] / step.comm_s[p]):.0f}% hidden)" for p in sorted(step.comm_s))
+            shares = ", ".join(f"{p} {100 * step.share(p):.2f}%" for p in sorted(step.comm_s))
+            print(f"{name:32} step {step.step_s * 1e3:8.1f} ms, exposed comm {step.exposed_s * 1e3:7.2f} ms = "
+                  f"{100 * step.share():.2f}% of the step ({shares}); peak {step.peak_bytes / 2**30:.2f} GiB per rank "
+                  f"({step.peak_graph}){' > 80 GiB' if step.peak_bytes > 80 * 2**30 else ''}; {per} "
+                  f"[{time.perf_counter() - start:.0f} s]")
 
 
 if __name__ == "__main__":

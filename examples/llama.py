@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class LlamaConfig:
     hidden_dim: SwiGLU hidden width.
     max_seq_len: longest sequence the rotary table covers.
     num_kv_heads: key/value heads (grouped-query attention, as Llama 3); None: num_heads.
+    checkpoint_blocks: activation checkpointing per block (`torch.utils.checkpoint`): forward keeps
+        only each block's input, backward runs the block's forward again.
     """
 
     vocab_size: int = 256
@@ -31,6 +34,7 @@ class LlamaConfig:
     hidden_dim: int = 344
     max_seq_len: int = 128
     num_kv_heads: int | None = None
+    checkpoint_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads:
@@ -129,7 +133,10 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[:seq, None, :], self.rope_sin[:seq, None, :]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            if self.cfg.checkpoint_blocks:
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
         return self.output(self.norm(h))
 
 

@@ -20,6 +20,8 @@ _C10D = torch.ops._c10d_functional
 # Top-level `node.meta` keys the scheduling passes set (passes/bucketing.py, passes/reorder.py).
 BUCKET_META = "fsdp_graph_bucket"  # on a collective: tuple of the groups whose data it carries
 PASS_META = "fsdp_graph_pass"  # on a node a scheduling pass made or moved: that pass's name
+# Set by passes/async_tp.py on each chunk of a decomposed all-reduce: (chunk index, number of chunks).
+ASYNC_TP_META = "fsdp_graph_async_tp"
 # Set by passes/unshard_selection.py on a kept group's forward all-gather: its unsharded bytes.
 KEPT_UNSHARDED_META = "fsdp_graph_kept_unsharded"
 
@@ -91,9 +93,12 @@ def _process_group(node: Node) -> Optional[Any]:
 
 def collective_label(node: Node) -> str:
     """How the inspector names a collective: its FSDP group, or "[tp]" (`parallelism_of`) for one
-    that is not FSDP's."""
+    that is not FSDP's, "[tp] chunk 2/4" for a chunk that passes/async_tp.py made."""
     group = group_of(node)
-    return group if group is not None else f"[{parallelism_of(node)}]"
+    if group is not None:
+        return group
+    chunk = node.meta.get(ASYNC_TP_META)
+    return f"[{parallelism_of(node)}]" + (f" chunk {chunk[0] + 1}/{chunk[1]}" if chunk else "")
 
 
 def collective_of(wait: Node) -> Optional[Node]:

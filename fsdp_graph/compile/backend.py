@@ -32,6 +32,7 @@ from ..passes.cost_model import CostModel, Profile
 from ..passes.pipeline import GraphPass, PassPipeline
 from ..passes.reshard import tag_reshard_after_forward
 from ..passes.unshard_selection import select_unsharded
+from ..passes.async_tp import DEFAULT_NUM_CHUNKS, async_tp_on_cuda
 from ..passes.gloo import plain_all_gathers_on_gloo
 from ..passes.scheduling import CROSS_GROUP_PASS_NAMES, PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
 from ..runtime.meta import GROUP_KEY
@@ -68,8 +69,8 @@ class BackendConfig:
         disabled_passes: names of passes to skip (see `JOINT_PASS_NAMES`), e.g. to compare graphs or
             numbers with and without one. Skipping "reshard_after_forward" keeps every group's
             unsharded parameters from forward to backward. The scheduling passes of the forward and
-            backward graphs (passes/scheduling.py) are "bucket_by_group", "auto_bucket",
-            "reorder_for_overlap" and "pin_order".
+            backward graphs (passes/scheduling.py) are "merge_tp_all_reduces", "async_tp", "bucket_by_group",
+            "auto_bucket", "reorder_for_overlap" and "pin_order".
         hardware_profile: the cost model's machine: a name ("h100-nvlink", "h100-infiniband",
             "cpu-gloo") or a `HardwareProfile` (e.g. from `passes.cost_model.calibrate`). None:
             "h100-nvlink" when CUDA is available, else "cpu-gloo".
@@ -92,6 +93,9 @@ class BackendConfig:
             order] in runtime/traced.py): the passes that merge or reorder collectives of several
             groups ("auto_bucket", "reorder_for_overlap") are left out, at the cost of their overlap.
             Graphs of one group each (every expert call a frame of its own) need no such care.
+        async_tp_chunks: the row chunks each tensor-parallel matmul -> all-reduce is split into, so
+            that each chunk's all-reduce runs behind the next chunk's matmul ("async_tp",
+            passes/async_tp.py); 1 leaves them whole, as does disabling "async_tp".
         check_collectives: check at run time that no buffer of an in-flight collective is written,
             freed or resized before its wait, and raise `CollectiveBufferError` naming it if so
             ([Note: Checking in-flight collectives] in passes/check_collectives.py); a copy of
@@ -108,6 +112,7 @@ class BackendConfig:
     max_collectives_in_flight: Optional[int] = None
     memory_budget_bytes: Optional[int] = None
     rank_divergent_graphs: bool = False
+    async_tp_chunks: int = DEFAULT_NUM_CHUNKS
     check_collectives: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -156,6 +161,9 @@ class BackendConfig:
         value = self.max_collectives_in_flight
         if value is not None and (not isinstance(value, int) or value < 1):
             problems.append(f"max_collectives_in_flight must be a positive int or None, got {value!r}")
+        value = self.async_tp_chunks
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"async_tp_chunks must be a positive int (1: no chunks), got {value!r}")
         return problems
 
     def cost_model(self) -> CostModel:
@@ -171,7 +179,7 @@ class BackendConfig:
     def scheduling_passes(self) -> list[GraphPass]:
         passes = scheduling_passes(
             self.cost_model(), self.bucket_cap_bytes, self.max_bytes_in_flight, self.memory_budget_bytes,
-            self.max_collectives_in_flight,
+            self.max_collectives_in_flight, self.async_tp_chunks,
         )
         if self.rank_divergent_graphs:
             passes = [p for p in passes if p.name not in CROSS_GROUP_PASS_NAMES]
@@ -302,6 +310,8 @@ class FSDPGraphBackend:
             ),
             "custom_partitioner_fn": InductorPartitioner(),
         }
+        if "async_tp" not in self.config.disabled_passes:
+            patches.update(async_tp_on_cuda(example_inputs))
         # pin_order runs after the program is written for the inspector: its control_deps wrappers
         # would hide the collectives and waits from it, and it changes no order. The checks go
         # before it, so the order it pins keeps each check between its collective and the wait.
@@ -371,7 +381,7 @@ class _InductorLogPass(CustomGraphPass):
         return (
             f"fsdp_graph.schedule:{own_sources_digest()[:16]}:{','.join(names)}:"
             f"off={','.join(sorted(self.schedule.disabled))}:{c.cost_model().profile}:{c.bucket_cap_bytes}:"
-            f"{c.max_bytes_in_flight}:{c.max_collectives_in_flight}:{c.memory_budget_bytes}"
+            f"{c.max_bytes_in_flight}:{c.max_collectives_in_flight}:{c.memory_budget_bytes}:{c.async_tp_chunks}"
         )
 
 

@@ -4,7 +4,8 @@ Build the model on the meta device inside a fake process group of the job's worl
 as the job does, and capture one compiled step: the forward and backward graphs come out as
 fsdp_graph's scheduling passes receive them, with full-size shapes and no memory or communication
 spent (`examples/benchmark_compile.py --predict-8b` and `examples/benchmark_tp.py --predict-70b`
-replay them on `h100-nvlink`).
+replay them on `h100-nvlink`). `predict_step` simulates the scheduled graphs as one step: time,
+exposed communication per parallelism, and the peak memory of a rank.
 
     with fsdp_graph.predict.fake_world(64):
         with torch.device("meta"):
@@ -17,7 +18,9 @@ replay them on `h100-nvlink`).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -28,7 +31,9 @@ from torch.fx import GraphModule
 
 from .backend import BackendConfig
 from .partition import partition
+from ..passes.cost_model import CostModel
 from ..passes.pipeline import PassPipeline
+from ..passes.simulator import Simulation, memory_profile, program_of, simulate
 from ..runtime.state import capturing_graphs
 
 
@@ -78,3 +83,67 @@ def capture_graphs(
         loss(torch.compile(model, backend=backend, fullgraph=True)(*args)).backward()
     torch._dynamo.reset()
     return graphs
+
+
+@dataclass
+class StepPrediction:
+    """One training step predicted from its forward and backward graphs.
+
+    Attributes:
+        step_s: forward plus backward, each as `simulate` runs it.
+        exposed_s: communication the compute streams waited for, both graphs.
+        comm_s / exposed_s_by: communication time, and its exposed part, per parallelism ("fsdp",
+            "tp").
+        num_collectives: collectives per parallelism.
+        peak_bytes: `resident_bytes` plus the larger of the forward's peak (what it allocates, the
+            activations it saves for backward included) and the backward's (those saved activations
+            from its start until their last use, plus what it allocates; recomputed activations
+            included).
+        peak_graph: "forward" or "backward", where the peak is.
+        simulations: the `Simulation` of each graph.
+    """
+
+    step_s: float
+    exposed_s: float
+    comm_s: dict[str, float]
+    exposed_s_by: dict[str, float]
+    num_collectives: dict[str, int]
+    peak_bytes: int
+    peak_graph: str
+    simulations: dict[str, Simulation] = field(default_factory=dict)
+
+    def share(self, parallelism: Optional[str] = None) -> float:
+        """Exposed communication (of one parallelism, or all) as a fraction of the step."""
+        exposed = self.exposed_s if parallelism is None else self.exposed_s_by.get(parallelism, 0.0)
+        return exposed / self.step_s if self.step_s else 0.0
+
+
+def saved_for_backward(backward: GraphModule) -> frozenset[str]:
+    """The backward's inputs that the forward saved for it: activations, recomputation's inputs.
+    Parameters (`primals_*`, resident anyway) and incoming gradients (`tangents_*`) are not."""
+    return frozenset(n.name for n in backward.graph.nodes if n.op == "placeholder"
+                     and not n.name.startswith(("primals", "tangents")))
+
+
+def predict_step(graphs: dict[str, GraphModule], cost_model: CostModel, resident_bytes: int = 0) -> StepPrediction:
+    """Simulate the (scheduled) forward and backward graphs `capture_graphs` returned, on
+    `cost_model`'s machine; `resident_bytes` is what lives through the step outside the graphs
+    (sharded parameters, gradients, optimizer states)."""
+    comm, exposed_by = defaultdict(float), defaultdict(float)
+    count = defaultdict(int)
+    sims, peaks = {}, {}
+    for kind, gm in graphs.items():
+        program = program_of(gm)
+        sims[kind] = sim = simulate(program, cost_model)
+        for c in sim.collectives:
+            comm[c.parallelism] += c.end_s - c.start_s
+            exposed_by[c.parallelism] += c.exposed_s
+            count[c.parallelism] += 1
+        owned = saved_for_backward(gm) if kind == "backward" else frozenset()
+        peaks[kind] = memory_profile(program, owned).peak_bytes
+    peak_graph = max(peaks, key=peaks.__getitem__)
+    return StepPrediction(
+        step_s=sum(s.total_s for s in sims.values()), exposed_s=sum(s.exposed_comm_s for s in sims.values()),
+        comm_s=dict(comm), exposed_s_by=dict(exposed_by), num_collectives=dict(count),
+        peak_bytes=resident_bytes + peaks[peak_graph], peak_graph=peak_graph, simulations=sims,
+    )
