@@ -115,8 +115,10 @@ class Row:
         self.model = model
         self.run = torch.compile(model, backend=compile_backend) if compile_backend is not None else model
         if compile_blocks:  # torchtitan's way: each sharded block compiled on its own, the root eager
+            from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
             for sub in model.modules():
-                if sub is not model and hasattr(sub, "reshard"):  # ours or torch's FSDPModule
+                if sub is not model and isinstance(sub, (fsdp_graph.FSDPModule, TorchFSDPModule)):
                     sub.compile(backend="inductor")
         if precompile_dir is not None:  # fsdp_graph.precompile in the first step: compiles and saves, or loads
             self.run = None
