@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import os
 import statistics
@@ -95,6 +96,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeline", help="with --predict-8b: write our schedule's SVG timeline here (see fsdp_graph.inspect)")
     parser.add_argument("--trace", help="with --predict-8b: write our schedule as a Chrome trace (Perfetto) here")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table (the timings, or with --predict-8b the prediction) as markdown, with date, machine and command")
+    parser.add_argument("--json", metavar="FILE", help="also write each row's figures as JSON (benchmark_depth.py reads them)")
     parser.add_argument("--profile-dir", help="after the timed rounds, profile one more step of each row: a Chrome trace per row and "
                                                 "rank here, and rank 0's ops by self CPU time printed (where the time goes)")
     args = parser.parse_args()
@@ -402,6 +404,10 @@ def report(args, rows: list[Row]) -> None:
     for line in [header, *table]:
         print("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)))
     print(f"bound = floor + collectives only = {bound * 1e3:.1f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"row": row.name, "step_ms": median[row.name] * 1e3, "first_step_s": row.first_step_s,
+                        "first_step_cpu_s": row.first_step_cpu_s, "peak_mib": row.peak} for row in rows], f)
     if args.markdown:
         caption = (f"{MODELS[args.model]}, {args.layers} blocks, dim {args.dim}, vocab 256, batch {args.batch_size}x{args.seq_len} per "
                    f"rank, fp32, {dist.get_world_size()} gloo ranks x 1 thread, median of {args.rounds} alternating rounds. "

@@ -1,0 +1,118 @@
+"""Compile cost against depth: cold first step, warm relaunch, steady step and peak heap, per row and depth.
+
+Each (row, depth) runs as its own launch of `torchrun --nproc-per-node 2 examples/benchmark_compile.py`
+with one row, twice: first with an empty Inductor cache (the cold start), then with the cache the first
+launch left (the relaunch a restarted job meets). One row per launch, so no row reuses kernels another
+row compiled in the same process. The first step is timed in CPU seconds of rank 0 (the process and the
+compiler processes it waited for, `TORCHINDUCTOR_COMPILE_THREADS=1`), which a loaded machine disturbs
+less than wall time; wall seconds are given beside it.
+    python examples/benchmark_depth.py                                   # HF Llama at 4 and 16 layers
+    python examples/benchmark_depth.py --layers 4,16 --markdown depth.md # the table for docs/benchmarks.md
+Rows (benchmark_compile.py's names): `blocks` (our fully_shard, each block compiled on its own, the root
+eager), `fsdp2-blocks` (the same with FSDP2), `fsdp2-compile` (FSDP2, torch.compile of the whole model) and
+`scheduled` (ours, torch.compile(model, backend=fsdp_graph.backend(...)): the whole step in one graph).
+This is a benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_report import write_markdown  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NAMES = {"blocks": "ours, blocks compiled one by one", "fsdp2-blocks": "FSDP2, blocks compiled one by one",
+         "fsdp2-compile": "FSDP2, torch.compile(model)", "scheduled": "ours, whole step (fsdp_graph backend)"}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="4,16", help="comma-separated depths")
+    parser.add_argument("--rows", default=",".join(NAMES), help=f"comma-separated rows, of {','.join(NAMES)}")
+    parser.add_argument("--model", default="hf-llama", help="benchmark_compile.py's --model")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="steady steps timed per launch")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown, with date, machine and command")
+    args = parser.parse_args()
+    args.layers = [int(x) for x in args.layers.split(",")]
+    args.rows = [r for r in args.rows.split(",") if r]
+    unknown = sorted(set(args.rows) - set(NAMES))
+    if unknown:
+        parser.error(f"--rows names {unknown}; rows: {','.join(NAMES)}")
+    return args
+
+
+def launch(args, row: str, layers: int, cache_dir: str) -> dict:
+    """One launch of benchmark_compile.py with one row; its JSON figures."""
+    out = os.path.join(cache_dir, f"{row}.json")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               os.path.join(HERE, "benchmark_compile.py"), "--model", args.model, "--dim", str(args.dim),
+               "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--layers", str(layers),
+               "--rows", row, "--rounds", str(args.rounds), "--warmup", "2", "--json", out]
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"), TORCHINDUCTOR_COMPILE_THREADS="1")
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"{row} at {layers} layers failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+    with open(out) as f:
+        (figures,) = json.load(f)
+    return figures
+
+
+def main() -> None:
+    args = parse_args()
+    # The first launch of a series pays for something that outlives an Inductor cache directory (in a
+    # trial, FSDP2's blocks row took 23.7 CPU s at 1 layer, then 13.3 at 2): an untimed launch first.
+    with tempfile.TemporaryDirectory() as cache_dir:
+        launch(args, args.rows[0], min(args.layers), cache_dir)
+    results: dict[tuple[str, int], tuple[dict, dict]] = {}
+    for layers in args.layers:
+        for row in args.rows:
+            with tempfile.TemporaryDirectory() as cache_dir:
+                cold = launch(args, row, layers, cache_dir)
+                warm = launch(args, row, layers, cache_dir)
+            results[row, layers] = cold, warm
+            print(f"{NAMES[row]:40} {layers:3} layers: cold {cold['first_step_cpu_s']:6.1f} CPU s "
+                  f"({cold['first_step_s']:.1f} wall), relaunch {warm['first_step_cpu_s']:6.1f} CPU s, "
+                  f"steady {warm['step_ms']:.1f} ms, peak {warm['peak_mib']} MiB", flush=True)
+    low, high = min(args.layers), max(args.layers)
+    header = ["row", "layers", "cold first step: CPU s (wall s)", "relaunch: CPU s (wall s)", "steady step ms",
+              "peak heap MiB"]
+    table = [[NAMES[row], layers, f"{cold['first_step_cpu_s']:.1f} ({cold['first_step_s']:.1f})",
+              f"{warm['first_step_cpu_s']:.1f} ({warm['first_step_s']:.1f})", f"{warm['step_ms']:.1f}", warm["peak_mib"]]
+             for (row, layers), (cold, warm) in results.items()]
+    if high > low:
+        slope_header = ["row", f"cold CPU s added per layer ({low} -> {high})", "cold CPU s at 80 layers, extrapolated",
+                        f"cold vs FSDP2 + compile at {high} layers", f"relaunch vs FSDP2 + compile at {high} layers"]
+        reference = results.get(("fsdp2-compile", high))
+        slopes = []
+        for row in args.rows:
+            a, b = results[row, low][0]["first_step_cpu_s"], results[row, high][0]["first_step_cpu_s"]
+            per_layer = (b - a) / (high - low)
+            cold_ratio = relaunch_ratio = ""
+            if reference is not None:
+                cold_ratio = f"{b / reference[0]['first_step_cpu_s']:.2f}"
+                relaunch_ratio = f"{results[row, high][1]['first_step_cpu_s'] / reference[1]['first_step_cpu_s']:.2f}"
+            slopes.append([NAMES[row], f"{per_layer:.2f}", f"{b + max(per_layer, 0.0) * (80 - high):.0f}", cold_ratio, relaunch_ratio])
+        print("\n".join("  ".join(str(c) for c in line) for line in [slope_header, *slopes]))
+    if args.markdown:
+        caption = (f"{args.model}, dim {args.dim}, batch {args.batch_size}x{args.seq_len} per rank, 2 gloo ranks, one group "
+                   f"per layer then the root; one launch per row and depth with an empty Inductor cache, then a relaunch "
+                   f"with the cache it left. First steps in CPU seconds of rank 0 (`TORCHINDUCTOR_COMPILE_THREADS=1`), "
+                   f"wall seconds in brackets; steady step: median of {args.rounds} steps of the relaunch, each row in its "
+                   f"own launch (not alternated, so compare steady steps loosely).")
+        sections = [(caption, header, table)]
+        if high > low:
+            sections.append(("Per row, from the table above:", slope_header, slopes))
+        print(f"markdown: {write_markdown(args.markdown, 'Compile cost against depth', sections)}")
+
+
+if __name__ == "__main__":
+    main()
