@@ -138,6 +138,30 @@ def _controls(rank, world_size):
         _step(model, 2, rank)
     _assert_same_grads(ours, theirs, what="bf16 accumulation")
 
+    # Post-accumulate-grad hooks on the sharded parameters (optimizer in backward) run once per
+    # reduced gradient and see it; a second backward adds to the same `.grad` tensor, in place,
+    # also after zero_grad(set_to_none=False). [Note: The sharded gradient is the parameter's own]
+    ours, theirs = _pair()
+    hooked = []
+    for model in (ours, theirs):
+        seen = []
+        for name, param in model.named_parameters():
+            param.register_post_accumulate_grad_hook(lambda p, name=name: seen.append((name, p.grad.to_local().clone())))
+        _step(model, 0, rank)
+        first = [p.grad for p in model.parameters()]
+        _step(model, 1, rank)
+        assert all(a is p.grad for a, p in zip(first, model.parameters()))
+        model.zero_grad(set_to_none=False)
+        _step(model, 2, rank)
+        assert all(a is p.grad for a, p in zip(first, model.parameters()))
+        hooked.append(seen)
+    # (The order differs: torch reduces the root's group before the embedding's, ours after.)
+    hooked = [sorted(seen, key=lambda item: item[0]) for seen in hooked]
+    assert [name for name, _ in hooked[0]] == [name for name, _ in hooked[1]] and len(hooked[0]) == 3 * 15
+    for (name, got), (_, expected) in zip(*hooked):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"hook on {name}: {m}")
+    _assert_same_grads(ours, theirs, what="post-accumulate-grad hooks")
+
     # unshard(): None when waited, a handle when async.
     ours, theirs = _pair()
     for model in (ours, theirs):
