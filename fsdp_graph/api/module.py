@@ -127,8 +127,8 @@ class FSDPModule:
             if state.group is not None:
                 state.group.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        _check_bool("reshard_after_forward", reshard_after_forward)
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        _check_bool("reshard_after_forward", reshard_after_forward, ArgumentTypeError)
         for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
             if state.group is not None:
@@ -351,9 +351,14 @@ def _check_comm(method: str, comm: object) -> None:
         )
 
 
-def _check_bool(name: str, value: object) -> None:
+class ArgumentTypeError(TypeError, ValueError):
+    """A wrong type where FSDP2 raises `ValueError` (`reshard_after_forward`): code written for
+    torch's `fully_shard` catches it as a `ValueError`, and it is the `TypeError` it is."""
+
+
+def _check_bool(name: str, value: object, error: type[Exception] = TypeError) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+        raise error(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
 
 
 @functools.lru_cache(maxsize=None)
