@@ -149,8 +149,19 @@ def _trainable_flags(leaf: torch.Tensor, trainable: list[int]) -> torch.Tensor:
 
 def _restore_none_grads(group: TracedGroup) -> None:
     flags, group.grad_flags.grad = group.grad_flags.grad, None
+    if flags is None:
+        # The group ran in the graph but no gradient reached it (its outputs were detached): the
+        # accumulators got nothing and `.grad` is as it was. FSDP2 reduces such a group as zeros
+        # when asked to: [Note: Every rank packs every parameter].
+        if group.reduce_controls.zeros_for_unused:
+            for p in group.params:
+                if p.requires_grad and p.sharded_param.grad is None:
+                    p.accumulate_sharded_grad(p.local_shard.new_zeros(p.shard_numel))
+        return
     if flags.is_meta or not any(p.requires_grad and p.grad_was_none for p in group.params):
         return  # meta: a model traced for its graphs only, with no values to read
+    if group.reduce_controls.zeros_for_unused:
+        return  # FSDP2 keeps the zeros: [Note: Every rank packs every parameter]
     for p, flag in zip(group.params, flags.tolist()):
         if p.requires_grad and flag <= 0 and p.grad_was_none:
             p.sharded_param.grad = None

@@ -43,6 +43,68 @@ class Net(nn.Module):
         return self.head(x).sum(-1)  # not a view: torch warns about views returned by a root
 
 
+class HalfUsed(nn.Module):
+    """A block whose `down` never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 4)
+        self.down = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x)
+
+
+class Routed(nn.Module):
+    """Groups that run or not per step (`mode`), one whose output is detached, a root parameter never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = HalfUsed()
+        self.b = MLPBlock(4, 6)
+        self.c = MLPBlock(4, 6)
+        self.head = nn.Linear(4, 1)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        y = self.a(x)
+        if mode == "b":
+            y = self.b(y)
+        if mode == "detached c":
+            y = y + self.c(y).detach()
+        return self.head(y).sum()
+
+
+def _train_routed(fs, rank, reduce_scatter_unused_params, compile_with=None):
+    """Three AdamW steps of a sharded `Routed` (modes b, b, detached c); the gradients of every
+    step and the final parameters."""
+    torch.manual_seed(0)
+    model = Routed()
+    for block in (model.a, model.b, model.c):
+        fs(block)
+    fs(model)
+    model.set_reduce_scatter_unused_params(reduce_scatter_unused_params)
+    run = torch.compile(model, backend=compile_with) if compile_with is not None else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    grads = []
+    for step, mode in enumerate(("b", "b", "detached c")):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        run(x, mode).backward()
+        grads.append({n: None if p.grad is None else p.grad.to_local().clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=step != 1)
+    return grads, {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_same_routed(ours, theirs, what):
+    for step, (got, expected) in enumerate(zip(ours[0], theirs[0])):
+        assert {n for n, g in got.items() if g is None} == {n for n, g in expected.items() if g is None}, (what, step)
+        for name, g in got.items():
+            if g is not None:
+                torch.testing.assert_close(g, expected[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{what} step {step} {name}: {m}")
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} parameters: {m}")
+
+
 def _pair(mp=None, mesh=None):
     """(ours, torch's): the same seeded Net, sharded per embedding, per block, then the root."""
     torch.manual_seed(0)
@@ -161,6 +223,14 @@ def _controls(rank, world_size):
     for (name, got), (_, expected) in zip(*hooked):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"hook on {name}: {m}")
     _assert_same_grads(ours, theirs, what="post-accumulate-grad hooks")
+
+    # set_reduce_scatter_unused_params(True): FSDP2 gives every trainable parameter of the groups it
+    # reduces zeros where no rank had a gradient (also groups that did not run, once gathered), so
+    # AdamW decays them; False leaves them None. Same gradients (None-ness too) and parameters.
+    for flag in (False, True):
+        routed = [_train_routed(fs, rank, flag) for fs in (fully_shard, torch_fully_shard)]
+        _assert_same_routed(*routed, what=f"reduce_scatter_unused_params={flag}")
+    assert routed[0][0][0]["unused.weight"] is not None and routed[0][0][0]["c.up.weight"] is None
 
     # unshard(): None when waited, a handle when async.
     ours, theirs = _pair()
@@ -472,6 +542,12 @@ def _compiled(rank, world_size):
                 model, lambda m: shard(m, control), backend, rank, world_size, steps=2
             )["fallbacks"]
     assert results["separate_rs_group"] == {} and results["pg_allocator"] == {}
+
+    # Groups that run or not per step, one whose output is detached inside the graph, with and
+    # without set_reduce_scatter_unused_params: compiled as torch's fully_shard in eager.
+    for flag in (False, True):
+        compiled_run = _train_routed(fully_shard, rank, flag, compile_with=backend)
+        _assert_same_routed(compiled_run, _train_routed(torch_fully_shard, rank, flag), what=f"compiled, unused={flag}")
     assert results["all_reduce_hook"], results
     return results
 
