@@ -328,6 +328,10 @@ class ReduceControls:
     # `set_separate_reduce_scatter_group`: reduce-scatter on a process group of its own, so it can
     # progress alongside all-gathers on the shard group (one communicator runs one at a time).
     reduce_scatter_group: Optional[dist.ProcessGroup] = None
+    # `set_reduce_scatter_unused_params(True)`: a trainable parameter no rank had a gradient for gets
+    # zeros (the reduced value), as in FSDP2, instead of keeping `.grad` None. See
+    # [Note: Every rank packs every parameter].
+    zeros_for_unused: bool = False
 
 
 @dataclass
@@ -404,7 +408,9 @@ class ReduceScatterWork:
             self.keep_alive.clear()
             return
         got_grad = self.had_grad
-        if not all(got_grad):  # read the summed flags only then: on CUDA reading waits for the stream
+        if self.controls.zeros_for_unused:
+            got_grad = [True] * len(self.params)
+        elif not all(got_grad):  # read the summed flags only then: on CUDA reading waits for the stream
             got_grad = [flag > 0 for flag in self.output[-len(self.params) :].tolist()]
         offset = 0
         for p, flag in zip(self.params, got_grad):
@@ -423,6 +429,10 @@ class ReduceScatterWork:
 # gradient on some rank: those get the averaged gradient (zeros from the ranks that had none, as the
 # unsharded model on the global batch), the others keep `.grad` as it was (None), as in eager PyTorch.
 # The flags cost one element per parameter and no collective of their own.
+# With `set_reduce_scatter_unused_params(True)` FSDP2 instead gives every trainable parameter of a
+# group it reduces a gradient, zeros where no rank had one, so AdamW decays and steps those too; the
+# group's `zeros_for_unused` control does the same here (the reduced slot is zeros already), and the
+# root's final callback gives zeros to the groups that did not run, as FSDP2 reduces them then.
 
 
 def _pack(

@@ -410,23 +410,45 @@ class ShardedParam(AllGatherExtensions):
         return grad
 
     def accumulate_sharded_grad(self, flat_shard: torch.Tensor) -> None:
-        """Set or add this rank's reduced gradient (padded, flat) to the sharded parameter."""
+        """Set or add this rank's reduced gradient (padded, flat) to the sharded parameter, then
+        run the parameter's post-accumulate-grad hooks.
+
+        [Note: The sharded gradient is the parameter's own]
+        As in FSDP2, a gradient that exists is added to in place, so `.grad` stays the tensor an
+        optimizer or a user holds across accumulated backwards and `zero_grad(set_to_none=False)`;
+        and hooks registered with `register_post_accumulate_grad_hook` on the sharded parameter run
+        once its reduced gradient is there (autograd never reaches that parameter in eager mode, so
+        it cannot run them itself). Optimizer-in-backward relies on both.
+        """
         local = flat_shard[: self.num_valid_rows * self.row_numel].view(
             self.num_valid_rows, *self.moved_size[1:]
         )
         local = local.movedim(0, self.shard_dim).to(self.orig_dtype)
-        if self.sharded_param.grad is None and self.pinned and local.device != self.shard_device:
+        grad = self.sharded_param.grad
+        if grad is None and self.pinned and local.device != self.shard_device:
             host = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
             host.copy_(local, non_blocking=True)  # as FSDP2 does with pinned memory
             self.host_copy_pending = True
             self.sharded_param.grad = self._to_dtensor(host)
-            return
-        local = local.to(self.shard_device).contiguous()
-        if self.sharded_param.grad is None:
-            self.sharded_param.grad = self._to_dtensor(local)
         else:
-            self.wait_host_copy()
-            self.sharded_param.grad = self._to_dtensor(self.sharded_param.grad.to_local() + local)
+            local = local.to(self.shard_device).contiguous()
+            if grad is None:
+                self.sharded_param.grad = self._to_dtensor(local)
+            else:
+                self.wait_host_copy()
+                if isinstance(grad, DTensor) and grad._local_tensor.shape == local.shape:
+                    grad._local_tensor.add_(local)
+                else:  # a `.grad` the user replaced by something else
+                    self.sharded_param.grad = self._to_dtensor(grad.to_local() + local)
+        self._run_post_accumulate_grad_hooks()
+
+    def _run_post_accumulate_grad_hooks(self) -> None:
+        hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None)
+        if not hooks:
+            return
+        self.wait_host_copy()  # a hook reads `.grad` now
+        for hook in tuple(hooks.values()):
+            hook(self.sharded_param)
 
     def wait_host_copy(self) -> None:
         """Wait for a non-blocking device-to-host gradient copy still in flight, if any."""

@@ -317,6 +317,16 @@ class ParamGroup:
         ):
             self.reshard()
 
+    def zero_grads_of_unused_group(self) -> None:
+        """`set_reduce_scatter_unused_params(True)` on a group that did not run this backward: FSDP2
+        reduces its trainable parameters (those gathered before) at the end of backward as zeros.
+        The result is zeros on every rank, so it is written without a collective."""
+        if self.reduced_this_backward or not self.requires_gradient_sync or not self.backward_writes_param_grads():
+            return
+        for p in self.params:
+            if p.requires_grad and p.unsharded_param is not None:
+                p.accumulate_sharded_grad(p.local_shard.new_zeros(p.shard_numel))
+
     def _nothing_to_reduce(self, trainable: list[ShardedParam]) -> bool:
         """No rank has a gradient of this group to reduce: [Note: A backward that writes no
         parameter gradient] in runtime/state.py. Asks the root only when this rank has none."""

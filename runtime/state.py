@@ -436,6 +436,8 @@ class FSDPState:
                 # ([Note: Fallback groups keep the traced order] in runtime/traced.py).
                 if state.group is not None and (state in ctx.forward_order or state.group.state is not ShardedState.SHARDED):
                     state.group.post_backward()
+                elif state.group is not None and state.group.reduce_controls.zeros_for_unused:
+                    state.group.zero_grads_of_unused_group()
             if ctx.is_last_backward:
                 ctx.comm.finish_reduce_scatters()
             for state in ctx.states:  # offloaded gradients on their way to pinned host memory

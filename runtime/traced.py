@@ -94,7 +94,7 @@ class TracedState(Protocol):
     group: Optional[TracedGroup]
     mp_policy: MixedPrecisionPolicy
     is_root: bool
-    ctx: Any  # its `fallbacks` dict: state name -> why it ran on the eager hooks
+    ctx: Any  # its `fallbacks` dict (state name -> why it ran on the eager hooks) and `states`
     _traced_num_forwards: int  # owned by this module: see `pre_forward`
 
     def check_materialized(self) -> None: ...
@@ -149,8 +149,19 @@ def _trainable_flags(leaf: torch.Tensor, trainable: list[int]) -> torch.Tensor:
 
 def _restore_none_grads(group: TracedGroup) -> None:
     flags, group.grad_flags.grad = group.grad_flags.grad, None
+    if flags is None:
+        # The group ran in the graph but no gradient reached it (its outputs were detached): the
+        # accumulators got nothing and `.grad` is as it was. FSDP2 reduces such a group as zeros
+        # when asked to: [Note: Every rank packs every parameter].
+        if group.reduce_controls.zeros_for_unused:
+            for p in group.params:
+                if p.requires_grad and p.sharded_param.grad is None:
+                    p.accumulate_sharded_grad(p.local_shard.new_zeros(p.shard_numel))
+        return
     if flags.is_meta or not any(p.requires_grad and p.grad_was_none for p in group.params):
         return  # meta: a model traced for its graphs only, with no values to read
+    if group.reduce_controls.zeros_for_unused:
+        return  # FSDP2 keeps the zeros: [Note: Every rank packs every parameter]
     for p, flag in zip(group.params, flags.tolist()):
         if p.requires_grad and flag <= 0 and p.grad_was_none:
             p.sharded_param.grad = None
@@ -397,7 +408,27 @@ def post_forward(state: TracedState, module: torch.nn.Module, output: Any) -> An
         state._traced_num_forwards = 0
         if state.group is not None:
             _install(state.group, None)
+        if state.is_root:
+            _close_partly_run_groups(state)
     return output
+
+
+def _close_partly_run_groups(root: TracedState) -> None:
+    """At the root's post-forward: drop the shadows of every `fully_shard([a, b])` group whose
+    forward ran only some of its modules (a chunked loss runs the head after the model's call).
+
+    [Note: Groups whose forward ran partly in a graph]
+    Such a group was gathered in the graph, but its last post-forward never came, so its shadows
+    would outlive the graph as the graph's outputs: a later eager call of the remaining module
+    would read them and backpropagate into the compiled backward (twice, for a second chunk). As
+    in eager mode, that call gathers the group again on the eager hooks, and the gradients of both
+    add up in the sharded `.grad`.
+    """
+    for state in root.ctx.states:
+        if state is not root and state._traced_num_forwards > 0:
+            state._traced_num_forwards = 0
+            if state.group is not None:
+                _install(state.group, None)
 
 
 # [Note: Sharded modules inside activation checkpointing]

@@ -10,6 +10,7 @@ from torch.distributed.tensor import Replicate, Shard
 from _harness import fake_process_group
 from _models import MLPStack
 from fsdp_graph import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from fsdp_graph.api.module import ArgumentTypeError
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +62,15 @@ def test_container_without_forward():
 def test_int_reshard_after_forward_must_divide_shard_group():
     _raises(ValueError, "must divide the shard group size 4", fully_shard, nn.Linear(4, 4), reshard_after_forward=3)
     _raises(ValueError, "must divide", fully_shard, nn.Linear(4, 4), reshard_after_forward=0)
-    _raises(TypeError, "bool, an int or None", fully_shard, nn.Linear(4, 4), reshard_after_forward="yes")
+    # A wrong type is a TypeError that is also FSDP2's ValueError, for code written against torch's.
+    err = _raises(ArgumentTypeError, "bool, an int or None", fully_shard, nn.Linear(4, 4), reshard_after_forward="yes")
+    assert isinstance(err, TypeError) and isinstance(err, ValueError)
+    _raises(ArgumentTypeError, "bool, an int or None", fully_shard, nn.Linear(4, 4), reshard_after_forward=1.0)
+    model = fully_shard(nn.Sequential(fully_shard(nn.Linear(4, 4)), nn.Linear(4, 4)))
+    for bad in (2, None, "yes"):
+        _raises(ArgumentTypeError, "reshard_after_forward must be a bool", model.set_reshard_after_forward, bad)
+    model.set_reshard_after_forward(False, False)  # recurse positionally, as FSDP2 allows
+    assert model._fsdp_state.reshard_after_forward is False and model[0]._fsdp_state.reshard_after_forward is not False
 
 
 def test_mesh_must_be_1d_or_2d():
@@ -117,7 +126,6 @@ def test_method_arguments():
     _raises(TypeError, "must be a bool", m.set_requires_gradient_sync, "no")
     _raises(TypeError, "must be a bool", m.set_reshard_after_backward, None)
     _raises(ValueError, "positive number", m.set_gradient_divide_factor, 0)
-    _raises(ValueError, "call fully_shard\\(module\\) first", register_fsdp_forward_method, nn.Linear(2, 2), "forward")
     _raises(ValueError, "has no method 'generate'", register_fsdp_forward_method, m, "generate")
 
 

@@ -43,6 +43,109 @@ class Net(nn.Module):
         return self.head(x).sum(-1)  # not a view: torch warns about views returned by a root
 
 
+class HalfUsed(nn.Module):
+    """A block whose `down` never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 4)
+        self.down = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x)
+
+
+class Routed(nn.Module):
+    """Groups that run or not per step (`mode`), one whose output is detached, a root parameter never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = HalfUsed()
+        self.b = MLPBlock(4, 6)
+        self.c = MLPBlock(4, 6)
+        self.head = nn.Linear(4, 1)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        y = self.a(x)
+        if mode == "b":
+            y = self.b(y)
+        if mode == "detached c":
+            y = y + self.c(y).detach()
+        return self.head(y).sum()
+
+
+def _train_routed(fs, rank, reduce_scatter_unused_params, compile_with=None, modes=("b", "b", "detached c")):
+    """AdamW steps of a sharded `Routed`, one per mode; the gradients of every step and the final
+    parameters."""
+    torch.manual_seed(0)
+    model = Routed()
+    for block in (model.a, model.b, model.c):
+        fs(block)
+    fs(model)
+    model.set_reduce_scatter_unused_params(reduce_scatter_unused_params)
+    run = torch.compile(model, backend=compile_with) if compile_with is not None else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    grads = []
+    for step, mode in enumerate(modes):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        run(x, mode).backward()
+        grads.append({n: None if p.grad is None else p.grad.to_local().clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=step != 1)
+    return grads, {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_same_routed(ours, theirs, what):
+    for step, (got, expected) in enumerate(zip(ours[0], theirs[0])):
+        assert {n for n, g in got.items() if g is None} == {n for n, g in expected.items() if g is None}, (what, step)
+        for name, g in got.items():
+            if g is not None:
+                torch.testing.assert_close(g, expected[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{what} step {step} {name}: {m}")
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} parameters: {m}")
+
+
+class ChunkedHead(nn.Module):
+    """torchtitan's chunked loss: the model's call stops before the head, which runs per chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.body = nn.Linear(8, 8, bias=False)
+        self.norm = nn.RMSNorm(8)
+        self.head = nn.Linear(8, 16, bias=False)
+
+    def forward(self, tokens: torch.Tensor, *, skip_head: bool = False) -> torch.Tensor:
+        h = self.norm(self.body(self.embed(tokens)))
+        return h if skip_head else self.head(h)
+
+
+def _train_chunked(fs, rank, grouped, compile_with=None, steps=2):
+    """Adam steps of a sharded `ChunkedHead`, the head run on two chunks outside the model's
+    call, in `fully_shard([norm, head])` (grouped) or alone; gradients per step, final parameters."""
+    torch.manual_seed(0)
+    model = ChunkedHead()
+    fs(model.embed)
+    fs(model.body)
+    fs([model.norm, model.head]) if grouped else (fs(model.norm), fs(model.head))
+    fs(model)
+    run = torch.compile(model, backend=compile_with) if compile_with is not None else model
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    grads = []
+    for step in range(steps):
+        h = run(torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(10 * step + rank)), skip_head=True)
+        h_grads = []
+        for chunk in torch.chunk(h.detach(), 2, dim=1):
+            chunk = chunk.contiguous().requires_grad_(True)
+            model.head(chunk).sum().backward()
+            h_grads.append(chunk.grad)
+        h.backward(torch.cat(h_grads, dim=1))
+        grads.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads, {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
 def _pair(mp=None, mesh=None):
     """(ours, torch's): the same seeded Net, sharded per embedding, per block, then the root."""
     torch.manual_seed(0)
@@ -137,6 +240,38 @@ def _controls(rank, world_size):
         model.set_requires_gradient_sync(True)
         _step(model, 2, rank)
     _assert_same_grads(ours, theirs, what="bf16 accumulation")
+
+    # Post-accumulate-grad hooks on the sharded parameters (optimizer in backward) run once per
+    # reduced gradient and see it; a second backward adds to the same `.grad` tensor, in place,
+    # also after zero_grad(set_to_none=False). [Note: The sharded gradient is the parameter's own]
+    ours, theirs = _pair()
+    hooked = []
+    for model in (ours, theirs):
+        seen = []
+        for name, param in model.named_parameters():
+            param.register_post_accumulate_grad_hook(lambda p, name=name: seen.append((name, p.grad.to_local().clone())))
+        _step(model, 0, rank)
+        first = [p.grad for p in model.parameters()]
+        _step(model, 1, rank)
+        assert all(a is p.grad for a, p in zip(first, model.parameters()))
+        model.zero_grad(set_to_none=False)
+        _step(model, 2, rank)
+        assert all(a is p.grad for a, p in zip(first, model.parameters()))
+        hooked.append(seen)
+    # (The order differs: torch reduces the root's group before the embedding's, ours after.)
+    hooked = [sorted(seen, key=lambda item: item[0]) for seen in hooked]
+    assert [name for name, _ in hooked[0]] == [name for name, _ in hooked[1]] and len(hooked[0]) == 3 * 15
+    for (name, got), (_, expected) in zip(*hooked):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"hook on {name}: {m}")
+    _assert_same_grads(ours, theirs, what="post-accumulate-grad hooks")
+
+    # set_reduce_scatter_unused_params(True): FSDP2 gives every trainable parameter of the groups it
+    # reduces zeros where no rank had a gradient (also groups that did not run, once gathered), so
+    # AdamW decays them; False leaves them None. Same gradients (None-ness too) and parameters.
+    for flag in (False, True):
+        routed = [_train_routed(fs, rank, flag) for fs in (fully_shard, torch_fully_shard)]
+        _assert_same_routed(*routed, what=f"reduce_scatter_unused_params={flag}")
+    assert routed[0][0][0]["unused.weight"] is not None and routed[0][0][0]["c.up.weight"] is None
 
     # unshard(): None when waited, a handle when async.
     ours, theirs = _pair()
@@ -448,6 +583,21 @@ def _compiled(rank, world_size):
                 model, lambda m: shard(m, control), backend, rank, world_size, steps=2
             )["fallbacks"]
     assert results["separate_rs_group"] == {} and results["pg_allocator"] == {}
+
+    # A chunked loss: the head runs outside the compiled call, also when it shares a group with a
+    # module that ran inside it ([Note: Groups whose forward ran partly in a graph]).
+    expected = _train_chunked(torch_fully_shard, rank, grouped=True, steps=1)
+    for compile_with in (None, backend):
+        _assert_same_routed(_train_chunked(fully_shard, rank, True, compile_with, steps=1), expected,
+                            what=f"chunked head, compiled={compile_with is not None}")
+
+    # A group whose output is detached inside the graph (no gradient reaches it), one parameter
+    # unused, with set_reduce_scatter_unused_params: compiled as torch's fully_shard in eager. One
+    # step, one graph. (A group that ran in an earlier step but not in this one keeps `.grad` None
+    # compiled, where FSDP2 gives zeros: README, Differences from FSDP2.)
+    compiled_run = _train_routed(fully_shard, rank, True, compile_with=backend, modes=("detached c",))
+    expected = _train_routed(torch_fully_shard, rank, True, modes=("detached c",))
+    _assert_same_routed(compiled_run, expected, what="compiled, unused params")
     assert results["all_reduce_hook"], results
     return results
 

@@ -167,15 +167,23 @@ class WithGenerate(MLPStack):
 
 
 def _forward_method(rank, world_size):
-    torch.manual_seed(0)
-    model = WithGenerate()
-    reference = copy.deepcopy(model)
-    fully_shard(model)
-    register_fsdp_forward_method(model, "score")
-    x = torch.randn(4, 13)
-    model.score(x).sum().backward()
-    (reference.score(x).sum()).backward()
-    check_grads_match(model, reference)
+    for before in (False, True):
+        torch.manual_seed(0)
+        model = WithGenerate()
+        reference = copy.deepcopy(model)
+        # On a module not sharded (yet) it does nothing, as FSDP2's (one script with and without
+        # sharding); a `fully_shard` afterwards registers it, where FSDP2's would not.
+        register_fsdp_forward_method(reference, "score")
+        if before:
+            register_fsdp_forward_method(model, "score")
+            register_fsdp_forward_method(model, "score")
+        fully_shard(model)
+        if not before:
+            register_fsdp_forward_method(model, "score")
+        x = torch.randn(4, 13)
+        model.score(x).sum().backward()
+        (reference.score(x).sum()).backward()
+        check_grads_match(model, reference)
 
 
 def test_register_fsdp_forward_method():

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..runtime.mesh_info import MeshInfo
 from ..runtime.param import ShardedParam
-from .module import FSDPModule
+from .module import ArgumentTypeError, FSDPModule
 
 
 def _check_modules(module) -> tuple[nn.Module, ...]:
@@ -49,7 +49,7 @@ def _check_reshard_after_forward(value, mesh_info: MeshInfo):
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"reshard_after_forward must be a bool, an int or None, got {type(value).__name__}"
         )
     if value < 1 or mesh_info.shard_size % value != 0:

@@ -127,8 +127,8 @@ class FSDPModule:
             if state.group is not None:
                 state.group.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        _check_bool("reshard_after_forward", reshard_after_forward)
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        _check_bool("reshard_after_forward", reshard_after_forward, ArgumentTypeError)
         for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
             if state.group is not None:
@@ -197,12 +197,16 @@ class FSDPModule:
             self._fsdp_state.group.unshard_in_backward = unshard_in_backward
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """Accepted for FSDP2 compatibility; nothing to set. fsdp_graph always reduce-scatters every
-        trainable parameter of a group on every rank, with zeros where a rank has no gradient and
-        a flag so ranks agree which parameters got one ([Note: Every rank packs every parameter]
-        in runtime/collectives.py): what FSDP2 does with this set to True, without the hang when
-        it is False and ranks use different parameters."""
+        """True: after a backward that reduces, every trainable parameter gets a gradient, zeros
+        where no rank had one (so AdamW decays and steps it), as in FSDP2; False (the default)
+        leaves those `.grad` None, as the unsharded model does. Either way fsdp_graph reduce-scatters
+        every trainable parameter of a group on every rank, with zeros where a rank has no gradient
+        and a flag so ranks agree which got one ([Note: Every rank packs every parameter] in
+        runtime/collectives.py), so ranks that use different parameters never hang."""
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.reduce_controls.zeros_for_unused = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """FSDP2's cap on reduce-scatter input buffers in flight. Validated and accepted; the eager
@@ -351,9 +355,14 @@ def _check_comm(method: str, comm: object) -> None:
         )
 
 
-def _check_bool(name: str, value: object) -> None:
+class ArgumentTypeError(TypeError, ValueError):
+    """A wrong type where FSDP2 raises `ValueError` (`reshard_after_forward`): code written for
+    torch's `fully_shard` catches it as a `ValueError`, and it is the `TypeError` it is."""
+
+
+def _check_bool(name: str, value: object, error: type[Exception] = TypeError) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+        raise error(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
 
 
 @functools.lru_cache(maxsize=None)

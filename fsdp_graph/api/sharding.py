@@ -105,6 +105,9 @@ def fully_shard(
         m.__class__ = _fsdp_class(type(m))
         _register_as_fully_shard(m)
     state.claim_root()
+    for m in modules:
+        for method_name in m.__dict__.pop(_PENDING_FORWARD_METHODS, ()):
+            register_fsdp_forward_method(m, method_name)
     return module
 
 
@@ -145,18 +148,28 @@ def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:
     return dim
 
 
+# Method names `register_fsdp_forward_method` was given for a module not sharded yet, in the
+# module's `__dict__` until `fully_shard` registers them.
+_PENDING_FORWARD_METHODS = "_fsdp_graph_pending_forward_methods"
+
+
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Run `module.<method_name>` under the same unshard/reshard hooks as `forward`."""
+    """Run `module.<method_name>` under the same unshard/reshard hooks as `forward`. On a module
+    not passed to `fully_shard` it does nothing, as FSDP2's; if `fully_shard` is applied to that
+    module later, it registers the method then."""
     if not isinstance(method_name, str):
         raise TypeError(
             f"register_fsdp_forward_method expects the method's name as a str, got {method_name!r}; "
             f"e.g. register_fsdp_forward_method(model, 'generate')"
         )
     if not isinstance(module, FSDPModule):
-        raise ValueError(
-            f"register_fsdp_forward_method needs a module passed to fully_shard, got "
-            f"{type(module).__name__}; call fully_shard(module) first"
-        )
+        # FSDP2 returns here, so that one script runs with and without sharding. A module sharded
+        # later gets the hooks then (FSDP2's would silently run the method on sharded parameters).
+        if isinstance(module, nn.Module):
+            pending = module.__dict__.setdefault(_PENDING_FORWARD_METHODS, [])
+            if method_name not in pending:
+                pending.append(method_name)
+        return
     method = getattr(module, method_name, None)
     if not callable(method):
         raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
