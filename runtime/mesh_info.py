@@ -25,6 +25,7 @@ class MeshInfo:
     replicate_size: int = field(init=False)
     shard_group_name: str = field(init=False)
     replicate_group_name: str | None = field(init=False)  # HSDP only
+    ranks: tuple[int, ...] = field(init=False)  # every rank of the mesh, ascending
 
     def __post_init__(self) -> None:
         mesh = self.mesh
@@ -38,6 +39,7 @@ class MeshInfo:
             "replicate_size": mesh.size(0) if is_hsdp else 1,
             "shard_group_name": mesh.get_group(shard_axis).group_name,
             "replicate_group_name": mesh.get_group(0).group_name if is_hsdp else None,
+            "ranks": tuple(sorted(mesh.mesh.flatten().tolist())),
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)  # frozen: set once, here

@@ -50,6 +50,7 @@ from torch.fx.traceback import annotate
 from .collectives import ReduceControls, divide_factors, wire_order
 from .meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
 from .mesh_info import MeshInfo
+from . import peer_log
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy
 from .traced_ops import C10D, AllGatherShards, GradientBucket, route_gradients
@@ -525,3 +526,5 @@ def record_fallback(state: TracedState) -> None:
             reason = state.hooks_around_compiled_body or _FALLBACK_REASON
         fallbacks[state.name] = reason
         logger.warning("fsdp_graph::fallback (%s): %s", state.name, reason)
+        if state.group is not None:  # where another rank may have traced it ([Note: Ranks that compile different graphs])
+            peer_log.tell(state.group.mesh_info.ranks, f"eager:{state.name}")

@@ -88,24 +88,49 @@ class BlockBreaksOnRank0(MLPBlock):
         return x + self.down(hidden)
 
 
-def _shard_blocks(model: MLPStack) -> MLPStack:
-    model.blocks[1].__class__ = BlockBreaksOnRank0
+def _shard_blocks(model: MLPStack, break_on_rank0: bool = True) -> MLPStack:
+    if break_on_rank0:
+        model.blocks[1].__class__ = BlockBreaksOnRank0
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
     return model
 
 
-def _graph_break_on_one_rank(rank, world_size, compiler):
+def _graph_break_on_one_rank(rank, world_size, compiler, flag, break_on_rank0):
+    from fsdp_graph.compile.agreement import AGREEMENT
+
     torch.manual_seed(0)
-    backend = fsdp_graph.backend(compiler=compiler, rank_divergent_graphs=True)
+    backend = fsdp_graph.backend(compiler=compiler, rank_divergent_graphs=flag)
     result = train_compiled_and_compare(
-        MLPStack(num_blocks=4), _shard_blocks, backend, rank, world_size, bitwise=compiler == "aot_eager"
+        MLPStack(num_blocks=4), lambda m: _shard_blocks(m, break_on_rank0), backend, rank, world_size,
+        bitwise=compiler == "aot_eager",
     )
-    return _fallbacks_per_rank(result["fallbacks"])
+    detected = [None] * world_size
+    dist.all_gather_object(detected, bool(AGREEMENT._diverged))
+    return list(zip(_fallbacks_per_rank(result["fallbacks"]), detected))
 
 
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-def test_graph_break_on_one_rank_with_rank_divergent_graphs(compiler):
-    on_rank0, on_rank1 = run_ranks(_graph_break_on_one_rank, 2, compiler)
+@pytest.mark.parametrize(
+    "compiler,flag",
+    [("aot_eager", True), ("inductor", True), ("aot_eager", False)],
+    ids=["aot_eager-flag", "inductor-flag", "aot_eager-detected"],
+)
+def test_graph_break_on_one_rank(compiler, flag):
+    """Rank 0 breaks the graph inside blocks.1, so its root and blocks.1 run on the eager hooks where
+    rank 1 traces one graph of every group. With `rank_divergent_graphs=True` every graph keeps its
+    groups' collectives in program order; without it, the ranks find out while compiling
+    ([Note: Ranks that compile different graphs]). Before that, the ranks put different collectives
+    on the wire and gloo aborted the process."""
+    results = run_ranks(_graph_break_on_one_rank, 2, compiler, flag, True)
+    (on_rank0, _), (on_rank1, detected1) = results
     assert "blocks.1" in on_rank0 and "blocks.1" not in on_rank1, (on_rank0, on_rank1)
+    if not flag:  # rank 1 holds the graph of several groups; rank 0 compiled none to reorder
+        assert detected1, results
+
+
+def test_same_graphs_on_every_rank_keep_the_schedule():
+    """Without a rank-dependent break, both ranks compile the same graph and keep the full schedule."""
+    results = run_ranks(_graph_break_on_one_rank, 2, "aot_eager", False, False)
+    for fallbacks, detected in results:
+        assert not fallbacks and not detected, results

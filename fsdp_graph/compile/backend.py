@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from importlib.metadata import entry_points
 from typing import Any, Callable, Optional
@@ -23,6 +23,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule
 
+from .agreement import AGREEMENT
 from .cache_key import local_shapes, own_sources_digest, stable_cache_keys
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
@@ -93,6 +94,9 @@ class BackendConfig:
             order] in runtime/traced.py): the passes that merge or reorder collectives of several
             groups ("auto_bucket", "reorder_for_overlap") are left out, at the cost of their overlap.
             Graphs of one group each (every expert call a frame of its own) need no such care.
+            False: the ranks compare their graphs while compiling, and a graph of several groups
+            that differs between them gets the same treatment ([Note: Ranks that compile different
+            graphs] in fsdp_graph/compile/agreement.py).
         async_tp_chunks: the row chunks each tensor-parallel matmul -> all-reduce is split into, so
             that each chunk's all-reduce runs behind the next chunk's matmul ("async_tp",
             passes/async_tp.py); 1 leaves them whole, as does disabling "async_tp".
@@ -216,6 +220,11 @@ def _graph_id() -> str:
     return f"frame_{compile_id.frame_id}_{compile_id.frame_compile_id}"
 
 
+def _ranks_of(owners: list) -> list[int]:
+    """The ranks of the meshes the graph's sharded parameters live on."""
+    return sorted({r for o in owners for r in o.mesh_info.ranks})
+
+
 def _sharded_param_of(t: Any):
     """The `ShardedParam` a graph input belongs to: a sharded parameter, or an unsharded one that
     the eager runtime reduces (a group that fell back); None for anything else."""
@@ -262,6 +271,9 @@ class FSDPGraphBackend:
 
     def __call__(self, gm: GraphModule, example_inputs: list) -> Callable:
         owners = _check_sharded(gm, example_inputs)
+        if not self.config.rank_divergent_graphs and AGREEMENT.diverged(gm, _ranks_of(owners)):
+            # [Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py
+            return FSDPGraphBackend(replace(self.config, rank_divergent_graphs=True))(gm, example_inputs)
         graph_id = _graph_id()
         dump = self._dump()
         joint = PassPipeline("joint", self.config.joint_passes(), self.config.disabled_passes, dump)

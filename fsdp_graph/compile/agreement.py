@@ -1,0 +1,120 @@
+"""Ranks compare the graphs they compile, so that a graph break on one rank only never splits the wire.
+
+[Note: Ranks that compile different graphs]
+Dynamo decides per rank what it traces. Python in the forward that depends on the rank, or a graph
+break or recompile limit reached on one rank only, gives one rank a graph holding several groups
+where another runs some of those groups on the eager hooks. The scheduling passes merge and reorder
+collectives of different groups, which the eager hooks cannot match: the two ranks would put
+different collectives on the wire (gloo aborts, NCCL hangs or mixes their bytes). A graph that keeps
+every group's collectives on their own and in program order matches the eager hooks
+([Note: Fallback groups keep the traced order] in runtime/traced.py); that is what
+`rank_divergent_graphs=True` asks for, for every graph.
+
+Without it, each rank tells the other ranks of its mesh (runtime/peer_log.py, through the process
+group's store: the compile runs no collective, which a rank that traced less would never join) of
+every graph it compiles that holds collectives, described by its groups in program order and its
+number of operations, and of every group whose hooks first run eagerly in a compiled call. A graph
+of several groups waits for the others' entry at the same place in that sequence and compares. The
+first time they differ, or another rank writes nothing there within `AGREEMENT_TIMEOUT_S`, the rank
+compiles that graph, and every later one of several groups, as `rank_divergent_graphs` does, and
+logs why. Ranks that compile the same graphs wait only for each other's tracing; a rank that runs
+the groups eagerly, or traces them one by one, is seen at once.
+Graphs of one group wait for nobody: their collectives cannot be reordered across groups (an MoE
+whose ranks recompile its expert frames at different times stays as fast as before).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch.distributed as dist
+from torch.fx import GraphModule
+
+from ..passes.nodes import fsdp_meta
+from ..runtime import peer_log
+from ..runtime.meta import GROUP_KEY
+
+logger = logging.getLogger(__name__)
+
+AGREEMENT_TIMEOUT_S = 60.0  # how long a rank waits for the others' entry for the same graph
+
+
+def graph_groups(gm: GraphModule) -> list[str]:
+    """The groups whose collectives `gm` holds, in the order they first appear."""
+    groups: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        name = fsdp_meta(node, GROUP_KEY)
+        if name:
+            groups[str(name)] = None
+    return list(groups)
+
+
+class GraphAgreement:
+    """Per process: the sets of ranks that were seen to diverge (after which every later graph of
+    several groups keeps program order without asking)."""
+
+    def __init__(self) -> None:
+        self._diverged: set[tuple[int, ...]] = set()
+
+    def diverged(self, gm: GraphModule, ranks: Sequence[int], timeout_s: float = AGREEMENT_TIMEOUT_S) -> bool:
+        """Whether this graph must keep every group's collectives in program order; tells the other
+        ranks about it either way."""
+        groups = graph_groups(gm)
+        ranks = tuple(sorted(ranks))
+        if not groups:
+            return False
+        entry = f"graph:{'|'.join(groups)}#{sum(1 for n in gm.graph.nodes if n.op == 'call_function')}"
+        index = peer_log.tell(ranks, entry)
+        if index is None or len(groups) < 2:  # one group's order needs no agreement
+            return False
+        if ranks in self._diverged:
+            if dist.get_rank() == ranks[0]:
+                peer_log.decide(ranks, index, "the ranks diverged before")
+            return True
+        # The lowest rank compares every rank's entry with its own and writes the verdict; the others
+        # compare theirs with the lowest rank's (so a rank that differs from it needs no verdict) and
+        # read the verdict: about 4 store operations per rank, not one per pair of ranks.
+        leader = ranks[0]
+        if dist.get_rank() == leader:
+            why = ""
+            for other in ranks[1:]:
+                why = _differs(ranks, index, other, entry, timeout_s)
+                if why:
+                    break
+            peer_log.decide(ranks, index, why)
+        else:
+            why = _differs(ranks, index, leader, entry, timeout_s)
+            if not why:
+                verdict = peer_log.read(ranks, index, "verdict", 2 * timeout_s)
+                why = f"rank {leader} decided nothing at #{index} within {2 * timeout_s:.0f} s" if verdict is None else verdict
+        return self._diverge(ranks, why) if why else False
+
+    def _diverge(self, ranks: tuple[int, ...], why: str) -> bool:
+        self._diverged.add(ranks)
+        logger.warning(
+            "fsdp_graph: the ranks compiled different graphs (%s); from here on, graphs of several groups "
+            "keep each group's collectives in program order, as with fsdp_graph.backend(rank_divergent_graphs=True) "
+            "([Note: Ranks that compile different graphs])", why)
+        return True
+
+
+def _differs(ranks: tuple[int, ...], index: int, other: int, entry: str, timeout_s: float) -> str:
+    """Why rank `other`'s entry `index` is not `entry`; "" if it is the same."""
+    theirs = peer_log.read(ranks, index, other, timeout_s)
+    if theirs is None:
+        return f"rank {other} told of nothing at #{index} within {timeout_s:.0f} s"
+    if theirs != entry:
+        return f"at #{index} rank {other} has {_describe(theirs)}, rank {dist.get_rank()} {_describe(entry)}"
+    return ""
+
+
+def _describe(entry: str) -> str:
+    kind, _, what = entry.partition(":")
+    if kind == "eager":
+        return f"group {what} on the eager hooks"
+    groups, _, ops = what.rpartition("#")
+    return f"a graph of groups {groups.replace('|', ', ')} ({ops} operations)"
+
+
+AGREEMENT = GraphAgreement()  # one per process: every backend's graphs count in the same sequence
