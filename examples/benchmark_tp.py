@@ -19,7 +19,8 @@ on the fake process group of 64 ranks with meta tensors, schedules it with the b
 simulates a step: TP's collectives on `h100-nvlink` (inside a node), FSDP's on `h100-infiniband`
 (across nodes), each on its own stream. The backward graph recomputes each block's forward (its
 all-gather and TP all-reduces included), and the simulator counts that time. Rows: unscheduled, the
-scheduling passes without async TP, and with it (`--predict-chunks` row chunks). Each prints the
+scheduling passes without async TP (nor `overlap_tp_all_reduces`), and with all of them (`--predict-chunks`
+row chunks). Each prints the
 step, the exposed communication with FSDP's and TP's shares, and the peak of one rank: fp32
 parameter shards, gradients and AdamW moments, plus the larger of the forward's peak and the
 backward's (saved block inputs counted until their last use).
@@ -194,7 +195,7 @@ def predict_70b(args) -> None:
             return {kind: pipeline(copy.deepcopy(gm), kind) for kind, gm in graphs.items()}
 
         rows = (("unscheduled", lambda: graphs),
-                ("fsdp_graph, async TP off", lambda: scheduled({"async_tp"})),
+                ("fsdp_graph, async TP off", lambda: scheduled({"async_tp", "overlap_tp_all_reduces"})),
                 (f"fsdp_graph, async TP {args.predict_chunks} chunks", lambda: scheduled(set())))
         table = []
         for name, schedule in rows[-1:] if args.predict_async_only else rows:
