@@ -19,8 +19,8 @@ on the fake process group of 64 ranks with meta tensors, schedules it with the b
 simulates a step: TP's collectives on `h100-nvlink` (inside a node), FSDP's on `h100-infiniband`
 (across nodes), each on its own stream. The backward graph recomputes each block's forward (its
 all-gather and TP all-reduces included), and the simulator counts that time. Rows: unscheduled, the
-scheduling passes without async TP (nor `overlap_tp_all_reduces`), and with all of them (`--predict-chunks`
-row chunks). Each prints the
+scheduling passes without async TP, with it (`--predict-chunks` row chunks), and with
+`overlap_tp_all_reduces` too. Each prints the
 step, the exposed communication with FSDP's and TP's shares, and the peak of one rank: fp32
 parameter shards, gradients and AdamW moments, plus the larger of the forward's peak and the
 backward's (saved block inputs counted until their last use).
@@ -69,7 +69,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--predict-seq-len", type=int, default=8192, help="tokens per sequence in the prediction")
     parser.add_argument("--predict-layers", type=int, default=80, help="blocks in the prediction (fewer: a quick dry run)")
     parser.add_argument("--predict-chunks", type=int, default=8, help="async TP: row chunks per matmul -> all-reduce")
-    parser.add_argument("--predict-async-only", action="store_true", help="only the async TP row (skips the slower baselines)")
+    parser.add_argument("--predict-async-only", action="store_true", help="only the last row, all passes (skips the slower baselines)")
     parser.add_argument("--predict-no-checkpoint", action="store_true", help="predict without activation checkpointing")
     return parser.parse_args()
 
@@ -196,7 +196,8 @@ def predict_70b(args) -> None:
 
         rows = (("unscheduled", lambda: graphs),
                 ("fsdp_graph, async TP off", lambda: scheduled({"async_tp", "overlap_tp_all_reduces"})),
-                (f"fsdp_graph, async TP {args.predict_chunks} chunks", lambda: scheduled(set())))
+                (f"fsdp_graph, async TP {args.predict_chunks} chunks", lambda: scheduled({"overlap_tp_all_reduces"})),
+                (f"fsdp_graph, async TP {args.predict_chunks} chunks + overlap_tp_all_reduces", lambda: scheduled(set())))
         table = []
         for name, schedule in rows[-1:] if args.predict_async_only else rows:
             start = time.perf_counter()
