@@ -19,11 +19,11 @@ taken again by the group after it.
 Assumes: forward or backward graphs after `async_tp` and `reorder_for_overlap`. Guarantees: only
 the order changes; every node keeps its inputs before it (x(j) are not ancestors of the group, so no
 producer of it moves below it). The walk back stops at a collective the group depends on, at a wait
-the group depends on unless it is an FSDP all-gather's (moving that wait earlier can only expose the
-all-gather, which the simulator counts), at another tp collective's issue (moving it later would
-reorder the tp stream), at placeholders and at ops that mutate an input. An FSDP reduce-scatter the
-group does not need may move below it (issued a few milliseconds later, on its own stream); an
-all-gather only where the computation from the group to its wait still covers it. Moved nodes carry `PASS_META =
+the group depends on unless it is an FSDP all-gather's that the computation left between the
+all-gather and its wait still covers, at another tp collective's issue (moving it later would
+reorder the tp stream), at placeholders and at ops that mutate an input. An FSDP all-gather or
+reduce-scatter the group does not need may move below it (issued later, on its own stream) where the
+computation from the group to its wait still covers it. Moved nodes carry `PASS_META =
 "overlap_tp_all_reduces"`.
 """
 
@@ -37,7 +37,7 @@ from torch.fx import GraphModule, Node
 
 from .async_tp import is_tp_all_reduce
 from .cost_model import CostModel, op_facts
-from .nodes import ASYNC_TP_META, PASS_META, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_reduce_scatter, is_wait_tensor, wait_of
+from .nodes import ASYNC_TP_META, PASS_META, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_wait_tensor, wait_of
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +63,9 @@ def _mutates(node: Node) -> bool:
     return schema is not None and schema.is_mutable
 
 
-def _still_hidden(all_gather: Node, anchor: Node, cost_model: CostModel) -> bool:
-    """Would `all_gather`, issued right after `anchor`, still end before its wait (compute only)?"""
-    wait, budget_s = wait_of(all_gather), cost_model.seconds(op_facts(all_gather))
+def _still_hidden(collective: Node, anchor: Node, cost_model: CostModel) -> bool:
+    """Would `collective`, issued right after `anchor`, still end before its wait (compute only)?"""
+    wait, budget_s = wait_of(collective), cost_model.seconds(op_facts(collective))
     node, compute_s = anchor.next, 0.0
     while wait is not None and node is not wait and node.op != "output" and compute_s < budget_s:
         facts = op_facts(node)
@@ -79,12 +79,20 @@ def _movable(node: Node, anchor: Node, cost_model: CostModel) -> bool:
     if node.op != "call_function" or _mutates(node):
         return False
     if is_collective(node):
-        # A reduce-scatter may issue a little later, on its own stream. An all-gather is a prefetch:
-        # only while it would still end before its wait.
-        if is_reduce_scatter(node):
-            return is_fsdp_collective(node)
-        return is_fsdp_collective(node) and is_all_gather(node) and _still_hidden(node, anchor, cost_model)
+        # An FSDP all-gather or reduce-scatter may issue later, on its own stream, while it would
+        # still end before its wait; another tp collective may not overtake (one tp stream).
+        return is_fsdp_collective(node) and _still_hidden(node, anchor, cost_model)
     return isinstance(node.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) or node.target is operator.getitem
+
+
+def _compute_s(start: Node, end: Node, cost_model: CostModel) -> float:
+    """Compute time of the nodes strictly between `start` and `end`."""
+    total, node = 0.0, start.next
+    while node is not end and node.op != "output":
+        facts = op_facts(node)
+        total += cost_model.seconds(facts) if facts.collective is None else 0.0
+        node = node.next
+    return total
 
 
 def _overlap(group: list[Node], cost_model: CostModel) -> int:
@@ -94,6 +102,8 @@ def _overlap(group: list[Node], cost_model: CostModel) -> int:
     cone: set[Node] = set(group)
     needed: set[Node] = {a for n in group for a in n.all_input_nodes}
     moved: list[Node] = []  # latest first
+    # All-gathers the group waits for, with the compute that may still leave from under them: [issue, slack_s].
+    gathers: list[list] = []
     hidden_s, before_first = 0.0, False
     node = anchor.prev
     while node.op != "root":
@@ -104,8 +114,14 @@ def _overlap(group: list[Node], cost_model: CostModel) -> int:
         elif node in needed:
             if node.op == "placeholder" or is_collective(node) or _mutates(node):
                 break
-            if is_wait_tensor(node) and not is_all_gather(collective_of(node)):
-                break
+            if is_wait_tensor(node):
+                gather = collective_of(node)
+                if not is_all_gather(gather):
+                    break
+                slack_s = _compute_s(gather, node, cost_model) - cost_model.seconds(op_facts(gather))
+                if slack_s <= 0:
+                    break
+                gathers.append([gather, slack_s])
             cone.add(node)
             needed.update(node.all_input_nodes)
         else:
@@ -113,11 +129,16 @@ def _overlap(group: list[Node], cost_model: CostModel) -> int:
                 break
             if not _movable(node, anchor, cost_model) or (is_wait_tensor(node) and collective_of(node) in needed):
                 break
-            moved.append(node)
             facts = op_facts(node)
-            if facts.collective is None:
-                hidden_s += cost_model.seconds(facts)
+            seconds = cost_model.seconds(facts) if facts.collective is None else 0.0
+            if any(slack_s < seconds for _, slack_s in gathers):  # it would leave an all-gather exposed
+                break
+            for entry in gathers:
+                entry[1] -= seconds
+            moved.append(node)
+            hidden_s += seconds
         node = node.prev
+        gathers = [entry for entry in gathers if entry[0] is not node]  # walked past its issue
     for node in moved:
         anchor.append(node)
         node.meta[PASS_META] = PASS_NAME

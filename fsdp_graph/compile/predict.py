@@ -98,7 +98,7 @@ def capture_graphs(
                            keep_inference_input_mutations=True)
     torch._dynamo.reset()
     with capturing_graphs(model):
-        loss(torch.compile(model, backend=backend, fullgraph=True)(*args)).backward()
+        loss(torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(*args)).backward()
     torch._dynamo.reset()
     return graphs
 
