@@ -19,11 +19,13 @@ on the fake process group of 64 ranks with meta tensors, schedules it with the b
 simulates a step: TP's collectives on `h100-nvlink` (inside a node), FSDP's on `h100-infiniband`
 (across nodes), each on its own stream. The backward graph recomputes each block's forward (its
 all-gather and TP all-reduces included), and the simulator counts that time. Rows: unscheduled, the
-scheduling passes without async TP, and with it (`--predict-chunks` row chunks). Each prints the
+scheduling passes without async TP, with it (`--predict-chunks` row chunks), and with
+`overlap_tp_all_reduces` too. Each prints the
 step, the exposed communication with FSDP's and TP's shares, and the peak of one rank: fp32
 parameter shards, gradients and AdamW moments, plus the larger of the forward's peak and the
 backward's (saved block inputs counted until their last use).
     python examples/benchmark_tp.py --predict-70b --predict-layers 4    # a dry run in about a minute
+    python examples/benchmark_tp.py --predict-70b --markdown tp70b.md     # table for docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -66,16 +69,32 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--predict-seq-len", type=int, default=8192, help="tokens per sequence in the prediction")
     parser.add_argument("--predict-layers", type=int, default=80, help="blocks in the prediction (fewer: a quick dry run)")
     parser.add_argument("--predict-chunks", type=int, default=8, help="async TP: row chunks per matmul -> all-reduce")
-    parser.add_argument("--predict-async-only", action="store_true", help="only the async TP row (skips the slower baselines)")
+    parser.add_argument("--predict-async-only", action="store_true", help="only the last row, all passes (skips the slower baselines)")
     parser.add_argument("--predict-no-checkpoint", action="store_true", help="predict without activation checkpointing")
     return parser.parse_args()
 
 
-def parallelize_llama(llama: Llama, mesh, fully_shard, **kwargs) -> Llama:
-    """Tensor parallel over mesh["tp"] per block, then fully_shard over mesh["dp"], blocks first."""
+# Vocabulary-parallel embedding and output head, as torchtitan's Llama 3 plan: the embedding's rows
+# (tokens) and the head's columns (logits) split over tp. The head's output stays sharded by vocabulary
+# (`loss_parallel` computes the cross-entropy on those shards with [batch, seq]-sized all-reduces).
+ROOT_PLAN = {
+    "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+    "output": ColwiseParallel(output_layouts=Shard(-1)),
+}
+
+
+def parallelize_llama(llama: Llama, mesh, fully_shard, vocab_parallel: bool = False, **kwargs) -> Llama:
+    """Tensor parallel over mesh["tp"] per block (and with `vocab_parallel` on the embedding and
+    output head, `ROOT_PLAN`), then fully_shard over mesh["dp"]: blocks first; with `vocab_parallel`
+    the embedding and [norm, output] as groups of their own, so that the head's all-gather can be
+    prefetched and its reduce-scatter overlaps the backward (torchtitan's grouping)."""
     for block in llama.layers:
         parallelize_module(block, mesh["tp"], BLOCK_PLAN)
         fully_shard(block, mesh=mesh["dp"], **kwargs)
+    if vocab_parallel:
+        parallelize_module(llama, mesh["tp"], ROOT_PLAN)
+        fully_shard(llama.tok_embeddings, mesh=mesh["dp"], **kwargs)
+        fully_shard([llama.norm, llama.output], mesh=mesh["dp"], **kwargs)
     return fully_shard(llama, mesh=mesh["dp"], **kwargs)
 
 
@@ -149,24 +168,26 @@ def predict_70b(args) -> None:
 
     cost_model = CostModel("h100-infiniband", links={"tp": "h100-nvlink"})
     cfg = LlamaConfig(vocab_size=128256, dim=8192, num_layers=args.predict_layers, num_heads=64, num_kv_heads=8,
-                      hidden_dim=28672, max_seq_len=args.predict_seq_len, checkpoint_blocks=not args.predict_no_checkpoint)
+                      hidden_dim=28672, max_seq_len=args.predict_seq_len, checkpoint_blocks=not args.predict_no_checkpoint,
+                      flash_attention=True)
     with fake_world(64):
         mesh = init_device_mesh("cpu", (8, 8), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
             model = Llama(cfg)
         num_params = sum(p.numel() for p in model.parameters())
         policy = fsdp_graph.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        parallelize_llama(model, mesh, fsdp_graph.fully_shard, mp_policy=policy)
+        parallelize_llama(model, mesh, fsdp_graph.fully_shard, vocab_parallel=True, mp_policy=policy)
         # Lives through the step outside the graphs: fp32 parameter shards, their gradients, AdamW's two moments.
         resident = 4 * sum(p.to_local().numel() for p in model.parameters()) * 4
         start = time.perf_counter()
         tokens = torch.randint(0, cfg.vocab_size, (args.predict_batch, args.predict_seq_len), device="meta")
         graphs = capture_graphs(model, tokens)
         ac = "no activation checkpointing" if args.predict_no_checkpoint else "activation checkpointing per block"
-        print(f"Llama-3-70B shape, {cfg.num_layers} layers ({num_params / 1e9:.2f}B params), FSDP 8 x TP 8 (64 ranks), "
-              f"{args.predict_batch}x{args.predict_seq_len} tokens per dp rank, bf16 params, fp32 reduce, {ac}, "
-              f"traced in {time.perf_counter() - start:.0f} s; {cost_model}; resident per rank (fp32 shards, "
-              f"gradients, AdamW moments) {resident / 2**30:.2f} GiB")
+        setup = (f"Llama-3-70B shape, {cfg.num_layers} layers ({num_params / 1e9:.2f}B params), FSDP 8 x TP 8 (64 ranks, "
+                 f"vocabulary-parallel embedding and head), {args.predict_batch}x{args.predict_seq_len} tokens per dp rank, "
+                 f"bf16 params, fp32 reduce, flash attention, {ac}; {cost_model}; resident per rank (fp32 shards, "
+                 f"gradients, AdamW moments) {resident / 2**30:.2f} GiB")
+        print(f"{setup}; traced in {time.perf_counter() - start:.0f} s")
 
         def scheduled(disabled):
             passes = scheduling_passes(cost_model, 1 << 30, None, None, None, args.predict_chunks)
@@ -174,8 +195,10 @@ def predict_70b(args) -> None:
             return {kind: pipeline(copy.deepcopy(gm), kind) for kind, gm in graphs.items()}
 
         rows = (("unscheduled", lambda: graphs),
-                ("fsdp_graph, async TP off", lambda: scheduled({"async_tp"})),
-                (f"fsdp_graph, async TP {args.predict_chunks} chunks", lambda: scheduled(set())))
+                ("fsdp_graph, async TP off", lambda: scheduled({"async_tp", "overlap_tp_all_reduces"})),
+                (f"fsdp_graph, async TP {args.predict_chunks} chunks", lambda: scheduled({"overlap_tp_all_reduces"})),
+                (f"fsdp_graph, async TP {args.predict_chunks} chunks + overlap_tp_all_reduces", lambda: scheduled(set())))
+        table = []
         for name, schedule in rows[-1:] if args.predict_async_only else rows:
             start = time.perf_counter()
             step = predict_step(schedule(), cost_model, resident)
@@ -189,6 +212,14 @@ def predict_70b(args) -> None:
                   f"{100 * step.share():.2f}% of the step ({shares}); peak {step.peak_bytes / 2**30:.2f} GiB per rank "
                   f"({step.peak_graph}){' > 80 GiB' if step.peak_bytes > 80 * 2**30 else ''}; {per} "
                   f"[{time.perf_counter() - start:.0f} s]")
+            table.append([name, f"{step.step_s * 1e3:.1f}", f"{step.exposed_s * 1e3:.1f} ms = {100 * step.share():.2f}%",
+                          f"{100 * step.share('fsdp'):.2f}%", f"{100 * step.share('tp'):.2f}%",
+                          f"{step.num_collectives.get('tp', 0)} ({100 * (1 - step.exposed_s_by['tp'] / step.comm_s['tp']):.0f}%)",
+                          f"{step.peak_bytes / 2**30:.2f} GiB ({step.peak_graph})"])
+    if args.markdown:
+        header = ["schedule", "step ms", "exposed communication", "FSDP's share", "TP's share",
+                  "TP collectives (hidden)", "peak per rank"]
+        print(f"markdown: {write_markdown(args.markdown, 'Predicted, Llama-3-70B shape, FSDP 8 x TP 8', [(setup + '.', header, table)])}")
 
 
 if __name__ == "__main__":

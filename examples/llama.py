@@ -25,6 +25,11 @@ class LlamaConfig:
     num_kv_heads: key/value heads (grouped-query attention, as Llama 3); None: num_heads.
     checkpoint_blocks: activation checkpointing per block (`torch.utils.checkpoint`): forward keeps
         only each block's input, backward runs the block's forward again.
+    flash_attention: call torch's flash attention op (`aten._scaled_dot_product_flash_attention`)
+        instead of `F.scaled_dot_product_attention`, for predictions traced on the meta device: there
+        SDPA always takes the math path and holds [batch, heads, seq, seq] scores that a GPU's flash
+        kernel never materializes (it saves the output and the logsumexp). The op exists for CUDA
+        and meta tensors only; on CPU leave this off (SDPA picks a CPU flash kernel itself).
     """
 
     vocab_size: int = 256
@@ -35,6 +40,7 @@ class LlamaConfig:
     max_seq_len: int = 128
     num_kv_heads: int | None = None
     checkpoint_blocks: bool = False
+    flash_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads:
@@ -68,6 +74,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
+        self.flash_attention = cfg.flash_attention
         kv_dim = cfg.dim // cfg.num_heads * (cfg.num_kv_heads or cfg.num_heads)
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
@@ -81,7 +88,10 @@ class Attention(nn.Module):
         q = _rotate(self.wq(x).view(shape), cos, sin).transpose(1, 2)
         k = _rotate(self.wk(x).view(shape), cos, sin).transpose(1, 2)
         v = self.wv(x).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        if self.flash_attention:  # key/value heads stay grouped: the kernel reads them per query group
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

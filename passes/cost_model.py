@@ -124,21 +124,36 @@ def is_view(node: Node) -> bool:
     return len(returns) == 1 and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
+def _unwrap_rng(node: Node) -> tuple[Any, tuple, Any]:
+    """(op, its arguments, its output value) of `node`, looking through the RNG-state wrappers that
+    the partitioner puts around a random op (flash attention counts as one: it can drop out) which
+    activation checkpointing recomputes: `run_and_save_rng_state(op, *args)` -> (state, out) in
+    forward, `run_with_rng_state(state, op, *args)` -> out in backward."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    val = node.meta.get("val")
+    if node.target is run_and_save_rng_state:
+        return node.args[0], node.args[1:], val[1] if isinstance(val, (tuple, list)) else val
+    if node.target is run_with_rng_state:
+        return node.args[1], node.args[2:], val
+    return node.target, node.args, val
+
+
 def _flops(node: Node) -> tuple[int, int]:
     """(FLOPs, element size of the first input) from torch's FLOP formulas; (0, 4) if it has none."""
     from torch.utils.flop_counter import flop_registry
 
-    target = node.target
+    target, node_args, out_val = _unwrap_rng(node)
     packet = getattr(target, "overloadpacket", None)
     formula = flop_registry.get(packet) if packet is not None else None
     if formula is None:
         return 0, 4
     to_val = lambda a: a.meta.get("val") if isinstance(a, Node) else a  # noqa: E731
-    args = pytree.tree_map(to_val, node.args)
+    args = pytree.tree_map(to_val, node_args)
     kwargs = pytree.tree_map(to_val, node.kwargs)
     first = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
     try:
-        flops = int(formula(*args, out_val=node.meta.get("val"), **kwargs))
+        flops = int(formula(*args, out_val=out_val, **kwargs))
     except Exception:  # a formula that cannot read these (symbolic) shapes: treat as memory-bound
         return 0, 4
     return flops, (first.element_size() if first is not None else 4)

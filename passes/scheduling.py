@@ -7,6 +7,8 @@
     bucket_by_group      one bucket per fully_shard group (the eager runtime's plan)
     auto_bucket          merge latency-bound buckets, split ones over the cap
     reorder_for_overlap  prefetch all-gathers, issue reduce-scatters early and wait late
+    overlap_tp_all_reduces  computation a tp all-reduce does not need moved below it, to run under it
+                         (passes/tp_overlap.py)
     pin_order            (Inductor only, `PIN_ORDER`, run after the others and after the program
                          for the inspector is written) control dependencies so Inductor keeps that order
 
@@ -23,8 +25,9 @@ from .bucketing import auto_bucket, bucket_by_group
 from .cost_model import CostModel
 from .pipeline import GraphPass
 from .reorder import pin_order, reorder_for_overlap
+from .tp_overlap import overlap_tp_all_reduces
 
-SCHEDULING_PASS_NAMES = ("merge_tp_all_reduces", "async_tp", "bucket_by_group", "auto_bucket", "reorder_for_overlap", "pin_order")
+SCHEDULING_PASS_NAMES = ("merge_tp_all_reduces", "async_tp", "bucket_by_group", "auto_bucket", "reorder_for_overlap", "overlap_tp_all_reduces", "pin_order")
 # The passes that merge or reorder collectives of different groups: a rank that runs one of those
 # groups on the eager hooks would put other collectives on the wire (backend `rank_divergent_graphs`).
 CROSS_GROUP_PASS_NAMES = ("auto_bucket", "reorder_for_overlap")
@@ -55,4 +58,5 @@ def scheduling_passes(
                 max_collectives_in_flight=max_collectives_in_flight,
             ),
         ),
+        GraphPass("overlap_tp_all_reduces", functools.partial(overlap_tp_all_reduces, cost_model=cost_model)),
     ]

@@ -48,3 +48,130 @@ def test_fake_world_refuses_a_second_process_group():
         with pytest.raises(ValueError, match="destroy_process_group"):
             with fake_world(4):
                 pass
+
+
+# -- flash attention on meta (examples/llama.py `flash_attention`, see [Note: Flash attention on meta]) --
+
+BATCH, SEQ, HEADS, KV_HEADS, DIM, LAYERS = 2, 32, 4, 2, 64, 2
+
+
+def _capture_llama(flash_attention: bool, world: int = 4) -> dict:
+    from _models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, dim=DIM, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                      hidden_dim=96, max_seq_len=SEQ, checkpoint_blocks=True, flash_attention=flash_attention)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    with fake_world(world):
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        return capture_graphs(model, torch.randint(0, 64, (BATCH, SEQ), device="meta"))
+
+
+def _flops(graphs: dict) -> int:
+    from fsdp_graph.passes.cost_model import op_facts
+
+    return sum(op_facts(n).flops for gm in graphs.values() for n in gm.graph.nodes)
+
+
+def _holds_scores(graphs: dict) -> bool:
+    """Any tensor shaped like attention scores, [batch, heads, seq, seq] (or their [batch*heads, seq, seq] view)?"""
+    shapes = {(BATCH, HEADS, SEQ, SEQ), (BATCH * HEADS, SEQ, SEQ)}
+    vals = [n.meta.get("val") for gm in graphs.values() for n in gm.graph.nodes]
+    # (the RNG states' fake tensors have a symbolic size; nothing else does)
+    return any(isinstance(v, torch.Tensor) and all(type(d) is int for d in v.shape) and tuple(v.shape) in shapes
+               for v in vals)
+
+
+def test_flash_attention_trace_holds_no_scores_and_counts_the_same_matmuls():
+    """Checkpointed blocks, so the flash op is also recomputed (inside the partitioner's RNG-state
+    wrappers). The math path's FLOPs are its batched matmuls (torch's bmm formula): per block, the
+    forward's QK^T and PV twice (forward, recompute) and four in backward. Flash attention's backward
+    also recomputes QK^T: one bmm more per block, 2 * b * h * s * s * d."""
+    math, flash = _capture_llama(False), _capture_llama(True)
+    assert _holds_scores(math) and not _holds_scores(flash)
+    head_dim = DIM // HEADS
+    assert _flops(flash) - _flops(math) == LAYERS * 2 * BATCH * HEADS * SEQ * SEQ * head_dim
+    targets = {str(n.target) for gm in flash.values() for n in gm.graph.nodes}
+    assert "run_and_save_rng_state" in targets and "run_with_rng_state" in targets  # the wrapped recompute
+
+
+def test_flash_attention_is_off_for_real_tensors():
+    """The default keeps F.scaled_dot_product_attention, so CPU training keeps its numbers."""
+    from _models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=DIM, num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS, hidden_dim=96, max_seq_len=SEQ)
+    model = Llama(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
+    attention = model.layers[0].attention
+    x = model.layers[0].attention_norm(model.tok_embeddings(tokens))
+    cos, sin = model.rope_cos[:SEQ, None, :], model.rope_sin[:SEQ, None, :]
+    q = torch.nn.functional.linear(x, attention.wq.weight).view(BATCH, SEQ, HEADS, -1)
+    k = torch.nn.functional.linear(x, attention.wk.weight).view(BATCH, SEQ, KV_HEADS, -1)
+    v = torch.nn.functional.linear(x, attention.wv.weight).view(BATCH, SEQ, KV_HEADS, -1)
+    from llama import _rotate
+
+    q, k, v = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+    k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    scores = (q @ k.transpose(-1, -2) / (DIM // HEADS) ** 0.5).masked_fill(~mask, float("-inf"))
+    expected = attention.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(BATCH, SEQ, -1))
+    torch.testing.assert_close(attention(x, cos, sin), expected)
+
+
+# -- overlap_tp_all_reduces (passes/tp_overlap.py) ------------------------------------------------------
+
+
+def _schedule(graphs: dict, disabled: frozenset) -> dict:
+    import copy
+
+    from fsdp_graph.passes.cost_model import CostModel
+    from fsdp_graph.passes.pipeline import PassPipeline
+    from fsdp_graph.passes.scheduling import scheduling_passes
+
+    passes = scheduling_passes(CostModel("h100-infiniband", links={"tp": "h100-nvlink"}), 1 << 30, None, None, None, 4)
+    pipeline = PassPipeline("schedule", passes, disabled, None)
+    return {kind: pipeline(copy.deepcopy(gm), kind) for kind, gm in graphs.items()}
+
+
+def test_overlap_tp_all_reduces_moves_only_independent_work_and_hides_tp_time():
+    """FSDP 2 x TP 2 on meta, a Llama with checkpointed blocks as the 70B prediction builds it: the
+    pass keeps every node, every node after its inputs, the order of each stream's collectives, and
+    it moves work under the backward's TP all-reduces (the simulator, with a fixed cost model, sees
+    less exposed TP time and no more exposed FSDP time)."""
+    from benchmark_tp import parallelize_llama
+    from fsdp_graph.passes.cost_model import CostModel
+    from fsdp_graph.passes.nodes import PASS_META, is_collective, parallelism_of
+    from fsdp_graph.passes.simulator import simulate
+    from _models import Llama, LlamaConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = LlamaConfig(vocab_size=512, dim=256, num_layers=3, num_heads=4, num_kv_heads=2, hidden_dim=512,
+                      max_seq_len=256, checkpoint_blocks=True, flash_attention=True)
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            model = Llama(cfg)
+        parallelize_llama(model, mesh, fully_shard, vocab_parallel=True)
+        graphs = capture_graphs(model, torch.randint(0, 512, (2, 256), device="meta"))
+        without = _schedule(graphs, frozenset({"overlap_tp_all_reduces"}))["backward"]
+        with_pass = _schedule(graphs, frozenset())["backward"]
+        cost_model = CostModel("h100-infiniband", links={"tp": "h100-nvlink"})
+        sims = {name: simulate(gm, cost_model) for name, gm in (("without", without), ("with", with_pass))}
+    order = list(with_pass.graph.nodes)
+    position = {n: i for i, n in enumerate(order)}
+    assert sorted(n.name for n in order) == sorted(n.name for n in without.graph.nodes)
+    assert all(position[a] < position[n] for n in order for a in n.all_input_nodes)
+    for stream in ("fsdp", "tp"):
+        issued = [[n.name for n in gm.graph.nodes if is_collective(n) and parallelism_of(n) == stream]
+                  for gm in (without, with_pass)]
+        assert issued[0] == issued[1], stream
+    assert any(n.meta.get(PASS_META) == "overlap_tp_all_reduces" for n in order)
+
+    def exposed(sim, stream):
+        return sum(c.exposed_s for c in sim.collectives if c.parallelism == stream)
+
+    assert exposed(sims["with"], "tp") < exposed(sims["without"], "tp")
+    assert exposed(sims["with"], "fsdp") <= exposed(sims["without"], "fsdp") + 1e-9

@@ -71,7 +71,7 @@ class BackendConfig:
             numbers with and without one. Skipping "reshard_after_forward" keeps every group's
             unsharded parameters from forward to backward. The scheduling passes of the forward and
             backward graphs (passes/scheduling.py) are "merge_tp_all_reduces", "async_tp", "bucket_by_group",
-            "auto_bucket", "reorder_for_overlap" and "pin_order".
+            "auto_bucket", "reorder_for_overlap", "overlap_tp_all_reduces" and "pin_order".
         hardware_profile: the cost model's machine: a name ("h100-nvlink", "h100-infiniband",
             "cpu-gloo") or a `HardwareProfile` (e.g. from `passes.cost_model.calibrate`). None:
             "h100-nvlink" when CUDA is available, else "cpu-gloo".

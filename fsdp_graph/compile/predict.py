@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.fx import GraphModule
 
 from .backend import BackendConfig
@@ -53,6 +54,23 @@ def fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+class _MetaRunner(torch.fx.Interpreter):
+    """Runs a captured graph, also on meta tensors. The RNG-state wrappers the partitioner puts around
+    a random op that activation checkpointing recomputes (flash attention counts as one) have no meta
+    kernel: on meta, the op runs unwrapped and an empty tensor stands for the state."""
+
+    def call_function(self, target, args, kwargs):
+        if target is run_and_save_rng_state and _on_meta(args):
+            return torch.empty(0, dtype=torch.uint8, device="meta"), args[0](*args[1:], **kwargs)
+        if target is run_with_rng_state and _on_meta(args[2:]):
+            return args[1](*args[2:], **kwargs)
+        return super().call_function(target, args, kwargs)
+
+
+def _on_meta(args) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in torch.utils._pytree.tree_leaves(args))
+
+
 def capture_graphs(
     model: torch.nn.Module,
     *args: Any,
@@ -72,7 +90,7 @@ def capture_graphs(
     def keep(kind: str):
         def compile_graph(gm: GraphModule, _inputs):
             graphs[kind] = gm
-            return make_boxed_func(gm.forward)
+            return make_boxed_func(lambda *args: _MetaRunner(gm).run(*args))
 
         return compile_graph
 
@@ -80,7 +98,7 @@ def capture_graphs(
                            keep_inference_input_mutations=True)
     torch._dynamo.reset()
     with capturing_graphs(model):
-        loss(torch.compile(model, backend=backend, fullgraph=True)(*args)).backward()
+        loss(torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(*args)).backward()
     torch._dynamo.reset()
     return graphs
 
