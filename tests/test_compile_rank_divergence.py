@@ -134,3 +134,40 @@ def test_same_graphs_on_every_rank_keep_the_schedule():
     results = run_ranks(_graph_break_on_one_rank, 2, "aot_eager", False, False)
     for fallbacks, detected in results:
         assert not fallbacks and not detected, results
+
+
+def _batches_of_other_sizes(rank, world_size):
+    import copy
+
+    from fsdp_graph.compile import agreement
+
+    torch.manual_seed(0)
+    reference = MLPStack(num_blocks=3)
+    model = _shard_blocks(copy.deepcopy(reference), break_on_rank0=False)
+    decisions = []
+    diverged = agreement.AGREEMENT.diverged
+    agreement.AGREEMENT.diverged = lambda *a, **k: decisions.append(diverged(*a, **k)) or decisions[-1]
+    compiled = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager"))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        xs = [torch.randn(4 + 3 * r, 13, generator=gen) for r in range(world_size)]  # rank r: 4 + 3r rows
+        # FSDP averages the ranks' gradients: the reference's loss is the mean of the ranks' losses.
+        sum(reference(x).pow(2).mean() for x in xs).div(world_size).backward()
+        compiled(xs[rank]).pow(2).mean().backward()
+        for name, p in model.named_parameters():
+            ref_grad = dict(reference.named_parameters())[name].grad
+            torch.testing.assert_close(p.grad.full_tensor(), ref_grad, rtol=1e-5, atol=1e-6, msg=name)
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+    return decisions, bool(agreement.AGREEMENT._diverged)
+
+
+def test_same_graph_on_inputs_of_other_shapes_keeps_program_order():
+    """Each rank's own batch size: the same graph, scheduled with other costs on each rank. That one
+    graph keeps program order on both ([Note: Ranks that compile different graphs]), and the ranks
+    still count as compiling the same graphs."""
+    decisions, diverged = run_ranks(_batches_of_other_sizes, 2)
+    assert decisions == [True] and not diverged, (decisions, diverged)

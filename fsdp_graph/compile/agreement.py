@@ -19,6 +19,10 @@ first time they differ, or another rank writes nothing there within `AGREEMENT_T
 compiles that graph, and every later one of several groups, as `rank_divergent_graphs` does, and
 logs why. Ranks that compile the same graphs wait only for each other's tracing; a rank that runs
 the groups eagerly, or traces them one by one, is seen at once.
+The same graph on inputs of other shapes (each rank's own sequence length, or its own value of a
+dynamic size) is scheduled with other costs, which may order its collectives differently; the
+entry carries the shapes of the inputs other than parameters, and such a graph alone keeps program
+order (the sequences still line up, so later graphs are compared again).
 Graphs of one group wait for nobody: their collectives cannot be reordered across groups (an MoE
 whose ranks recompile its expert frames at different times stays as fast as before).
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+import torch
 import torch.distributed as dist
 from torch.fx import GraphModule
 
@@ -57,63 +62,89 @@ class GraphAgreement:
     def __init__(self) -> None:
         self._diverged: set[tuple[int, ...]] = set()
 
-    def diverged(self, gm: GraphModule, ranks: Sequence[int], timeout_s: float = AGREEMENT_TIMEOUT_S) -> bool:
+    def diverged(self, gm: GraphModule, example_inputs: Sequence, ranks: Sequence[int],
+                 timeout_s: float = AGREEMENT_TIMEOUT_S) -> bool:
         """Whether this graph must keep every group's collectives in program order; tells the other
         ranks about it either way."""
         groups = graph_groups(gm)
         ranks = tuple(sorted(ranks))
         if not groups:
             return False
-        entry = f"graph:{'|'.join(groups)}#{sum(1 for n in gm.graph.nodes if n.op == 'call_function')}"
+        ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        entry = f"graph:{'|'.join(groups)}#{ops}@{_input_shapes(example_inputs)}"
         index = peer_log.tell(ranks, entry)
         if index is None or len(groups) < 2:  # one group's order needs no agreement
             return False
         if ranks in self._diverged:
             if dist.get_rank() == ranks[0]:
-                peer_log.decide(ranks, index, "the ranks diverged before")
+                peer_log.decide(ranks, index, _GRAPHS + "the ranks diverged before")
             return True
         # The lowest rank compares every rank's entry with its own and writes the verdict; the others
-        # compare theirs with the lowest rank's (so a rank that differs from it needs no verdict) and
-        # read the verdict: about 4 store operations per rank, not one per pair of ranks.
+        # compare theirs with the lowest rank's and read the verdict: about 4 store operations per
+        # rank, not one per pair of ranks.
         leader = ranks[0]
         if dist.get_rank() == leader:
-            why = ""
+            verdict = ""
             for other in ranks[1:]:
-                why = _differs(ranks, index, other, entry, timeout_s)
-                if why:
+                why = _compare(ranks, index, other, entry, timeout_s)
+                verdict = verdict or why
+                if why.startswith(_GRAPHS):
+                    verdict = why
                     break
-            peer_log.decide(ranks, index, why)
+            peer_log.decide(ranks, index, verdict)
         else:
-            why = _differs(ranks, index, leader, entry, timeout_s)
-            if not why:
-                verdict = peer_log.read(ranks, index, "verdict", 2 * timeout_s)
-                why = f"rank {leader} decided nothing at #{index} within {2 * timeout_s:.0f} s" if verdict is None else verdict
-        return self._diverge(ranks, why) if why else False
-
-    def _diverge(self, ranks: tuple[int, ...], why: str) -> bool:
-        self._diverged.add(ranks)
-        logger.warning(
-            "fsdp_graph: the ranks compiled different graphs (%s); from here on, graphs of several groups "
-            "keep each group's collectives in program order, as with fsdp_graph.backend(rank_divergent_graphs=True) "
-            "([Note: Ranks that compile different graphs])", why)
+            verdict = _compare(ranks, index, leader, entry, timeout_s)
+            if not verdict.startswith(_GRAPHS):
+                decided = peer_log.read(ranks, index, "verdict", 2 * timeout_s)
+                if decided is None:
+                    decided = f"{_GRAPHS}rank {leader} decided nothing at #{index} within {2 * timeout_s:.0f} s"
+                verdict = decided
+        if not verdict:
+            return False
+        kind, why = verdict[:1], verdict[1:]
+        if kind == _GRAPHS:  # the sequences may no longer line up: never ask again
+            self._diverged.add(ranks)
+            logger.warning(
+                "fsdp_graph: the ranks compiled different graphs (%s); from here on, graphs of several groups "
+                "keep each group's collectives in program order, as with fsdp_graph.backend(rank_divergent_graphs="
+                "True) ([Note: Ranks that compile different graphs])", why)
+        else:
+            logger.info("fsdp_graph: %s; this graph keeps each group's collectives in program order "
+                        "([Note: Ranks that compile different graphs])", why)
         return True
 
 
-def _differs(ranks: tuple[int, ...], index: int, other: int, entry: str, timeout_s: float) -> str:
-    """Why rank `other`'s entry `index` is not `entry`; "" if it is the same."""
+_GRAPHS = "G"  # a verdict: the ranks compiled different graphs (or one told of nothing)
+_SHAPES = "S"  # a verdict: the same graph, on inputs of different shapes
+
+
+def _input_shapes(example_inputs: Sequence) -> str:
+    """The shapes of the graph's inputs other than parameters (whose shards may differ by rank), with
+    each symbolic size's value on this rank: the scheduling passes' costs depend on them."""
+    shapes = []
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            shapes.append("x".join(str(d) if isinstance(d, int) else f"{d}={d.node.hint}" for d in t.shape))
+    return ",".join(shapes)
+
+
+def _compare(ranks: tuple[int, ...], index: int, other: int, entry: str, timeout_s: float) -> str:
+    """"" if rank `other`'s entry `index` is `entry`; else a verdict: why, after its kind."""
     theirs = peer_log.read(ranks, index, other, timeout_s)
     if theirs is None:
-        return f"rank {other} told of nothing at #{index} within {timeout_s:.0f} s"
-    if theirs != entry:
-        return f"at #{index} rank {other} has {_describe(theirs)}, rank {dist.get_rank()} {_describe(entry)}"
-    return ""
+        return f"{_GRAPHS}rank {other} told of nothing at #{index} within {timeout_s:.0f} s"
+    if theirs == entry:
+        return ""
+    if theirs.partition("@")[0] == entry.partition("@")[0]:
+        return f"{_SHAPES}rank {other}'s graph #{index} is this rank's on inputs of other shapes"
+    return f"{_GRAPHS}at #{index} rank {other} has {_describe(theirs)}, rank {dist.get_rank()} {_describe(entry)}"
 
 
 def _describe(entry: str) -> str:
     kind, _, what = entry.partition(":")
     if kind == "eager":
         return f"group {what} on the eager hooks"
-    groups, _, ops = what.rpartition("#")
+    groups, _, ops = what.partition("@")[0].rpartition("#")
     return f"a graph of groups {groups.replace('|', ', ')} ({ops} operations)"
 
 

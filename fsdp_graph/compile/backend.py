@@ -271,7 +271,7 @@ class FSDPGraphBackend:
 
     def __call__(self, gm: GraphModule, example_inputs: list) -> Callable:
         owners = _check_sharded(gm, example_inputs)
-        if not self.config.rank_divergent_graphs and AGREEMENT.diverged(gm, _ranks_of(owners)):
+        if not self.config.rank_divergent_graphs and AGREEMENT.diverged(gm, example_inputs, _ranks_of(owners)):
             # [Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py
             return FSDPGraphBackend(replace(self.config, rank_divergent_graphs=True))(gm, example_inputs)
         graph_id = _graph_id()
