@@ -15,10 +15,13 @@ group's store: the compile runs no collective, which a rank that traced less wou
 every graph it compiles that holds collectives, described by its groups in program order and its
 number of operations, and of every group whose hooks first run eagerly in a compiled call. A graph
 of several groups waits for the others' entry at the same place in that sequence and compares. The
-first time they differ, or another rank writes nothing there within `AGREEMENT_TIMEOUT_S`, the rank
-compiles that graph, and every later one of several groups, as `rank_divergent_graphs` does, and
-logs why. Ranks that compile the same graphs wait only for each other's tracing; a rank that runs
-the groups eagerly, or traces them one by one, is seen at once.
+first time they differ, the rank compiles that graph, and every later one of several groups, as
+`rank_divergent_graphs` does, and logs why. Ranks that compile the same graphs wait only for each
+other's tracing; a rank that runs the groups eagerly, or traces them one by one, is seen at once.
+What this cannot see: a rank that recompiles while another runs a graph it compiled before (its
+inputs kept their shapes), or that first falls back in a later step. The first waits
+`AGREEMENT_TIMEOUT_S` for an entry that does not come and then keeps the full schedule, as the
+graph the other runs has (the same program); the second needs `rank_divergent_graphs=True`.
 The same graph on inputs of other shapes (each rank's own sequence length, or its own value of a
 dynamic size) is scheduled with other costs, which may order its collectives differently; the
 entry carries the shapes of the inputs other than parameters, and such a graph alone keeps program
@@ -42,7 +45,7 @@ from ..runtime.meta import GROUP_KEY
 
 logger = logging.getLogger(__name__)
 
-AGREEMENT_TIMEOUT_S = 60.0  # how long a rank waits for the others' entry for the same graph
+AGREEMENT_TIMEOUT_S = 30.0  # how long a rank waits for the others' entry for the same graph
 
 
 def graph_groups(gm: GraphModule) -> list[str]:
@@ -96,9 +99,7 @@ class GraphAgreement:
             verdict = _compare(ranks, index, leader, entry, timeout_s)
             if not verdict.startswith(_GRAPHS):
                 decided = peer_log.read(ranks, index, "verdict", 2 * timeout_s)
-                if decided is None:
-                    decided = f"{_GRAPHS}rank {leader} decided nothing at #{index} within {2 * timeout_s:.0f} s"
-                verdict = decided
+                verdict = decided or ""  # nothing decided: as if the same, see `_compare`
         if not verdict:
             return False
         kind, why = verdict[:1], verdict[1:]
@@ -132,7 +133,11 @@ def _compare(ranks: tuple[int, ...], index: int, other: int, entry: str, timeout
     """"" if rank `other`'s entry `index` is `entry`; else a verdict: why, after its kind."""
     theirs = peer_log.read(ranks, index, other, timeout_s)
     if theirs is None:
-        return f"{_GRAPHS}rank {other} told of nothing at #{index} within {timeout_s:.0f} s"
+        # Most likely that rank runs a graph it compiled before, where this one recompiles (its own
+        # shapes): the same program, so the same schedule, as before this comparison existed.
+        logger.info("fsdp_graph: rank %d told of nothing at #%d within %.0f s; graph #%d keeps its schedule "
+                    "([Note: Ranks that compile different graphs])", other, index, timeout_s, index)
+        return ""
     if theirs == entry:
         return ""
     if theirs.partition("@")[0] == entry.partition("@")[0]:
