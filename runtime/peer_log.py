@@ -55,7 +55,7 @@ def read(ranks: Sequence[int], index: int, rank: object, timeout_s: float) -> Op
     store = _store()
     key = _key(tuple(sorted(ranks)), index, rank)
     try:
-        store.wait([key], timedelta(seconds=timeout_s))
+        store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
     except (dist.DistStoreError, RuntimeError):  # timed out
         return None
     return store.get(key).decode()

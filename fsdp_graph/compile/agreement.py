@@ -33,7 +33,8 @@ whose ranks recompile its expert frames at different times stays as fast as befo
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+import time
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,20 +87,22 @@ class GraphAgreement:
         # compare theirs with the lowest rank's and read the verdict: about 4 store operations per
         # rank, not one per pair of ranks.
         leader = ranks[0]
+        deadline = time.monotonic() + timeout_s  # one wait in all, however many ranks are silent
         if dist.get_rank() == leader:
             verdict = ""
             for other in ranks[1:]:
-                why = _compare(ranks, index, other, entry, timeout_s)
+                why = _compare(ranks, index, other, entry, deadline) or ""
                 verdict = verdict or why
                 if why.startswith(_GRAPHS):
                     verdict = why
                     break
             peer_log.decide(ranks, index, verdict)
         else:
-            verdict = _compare(ranks, index, leader, entry, timeout_s)
-            if not verdict.startswith(_GRAPHS):
-                decided = peer_log.read(ranks, index, "verdict", 2 * timeout_s)
-                verdict = decided or ""  # nothing decided: as if the same, see `_compare`
+            verdict = _compare(ranks, index, leader, entry, deadline)
+            if verdict is None:  # the lowest rank compiles nothing here, so it decides nothing either
+                verdict = ""
+            elif not verdict.startswith(_GRAPHS):
+                verdict = peer_log.read(ranks, index, "verdict", 2 * timeout_s) or ""  # it waits up to timeout_s
         if not verdict:
             return False
         kind, why = verdict[:1], verdict[1:]
@@ -115,7 +118,7 @@ class GraphAgreement:
         return True
 
 
-_GRAPHS = "G"  # a verdict: the ranks compiled different graphs (or one told of nothing)
+_GRAPHS = "G"  # a verdict: the ranks compiled different graphs
 _SHAPES = "S"  # a verdict: the same graph, on inputs of different shapes
 
 
@@ -129,15 +132,16 @@ def _input_shapes(example_inputs: Sequence) -> str:
     return ",".join(shapes)
 
 
-def _compare(ranks: tuple[int, ...], index: int, other: int, entry: str, timeout_s: float) -> str:
-    """"" if rank `other`'s entry `index` is `entry`; else a verdict: why, after its kind."""
-    theirs = peer_log.read(ranks, index, other, timeout_s)
+def _compare(ranks: tuple[int, ...], index: int, other: int, entry: str, deadline: float) -> Optional[str]:
+    """"" if rank `other`'s entry `index` is `entry`, else a verdict (its kind, then why); None if
+    that rank told nothing by `deadline` (`time.monotonic()`)."""
+    theirs = peer_log.read(ranks, index, other, max(0.0, deadline - time.monotonic()))
     if theirs is None:
         # Most likely that rank runs a graph it compiled before, where this one recompiles (its own
         # shapes): the same program, so the same schedule, as before this comparison existed.
-        logger.info("fsdp_graph: rank %d told of nothing at #%d within %.0f s; graph #%d keeps its schedule "
-                    "([Note: Ranks that compile different graphs])", other, index, timeout_s, index)
-        return ""
+        logger.info("fsdp_graph: rank %d told of nothing at #%d in time; graph #%d keeps its schedule "
+                    "([Note: Ranks that compile different graphs])", other, index, index)
+        return None
     if theirs == entry:
         return ""
     if theirs.partition("@")[0] == entry.partition("@")[0]:
