@@ -67,7 +67,7 @@ import fsdp_graph  # noqa: E402
 from fsdp_graph import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 SCHEDULING = {"bucket_by_group", "auto_bucket", "reorder_for_overlap", "pin_order"}
-ROWS = ("scheduled", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes",
+ROWS = ("scheduled", "regions", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes",
         "blocks", "fsdp2-blocks", "floor", "collectives")
 MODELS = {"ours": "Llama (examples/llama.py)", "hf-llama": "HF LlamaForCausalLM", "hf-gpt2": "HF GPT2LMHeadModel"}
 
@@ -295,11 +295,23 @@ def timings(args) -> None:
         shard(hf)
         return hf
 
+    def marked_as_regions(build):
+        """`build()` with every block's forward a torch.compiler.nested_compile_region (marked on a
+        subclass made here, so that other rows keep the plain class)."""
+        def marked_shard(module):
+            if module.__class__.__name__ in ("Block", "LlamaDecoderLayer", "GPT2Block"):
+                cls = module.__class__
+                module.__class__ = type(cls.__name__, (cls,), {"forward": torch.compiler.nested_compile_region(cls.forward)})
+            return fully_shard(module)
+        return build(marked_shard)
+
     ours = fsdp_graph.backend(compiler="inductor")
     unscheduled = fsdp_graph.backend(compiler="inductor", disabled_passes=SCHEDULING)
     in_tree = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all", "reorder_for_compute_comm_overlap": True}
     makers = {
         "scheduled": lambda: Row("fsdp_graph scheduled", model(fully_shard), ours),
+        # The same, the blocks marked as compile regions: one body compiled for all blocks.
+        "regions": lambda: Row("fsdp_graph scheduled, blocks as regions", marked_as_regions(model), ours),
         "unscheduled": lambda: Row("fsdp_graph unscheduled", model(fully_shard), unscheduled),
         "fsdp2-eager": lambda: Row("FSDP2 eager", model(torch_fully_shard)),
         "fsdp2-compile": lambda: Row("FSDP2 + compile", model(torch_fully_shard), "inductor"),

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 import torch.utils._pytree as pytree
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
 from .nodes import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor, parallelism_of
 
@@ -101,6 +101,7 @@ class OpFacts:
     collective_bytes: int = 0  # the large side: all-gather output, reduce-scatter input
     world: int = 1
     parallelism: str = "fsdp"  # whose collective: "fsdp", or e.g. "tp" (`nodes.parallelism_of`)
+    parts: tuple["OpFacts", ...] = ()  # a compile region's call: the facts of each node of its body
 
 
 def _val_bytes(val: Any) -> int:
@@ -178,9 +179,23 @@ def op_facts(node: Node) -> OpFacts:
         else:
             world = _group_size(node.args[2])  # all_reduce(input, op, group_name)
         return OpFacts(collective=kind, collective_bytes=max(inp, out), world=world, parallelism=parallelism_of(node))
+    body = _region_body(node)
+    if body is not None:
+        return OpFacts(parts=tuple(op_facts(n) for n in body.graph.nodes))
     flops, dtype_bytes = _flops(node)
     moved = _val_bytes(node.meta.get("val")) + sum(_val_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     return OpFacts(flops=flops, bytes_moved=moved, matmul_dtype_bytes=dtype_bytes)
+
+
+def _region_body(node: Node) -> Optional[GraphModule]:
+    """The body of a compile region's call (`torch.compiler.nested_compile_region`, traced as
+    `invoke_subgraph`), which the call costs as the sum of its nodes; None for any other node."""
+    if node.target is not torch.ops.higher_order.invoke_subgraph:
+        return None
+    owner, body = node.graph.owning_module, node.args[0]
+    if owner is None or not isinstance(body, Node) or body.op != "get_attr":
+        return None
+    return getattr(owner, body.target, None)
 
 
 def _group_size(group_name: str) -> int:
@@ -226,6 +241,8 @@ class CostModel:
         return p.kernel_overhead_s + max(flops / rate, bytes_moved / p.memory_bytes_per_s)
 
     def seconds(self, facts: OpFacts) -> float:
+        if facts.parts:
+            return sum(self.seconds(part) for part in facts.parts)
         if facts.collective is not None:
             return self.collective_seconds(facts.collective, facts.collective_bytes, facts.world, facts.parallelism)
         return self.compute_seconds(facts.flops, facts.bytes_moved, facts.matmul_dtype_bytes)

@@ -38,9 +38,11 @@ reason and recorded in `gm.meta[SCHEDULE_META]`.
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from torch.fx import GraphModule, Node
 
 from .cost_model import CostModel
@@ -478,6 +480,19 @@ def _ancestors(node: Node) -> set[Node]:
     return seen
 
 
+def _anchor(node: Node) -> Optional[Node]:
+    """The node an ordering edge can name for `node`: itself, or for a node of several outputs (a
+    compile region's call) the first of its outputs that is a tensor. Inductor lowers a region's
+    None outputs (gradients of inputs that need none) to no buffer, which it cannot order."""
+    if not isinstance(node.meta.get("val"), (tuple, list)):
+        return node
+    for user in node.users:
+        if user.target is operator.getitem and isinstance(user.meta.get("val"), torch.Tensor):
+            node.append(user)  # right after the call, before anything ordered after it
+            return user
+    return None
+
+
 def pin_order(gm: GraphModule) -> GraphModule:
     """Make the collectives' order binding for Inductor's scheduler, with `control_deps` edges.
 
@@ -525,7 +540,8 @@ def pin_order(gm: GraphModule) -> GraphModule:
             k = bisect.bisect_left(issued, i) - 1
             if k >= 0 and nodes[issued[k]] is not collective_of(node):
                 deps.setdefault(node, OrderedSet()).add(nodes[issued[k]])
-    preserve_node_ordering(gm.graph, deps)
+    deps = {_anchor(n): OrderedSet(a for a in map(_anchor, before) if a is not None) for n, before in deps.items()}
+    preserve_node_ordering(gm.graph, {n: before for n, before in deps.items() if n is not None and before})
     gm.graph.lint()
     gm.recompile()
     return gm

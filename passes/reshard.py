@@ -19,6 +19,7 @@ from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
+from .cost_model import is_view
 from .nodes import fsdp_meta
 
 logger = logging.getLogger(__name__)
@@ -68,4 +69,54 @@ def tag_reshard_after_forward(gm: GraphModule) -> GraphModule:
     logger.debug("fsdp_graph::reshard_after_forward tagged %d nodes in %d groups", num_tagged, len(region_ids))
     gm.graph.lint()
     gm.recompile()
+    return gm
+
+
+def save_inputs_not_their_views(gm: GraphModule) -> GraphModule:
+    """In the joint graph of a compile region's body: recompute in backward every forward view of
+    a region input instead of saving it, so the region saves the input itself.
+
+    A block compiled as a region ([Note: Blocks as compile regions] in runtime/traced.py) takes its
+    unsharded parameters as inputs. Left alone, the partitioner may save a view of one (the
+    transposed weight a matmul's backward needs) as a region output; outside the region that is an
+    opaque value, so the outer graph could neither see nor re-gather it, and every block would
+    keep its full weights from forward to backward. Saving the input instead hands the outer graph
+    the gathered parameter, which `tag_reshard_after_forward` makes it gather again in backward.
+    Views cost nothing to recompute and hold no memory of their own, so nothing else changes.
+    """
+    backward = depends_on_tangents(gm)
+    of_input: set[Node] = {n for n in gm.graph.nodes if n.op == "placeholder" and n not in backward}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node in backward or not is_view(node):
+            continue
+        if node.all_input_nodes and node.all_input_nodes[0] in of_input and "recompute" not in node.meta:
+            of_input.add(node)
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = _FIRST_REGION_ID - 1
+    return gm
+
+
+def read_saved_inputs_outside(gm: GraphModule) -> GraphModule:
+    """In an outer joint graph: where a compile region's forward returns one of its inputs as is
+    (a value it saves for its backward, see `save_inputs_not_their_views`), make the users read
+    that input directly. The region's backward then takes the unsharded parameter that the outer
+    graph gathered, which `tag_reshard_after_forward` can make the backward gather again; the
+    region's output was the same tensor under another name. Values unchanged."""
+    import operator
+
+    import torch
+
+    for hop in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+        body = getattr(gm, hop.args[0].target, None) if isinstance(hop.args[0], Node) else None
+        if body is None:
+            continue
+        placeholders = list(body.graph.find_nodes(op="placeholder"))
+        outputs = body.graph.find_nodes(op="output")[0].args[0]
+        operands = hop.args[2:]
+        for user in list(hop.users):
+            if user.target is not operator.getitem:
+                continue
+            out = outputs[user.args[1]]
+            if isinstance(out, Node) and out.op == "placeholder":
+                user.replace_all_uses_with(operands[placeholders.index(out)])
     return gm

@@ -24,7 +24,7 @@ streams, allocator caching and fragmentation.
 from __future__ import annotations
 
 import operator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Optional
 
@@ -64,17 +64,27 @@ class Op:
     group: Optional[str] = None
 
     def to_json(self) -> dict:
-        facts = asdict(self.facts)
-        facts["collective"] = self.facts.collective.value if self.facts.collective else None
         return {"name": self.name, "kind": self.kind.value, "target": self.target, "inputs": self.inputs,
-                "out_bytes": self.out_bytes, "facts": facts, "group": self.group}
+                "out_bytes": self.out_bytes, "facts": _facts_to_json(self.facts), "group": self.group}
 
     @classmethod
     def from_json(cls, data: dict) -> "Op":
-        facts = dict(data["facts"])
-        facts["collective"] = CollectiveKind(facts["collective"]) if facts["collective"] else None
         return cls(data["name"], OpKind(data["kind"]), data["target"], list(data["inputs"]),
-                   data["out_bytes"], OpFacts(**facts), data.get("group"))
+                   data["out_bytes"], _facts_from_json(data["facts"]), data.get("group"))
+
+
+def _facts_to_json(facts: OpFacts) -> dict:
+    data = {f.name: getattr(facts, f.name) for f in fields(facts)}
+    data["collective"] = facts.collective.value if facts.collective else None
+    data["parts"] = [_facts_to_json(part) for part in facts.parts]
+    return data
+
+
+def _facts_from_json(data: dict) -> OpFacts:
+    data = dict(data)
+    data["collective"] = CollectiveKind(data["collective"]) if data["collective"] else None
+    data["parts"] = tuple(_facts_from_json(part) for part in data.get("parts", ()))
+    return OpFacts(**data)
 
 
 Program = list[Op]

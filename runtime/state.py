@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from enum import Enum, auto
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -177,6 +177,9 @@ class FSDPState:
         # parameters: compiled calls run the hooks eagerly around a body Dynamo compiles on its own.
         # See [Note: Compile regions under fully_shard] in fsdp_graph/api/module.py.
         self.hooks_around_compiled_body: Optional[str] = None
+        # The unwrapped forward, where the module's own forward is such a region: traced as one
+        # inside the step's graph when `traces_as_region()` ([Note: Blocks as compile regions]).
+        self.region_forward: Optional[Callable] = None
         traced.trace_hooks_inside_checkpoint()
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -231,6 +234,18 @@ class FSDPState:
             if reason is not None:
                 return reason
         return None
+
+    def traces_as_region(self) -> bool:
+        """Whether a traced call of this state's module runs its forward as a compile region: see
+        [Note: Blocks as compile regions] in runtime/traced.py."""
+        if self.region_forward is None or self.is_root or self.group is None or len(self.modules) != 1:
+            return False
+        module = self.modules[0]
+        if len(module._forward_pre_hooks) != 1 or len(module._forward_hooks) != 1:
+            return False  # hooks of the user's, which the region would skip
+        if nn.modules.module._global_forward_pre_hooks or nn.modules.module._global_forward_hooks:
+            return False
+        return all(getattr(m, "_fsdp_state", self) is self for m in module.modules())
 
     # -- forward -------------------------------------------------------------------------------
 

@@ -374,7 +374,8 @@ def _flat_shards(params: list, dtype: torch.dtype, flags: Optional[torch.Tensor]
     return F.pad(piece, (0, shard_numel - piece.numel())) if piece.numel() < shard_numel else piece
 
 
-def _install(group: TracedGroup, unsharded: Optional[list[torch.Tensor]]) -> None:
+def install(group: TracedGroup, unsharded: Optional[list[torch.Tensor]]) -> None:
+    """Shadow each parameter of `group` with its unsharded tensor, or drop the shadows (None)."""
     """Shadow (or un-shadow, with None) every owner's parameter attribute. See [Note: Traced unshard]."""
     for i, p in enumerate(group.params):
         for module, name in p.owners:
@@ -394,11 +395,48 @@ def pre_forward(state: TracedState, module: torch.nn.Module, args: tuple, kwargs
     if state.is_root and num_forwards == 0:
         state.check_materialized()
     if state.group is not None and num_forwards == 0:
-        _install(state.group, unshard(state.group))
+        install(state.group, unshard(state.group))
     state._traced_num_forwards = num_forwards + 1
     if state.mp_policy.param_dtype is not None and state.mp_policy.cast_forward_inputs:
         args, kwargs = cast_floats((args, kwargs), state.mp_policy.param_dtype)
     return args, kwargs
+
+
+# [Note: Blocks as compile regions]
+# A block whose forward the user marked `torch.compiler.nested_compile_region` (torch's way to say
+# "the same code, compile it once") is traced as such a region inside the whole-step graph: Dynamo,
+# AOTAutograd's partitioner and Inductor then handle its body once for all blocks of the same code
+# and shapes, so compiling a deep model no longer costs every layer again (docs/compiler.md, Compile
+# cost). The group's collectives stay outside the region, in the step's graph, where the passes
+# bucket, reorder and reshard them as for any other block:
+#
+#     params = unshard(group)                      # traced as usual: copy-in, all-gather, copy-out
+#     out    = region(module, params, args, kwargs)   # invoke_subgraph; installs `params` itself
+#
+# Dynamo cannot trace a region that reads tensors with no source (parameters gathered in the graph),
+# so the gathered tensors go in as the region's arguments and the region installs them as the
+# module's shadows, calls the forward, and drops them. The partitioner then saves a region's inputs
+# rather than views of them, and the outer graph reads such an input directly, so the backward
+# gathers again after a resharding forward (passes/reshard.py, `save_inputs_not_their_views`).
+# Only a block that is a group of its own, holds no other group, and has no forward hooks besides
+# ours is traced so; any other marked module keeps [Note: Compile regions under fully_shard].
+# Dynamo refuses a graph break inside a region (torch raises): such a block must not be marked.
+
+
+def region_pre_forward(state: TracedState, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], tuple, dict]:
+    """Traced pre-forward of a block traced as a region: its gathered tensors (not installed) and
+    the cast inputs. See [Note: Blocks as compile regions]."""
+    unsharded = unshard(state.group)
+    if state.mp_policy.param_dtype is not None and state.mp_policy.cast_forward_inputs:
+        args, kwargs = cast_floats((args, kwargs), state.mp_policy.param_dtype)
+    return unsharded, args, kwargs
+
+
+def region_post_forward(state: TracedState, output: Any) -> Any:
+    """Traced post-forward of a block traced as a region: cast the outputs."""
+    if state.mp_policy.output_dtype is not None:
+        output = cast_floats(output, state.mp_policy.output_dtype)
+    return output
 
 
 def post_forward(state: TracedState, module: torch.nn.Module, output: Any) -> Any:
@@ -408,7 +446,7 @@ def post_forward(state: TracedState, module: torch.nn.Module, output: Any) -> An
     if state._traced_num_forwards >= len(state.modules):
         state._traced_num_forwards = 0
         if state.group is not None:
-            _install(state.group, None)
+            install(state.group, None)
         if state.is_root:
             _close_partly_run_groups(state)
     return output
@@ -429,7 +467,7 @@ def _close_partly_run_groups(root: TracedState) -> None:
         if state is not root and state._traced_num_forwards > 0:
             state._traced_num_forwards = 0
             if state.group is not None:
-                _install(state.group, None)
+                install(state.group, None)
 
 
 # [Note: Sharded modules inside activation checkpointing]

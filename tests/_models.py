@@ -53,7 +53,7 @@ def tiny_llama(num_layers: int = 2) -> Llama:
 def batch_for_step(model: nn.Module, step: int, global_batch: int, rank: int, world_size: int):
     """(global inputs, global targets, this rank's slice of both); the same on every rank."""
     gen = torch.Generator().manual_seed(1000 + step)
-    if isinstance(model, Llama):
+    if isinstance(model, Llama) or isinstance(getattr(model, "cfg", None), LlamaConfig):  # tokens
         seq = 8
         tokens = torch.randint(0, model.cfg.vocab_size, (global_batch, seq + 1), generator=gen)
         x, y = tokens[:, :-1], tokens[:, 1:]

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime.comms import AllGather, ReduceScatter
+from ..runtime import traced
 from ..runtime.state import FSDPState
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class FSDPModule:
             if self._fsdp_state.eager_only_reason() is not None:
                 return _call_on_eager_hooks(self, args, kwargs)  # [Note: Groups that stay on the eager hooks]
             if self._fsdp_state.hooks_around_compiled_body is not None:
+                if self._fsdp_state.traces_as_region():
+                    return _call_as_region(self, args, kwargs)  # [Note: Blocks as compile regions]
                 return _call_around_compiled_body(self, args, kwargs)  # [Note: Compile regions under fully_shard]
         return super().__call__(*args, **kwargs)
 
@@ -345,6 +348,24 @@ def _call_on_eager_hooks(module: nn.Module, args: tuple, kwargs: dict):
 @functools.partial(torch._dynamo.disable, recursive=False)
 def _call_around_compiled_body(module: nn.Module, args: tuple, kwargs: dict):
     return nn.Module.__call__(module, *args, **kwargs)
+
+
+@torch.compiler.nested_compile_region
+def _forward_region(module: nn.Module, unsharded: list[torch.Tensor], args: tuple, kwargs: dict):
+    """A block's forward as one compile region over its gathered parameters ([Note: Blocks as
+    compile regions] in runtime/traced.py): one function for every block, so that Dynamo compares
+    each block's body with those it traced before and keeps one copy of each distinct body."""
+    state = module._fsdp_state
+    traced.install(state.group, unsharded)
+    output = state.region_forward(module, *args, **kwargs)
+    traced.install(state.group, None)
+    return output
+
+
+def _call_as_region(module: nn.Module, args: tuple, kwargs: dict):
+    state = module._fsdp_state
+    unsharded, args, kwargs = traced.region_pre_forward(state, args, kwargs)
+    return traced.region_post_forward(state, _forward_region(module, unsharded, args, kwargs))
 
 
 def _check_comm(method: str, comm: object) -> None:

@@ -100,6 +100,7 @@ def fully_shard(
 
     state = FSDPState(modules, group, mp_policy, reshard_after_forward, device)
     state.hooks_around_compiled_body = _compile_region_reading(modules, owners)
+    state.region_forward = _own_region_forward(modules)
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
@@ -127,6 +128,19 @@ def _compile_region_reading(modules: tuple[nn.Module, ...], owners) -> Optional[
                     f"Dynamo compiled on its own (as under torch's fully_shard)"
                 )
     return None
+
+
+def _own_region_forward(modules: tuple[nn.Module, ...]) -> Optional[Callable]:
+    """The function under a `torch.compiler.nested_compile_region` that is the forward of the one
+    module of this group, or None ([Note: Blocks as compile regions] in runtime/traced.py)."""
+    if len(modules) != 1:
+        return None
+    fn = getattr(type(modules[0]).forward, "__marked_compile_region_fn__", None)
+    if fn is None or "forward" in modules[0].__dict__:
+        return None
+    while hasattr(fn, "__marked_compile_region_fn__"):
+        fn = fn.__marked_compile_region_fn__
+    return fn
 
 
 def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:

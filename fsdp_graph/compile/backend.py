@@ -331,6 +331,8 @@ class FSDPGraphBackend:
         schedule = PassPipeline("schedule", self.config.scheduling_passes(), disabled, dump)
         pin = PassPipeline("schedule", self.config.check_passes() + [PIN_ORDER], disabled, dump)
         patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump, schedule, pin, self.config)
+        if any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes):
+            patches["allow_buffer_reuse"] = False
         with stable_cache_keys():  # see [Note: Rank-independent cache keys]
             return compile_fx(gm, example_inputs, config_patches=patches)
 

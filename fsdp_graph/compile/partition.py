@@ -26,12 +26,18 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.fx import GraphModule, Node
 
+from ..passes.reshard import read_saved_inputs_outside, save_inputs_not_their_views
+
 _RUN_AND_SAVE_RNG_STATE = torch._prims.rng_prims.run_and_save_rng_state
 
 
 def partition(joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> tuple[GraphModule, GraphModule]:
     """`min_cut_rematerialization_partition`, with `put_rng_states_with_tensors` applied."""
     num_fwd_outputs = kwargs["num_fwd_outputs"]
+    if not joint_inputs:  # a compile region's body, which AOTAutograd partitions on its own first
+        joint = save_inputs_not_their_views(joint)
+    else:
+        joint = read_saved_inputs_outside(joint)
     forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     put_rng_states_with_tensors(forward, backward, num_fwd_outputs)
     return forward, backward
