@@ -296,12 +296,17 @@ def timings(args) -> None:
         return hf
 
     def marked_as_regions(build):
-        """`build()` with every block's forward a torch.compiler.nested_compile_region (marked on a
-        subclass made here, so that other rows keep the plain class)."""
+        """`build()` with every block's forward a torch.compiler.nested_compile_region, marked on one
+        subclass per block class (made here, so that other rows keep the plain class; one for all
+        blocks, since Dynamo reuses a region body only for the same code)."""
+        marked: dict[type, type] = {}
+
         def marked_shard(module):
-            if module.__class__.__name__ in ("Block", "LlamaDecoderLayer", "GPT2Block"):
-                cls = module.__class__
-                module.__class__ = type(cls.__name__, (cls,), {"forward": torch.compiler.nested_compile_region(cls.forward)})
+            cls = module.__class__
+            if cls.__name__ in ("Block", "LlamaDecoderLayer", "GPT2Block"):
+                if cls not in marked:
+                    marked[cls] = type(cls.__name__, (cls,), {"forward": torch.compiler.nested_compile_region(cls.forward)})
+                module.__class__ = marked[cls]
             return fully_shard(module)
         return build(marked_shard)
 

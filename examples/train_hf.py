@@ -11,7 +11,10 @@ CPU / gloo, 2 ranks:
     torchrun --nproc-per-node 2 examples/train_hf.py --steps 40 --checkpoint-dir /tmp/hf_ckpt --resume
 CUDA / NCCL (picked automatically when CUDA is present):
     torchrun --nproc-per-node 8 examples/train_hf.py --steps 200 --hidden 512 --layers 8
-Add `--eager` to skip torch.compile, `--profile-dir DIR` for a torch.profiler trace of one step.
+Add `--eager` to skip torch.compile, `--profile-dir DIR` for a torch.profiler trace of one step,
+`--regions` to compile the decoder layers' code once for all layers (each layer's forward a
+`torch.compiler.nested_compile_region`; the step stays one graph: docs/compiler.md, Compile cost):
+    torchrun --nproc-per-node 2 examples/train_hf.py --layers 16 --regions
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from progress import progress, write_profile
 from fsdp_graph import fully_shard
@@ -45,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
+    parser.add_argument("--regions", action="store_true", help="compile the decoder layers as one nested_compile_region")
     parser.add_argument("--checkpoint-dir", help="save a DCP checkpoint here at the end")
     parser.add_argument("--resume", action="store_true", help="load the checkpoint in --checkpoint-dir first")
     parser.add_argument("--profile-dir", help="write a torch.profiler Chrome trace of one step here, one file per rank")
@@ -64,8 +69,16 @@ def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def shard(model: LlamaForCausalLM) -> LlamaForCausalLM:
+class RegionDecoderLayer(LlamaDecoderLayer):
+    """A decoder layer whose code torch.compile compiles once for all layers (`--regions`)."""
+
+    forward = torch.compiler.nested_compile_region(LlamaDecoderLayer.forward)
+
+
+def shard(model: LlamaForCausalLM, regions: bool = False) -> LlamaForCausalLM:
     for layer in model.model.layers:  # one group per decoder layer,
+        if regions:
+            layer.__class__ = RegionDecoderLayer
         fully_shard(layer)
     fully_shard(model)  # then the root: embedding, final norm, lm_head
     return model
@@ -107,7 +120,7 @@ def load(checkpoint_dir: str, model, optimizer) -> int:
 def train(args: argparse.Namespace, device, compile_backend="fsdp_graph") -> list[float]:
     """Train (resuming if asked) until `args.steps`; the global loss of each step run here."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = shard(build_model(args).to(device))
+    model = shard(build_model(args).to(device), regions=args.regions)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = load(args.checkpoint_dir, model, optimizer) if args.resume else 0
     step_fn = model if args.eager else torch.compile(model, backend=compile_backend)

@@ -345,6 +345,9 @@ def _call_on_eager_hooks(module: nn.Module, args: tuple, kwargs: dict):
 # block of the same code. That is what torch's fully_shard does for every module under compile; the
 # numbers are the eager runtime's. Calls that enclose this one are broken up around it, so the root
 # runs on the eager hooks too. tests/test_compile_blocks.py compares with torch's fully_shard.
+# Where the region is the forward of the group's one module, the region can take the gathered
+# tensors as its arguments instead, and the block stays in the step's graph: [Note: Blocks as
+# compile regions] in runtime/traced.py (`FSDPState.traces_as_region`).
 @functools.partial(torch._dynamo.disable, recursive=False)
 def _call_around_compiled_body(module: nn.Module, args: tuple, kwargs: dict):
     return nn.Module.__call__(module, *args, **kwargs)
