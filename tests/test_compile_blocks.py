@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from _compile_helpers import collective_groups, dumped_graphs
 from _harness import run_ranks
 import fsdp_graph
-from _models import Block, batch_for_step, global_mean, loss_fn, shard_llama, tiny_llama
+from _models import Block, Llama, LlamaConfig, batch_for_step, global_mean, loss_fn, shard_llama, tiny_llama
 from fsdp_graph import fully_shard
 
 
@@ -192,3 +192,50 @@ def test_regions_compiled_by_inductor():
         torch.testing.assert_close(grad, r_grads[0][name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
     for name, param in params.items():
         torch.testing.assert_close(param, p_params[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _region_variant(rank, world_size, variant):
+    """Regions and the eager runtime, both under `variant`'s settings: (losses, gradients) of each."""
+    from fsdp_graph import MixedPrecisionPolicy
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, dim=32, num_layers=3, num_heads=2, hidden_dim=56,
+                              checkpoint_blocks=variant == "checkpoint"))
+    kwargs = {
+        "bf16": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+        "keep_unsharded": {"reshard_after_forward": False},
+    }.get(variant, {})
+    eager = shard_llama(copy.deepcopy(model), fully_shard, **kwargs)
+    traced = copy.deepcopy(model)
+    for block in traced.layers:
+        block.__class__ = _RegionBlock
+    shard_llama(traced, fully_shard, **kwargs)
+    dump_dir = tempfile.mkdtemp()
+    compiled = torch.compile(traced, backend=fsdp_graph.backend(compiler="aot_eager", dump_dir=dump_dir))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, traced)]
+    for step in range(2):
+        _, _, x, y = batch_for_step(model, step, 8, rank, world_size)
+        eager_loss = loss_fn(eager, eager(x).float(), y)
+        eager_loss.backward()
+        loss = loss_fn(traced, compiled(x).float(), y)
+        loss.backward()
+        assert torch.equal(loss, eager_loss), (step, loss, eager_loss)
+        eager_params = dict(eager.named_parameters())
+        for name, p in traced.named_parameters():
+            assert torch.equal(p.grad.to_local(), eager_params[name].grad.to_local()), (step, name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    regions = (Path(dump_dir) / "frame_0_0.forward.txt").read_text().count("= invoke_subgraph(")
+    return dict(traced._fsdp_state.ctx.fallbacks), counters["stats"]["unique_graphs"], regions
+
+
+@pytest.mark.parametrize("variant", ["bf16", "keep_unsharded", "checkpoint"])
+def test_regions_with_other_settings(variant):
+    """Blocks as regions under mixed precision, reshard_after_forward=False and activation
+    checkpointing around each block: one graph, no fallback, and the eager runtime's numbers bit for
+    bit (aot_eager)."""
+    fallbacks, graphs, regions = run_ranks(_region_variant, 2, variant)
+    assert fallbacks == {} and graphs == 1 and regions == 3, (fallbacks, graphs, regions)
