@@ -72,6 +72,27 @@ def train_compiled_and_compare(
     return {"losses": losses, "max_rel_diff_vs_reference": max_rel, "fallbacks": fallbacks}
 
 
+def train_bitwise_like_eager(model, eager, traced, compiled, rank, world_size, steps=2) -> None:
+    """`steps` AdamW steps of the eager runtime (`eager`) and of `compiled` (compiling `traced`) on
+    this rank's part of the same batches: the losses and every gradient shard bit for bit, and the
+    parameters kept in their original dtype with gradients in it (mixed precision casts back)."""
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, traced)]
+    for step in range(steps):
+        _, _, x, y = batch_for_step(model, step, 8, rank, world_size)
+        eager_loss = loss_fn(eager, eager(x).float(), y)
+        eager_loss.backward()
+        loss = loss_fn(traced, compiled(x).float(), y)
+        loss.backward()
+        assert torch.equal(loss, eager_loss), (step, loss, eager_loss)
+        eager_params = dict(eager.named_parameters())
+        for name, p in traced.named_parameters():
+            assert p.dtype == eager_params[name].dtype and p.grad.dtype == p.dtype, (step, name)
+            assert torch.equal(p.grad.to_local(), eager_params[name].grad.to_local()), (step, name)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+
+
 def _compare_with_eager(compiled, eager, loss, eager_loss, bitwise, rtol, where, params=False):
     pairs = []
     if loss is not None:

@@ -18,7 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from _compile_helpers import collective_groups, dumped_graphs
+from _compile_helpers import collective_groups, dumped_graphs, train_bitwise_like_eager
 from _harness import run_ranks
 import fsdp_graph
 from _models import Block, Llama, LlamaConfig, batch_for_step, global_mean, loss_fn, shard_llama, tiny_llama
@@ -214,20 +214,7 @@ def _region_variant(rank, world_size, variant):
     shard_llama(traced, fully_shard, **kwargs)
     dump_dir = tempfile.mkdtemp()
     compiled = torch.compile(traced, backend=fsdp_graph.backend(compiler="aot_eager", dump_dir=dump_dir))
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, traced)]
-    for step in range(2):
-        _, _, x, y = batch_for_step(model, step, 8, rank, world_size)
-        eager_loss = loss_fn(eager, eager(x).float(), y)
-        eager_loss.backward()
-        loss = loss_fn(traced, compiled(x).float(), y)
-        loss.backward()
-        assert torch.equal(loss, eager_loss), (step, loss, eager_loss)
-        eager_params = dict(eager.named_parameters())
-        for name, p in traced.named_parameters():
-            assert torch.equal(p.grad.to_local(), eager_params[name].grad.to_local()), (step, name)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+    train_bitwise_like_eager(model, eager, traced, compiled, rank, world_size)
     regions = (Path(dump_dir) / "frame_0_0.forward.txt").read_text().count("= invoke_subgraph(")
     return dict(traced._fsdp_state.ctx.fallbacks), counters["stats"]["unique_graphs"], regions
 

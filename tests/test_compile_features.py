@@ -14,7 +14,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import fsdp_graph
-from _compile_helpers import assert_every_llama_group_fell_back, collective_groups, dumped_graphs, train_compiled_and_compare
+from _compile_helpers import (
+    assert_every_llama_group_fell_back, collective_groups, dumped_graphs, train_bitwise_like_eager, train_compiled_and_compare,
+)
 from _harness import run_ranks
 from _models import (
     MLPStack, batch_for_step, check_grads_match, check_params_match, loss_fn, paired_llama, shard_llama, tiny_llama,
@@ -78,23 +80,10 @@ def _mixed_precision(rank, world_size):
     eager = shard_llama(copy.deepcopy(model), fully_shard, mp_policy=mp)
     traced = shard_llama(copy.deepcopy(model), fully_shard, mp_policy=mp)
     compiled = torch.compile(traced, backend=fsdp_graph.backend(compiler="aot_eager"))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, traced)]
-    for step in range(2):
-        _, _, x, y = batch_for_step(model, step, 8, rank, world_size)
-        eager_loss = loss_fn(eager, eager(x).float(), y)
-        eager_loss.backward()
-        loss = loss_fn(traced, compiled(x).float(), y)
-        loss.backward()
-        # The same casts in the same order as the eager runtime (which matches torch's FSDP2 with
-        # the same policy, test_runtime_fsdp2_parity): bit for bit.
-        assert torch.equal(loss, eager_loss), (loss, eager_loss)
-        eager_params = dict(eager.named_parameters())
-        for name, p in traced.named_parameters():
-            assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
-            assert torch.equal(p.grad.to_local(), eager_params[name].grad.to_local()), name
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+    # The same casts in the same order as the eager runtime (which matches torch's FSDP2 with the
+    # same policy, test_runtime_fsdp2_parity): bit for bit; fp32 parameters and gradients.
+    train_bitwise_like_eager(model, eager, traced, compiled, rank, world_size)
+    assert all(p.dtype == torch.float32 for p in traced.parameters())
     return dict(traced._fsdp_state.ctx.fallbacks)
 
 
