@@ -418,8 +418,10 @@ def pre_forward(state: TracedState, module: torch.nn.Module, args: tuple, kwargs
 # module's shadows, calls the forward, and drops them. The partitioner then saves a region's inputs
 # rather than views of them, and the outer graph reads such an input directly, so the backward
 # gathers again after a resharding forward (passes/reshard.py, `save_inputs_not_their_views`).
-# Only a block that is a group of its own, holds no other group, and has no forward hooks besides
-# ours is traced so; any other marked module keeps [Note: Compile regions under fully_shard].
+# Only a block that is a group of its own, holds no other group, has no forward hooks besides ours,
+# and gathers plain tensors (no tensor-parallel DTensors or all-gather extension subclasses, which
+# Dynamo does not take as region inputs) is traced so; any other marked module keeps [Note: Compile
+# regions under fully_shard].
 # Dynamo refuses a graph break inside a region (torch raises): such a block must not be marked.
 
 

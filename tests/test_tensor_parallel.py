@@ -402,6 +402,35 @@ def test_sequence_parallel_matches_unsharded_and_torch_fully_shard():
     print("sequence parallel, max |grad diff| against unsharded:", max_diff)
 
 
+class _RegionBlock(Block):
+    forward = torch.compiler.nested_compile_region(Block.forward)
+
+
+def _regions_with_tensor_parallel(rank, world_size):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = mesh_2x2()
+    torch.manual_seed(0)
+    reference = Transformer()
+    marked = copy.deepcopy(reference)
+    for block in marked.blocks:
+        block.__class__ = _RegionBlock
+    ours = torch.compile(parallelize(marked, mesh), backend=fsdp_graph.backend(compiler="aot_eager"))
+    theirs = parallelize(copy.deepcopy(reference), mesh, shard=torch_fully_shard)
+    train_side_by_side(mesh, "dp", reference, {"ours": ours}, theirs)
+    return dict(marked._fsdp_state.ctx.fallbacks)
+
+
+def test_region_blocks_with_tensor_parallel_keep_the_eager_hooks():
+    """A tensor-parallel block marked as a compile region: its gathered parameters are DTensors,
+    which Dynamo does not take into a region, so its hooks run eagerly around the region as under
+    torch's fully_shard ([Note: Blocks as compile regions]); it trains as torch's and the unsharded
+    model. (With sequence parallelism torch 2.13 fails on such a region itself, torch's fully_shard
+    too: "Mixing fake modes NYI".)"""
+    fallbacks = run_ranks(_regions_with_tensor_parallel, 4)
+    assert "nested_compile_region" in fallbacks["blocks.0"] and "nested_compile_region" in fallbacks["blocks.1"], fallbacks
+
+
 def capture_warnings() -> list[str]:
     """The messages fsdp_graph logs at WARNING or above from now on in this rank's process."""
     warnings = []
