@@ -125,6 +125,23 @@ def test_saved_step_is_loaded_by_the_next_launch_and_trains_as_the_reference(tmp
     assert edited["losses"] != first["losses"]
 
 
+def test_saved_step_with_blocks_as_regions(tmp_path):
+    """Blocks whose forward is a torch.compiler.nested_compile_region ([Note: Blocks as compile
+    regions]): the step with its region is saved, and the next launch loads it without tracing
+    ([Note: Flat region arguments]: nested region arguments left a guard torch cannot serialize)."""
+    source = _MODEL.format(activation="tanh").replace(
+        "    def forward(self, x):\n        return x +", "    @torch.compiler.nested_compile_region\n    def forward(self, x):\n        return x +"
+    )
+    assert "nested_compile_region" in source
+    (tmp_path / "precompiled_net.py").write_text(source)
+    launch = lambda: run_ranks(_launch, 2, str(tmp_path), str(tmp_path / "saved"), 8)
+    first = launch()
+    assert first["source"] == "compiled" and first["graphs_traced"] == 1, first
+    relaunch = launch()
+    assert relaunch["source"] == "loaded" and relaunch["graphs_traced"] == 0, relaunch
+    assert relaunch["graphs_traced_in_training"] == 0 and relaunch["losses"] == first["losses"], relaunch
+
+
 def test_sharded_classes_pickle_by_name_and_never_shadow_the_library():
     # A saved step's guards name the classes of the modules they check; `FSDP<Cls>` is made at
     # runtime, so pickle must find it by name, in this process and in the next (same name).

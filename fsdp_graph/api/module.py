@@ -354,11 +354,13 @@ def _call_around_compiled_body(module: nn.Module, args: tuple, kwargs: dict):
 
 
 @torch.compiler.nested_compile_region
-def _forward_region(module: nn.Module, unsharded: list[torch.Tensor], args: tuple, kwargs: dict):
+def _forward_region(module: nn.Module, layout: str, *leaves):
     """A block's forward as one compile region over its gathered parameters ([Note: Blocks as
     compile regions] in runtime/traced.py): one function for every block, so that Dynamo compares
-    each block's body with those it traced before and keeps one copy of each distinct body."""
+    each block's body with those it traced before and keeps one copy of each distinct body. The
+    arguments come flat, `layout` telling how to rebuild them (`_flat_call`)."""
     state = module._fsdp_state
+    unsharded, args, kwargs = _rebuild(layout, leaves)
     traced.install(state.group, unsharded)
     output = state.region_forward(module, *args, **kwargs)
     traced.install(state.group, None)
@@ -368,7 +370,62 @@ def _forward_region(module: nn.Module, unsharded: list[torch.Tensor], args: tupl
 def _call_as_region(module: nn.Module, args: tuple, kwargs: dict):
     state = module._fsdp_state
     unsharded, args, kwargs = traced.region_pre_forward(state, args, kwargs)
-    return traced.region_post_forward(state, _forward_region(module, unsharded, args, kwargs))
+    layout, leaves = _flat_call(unsharded, args, kwargs)
+    return traced.region_post_forward(state, _forward_region(module, layout, *leaves))
+
+
+# [Note: Flat region arguments]
+# Dynamo flattens a region's arguments to compare calls; nested ones (a list of tensors, a dict of
+# keyword arguments) go through pytree, whose traced code costs every call and leaves a guard on
+# pytree's registry that torch 2.13 cannot serialize (fsdp_graph.precompile then gives up). So the
+# gathered tensors and the call's arguments go in flat, with a string constant that says how to
+# rebuild them: "n;a;a2;k:name;k2:name" = n gathered tensors, a positional leaf, a positional tuple
+# of 2 leaves, a keyword leaf, a keyword tuple of 2 leaves. Leaves are tensors and Python scalars;
+# anything else (a cache object, a nested structure) goes in as it is, under the "o" kinds.
+
+
+def _is_leaf(value) -> bool:
+    return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
+
+
+def _flat_call(unsharded: list, args: tuple, kwargs: dict) -> tuple[str, list]:
+    fields, leaves = [str(len(unsharded))], list(unsharded)
+
+    def add(kind: str, value) -> None:
+        if _is_leaf(value):
+            fields.append(kind)
+            leaves.append(value)
+        elif type(value) is tuple and all(_is_leaf(v) for v in value):
+            fields.append(kind.replace(":", f"{len(value)}:", 1) if ":" in kind else f"{kind}{len(value)}")
+            leaves.extend(value)
+        else:
+            fields.append("o" + kind)
+            leaves.append(value)
+
+    for value in args:
+        add("a", value)
+    for name, value in kwargs.items():
+        add(f"k:{name}", value)
+    return ";".join(fields), leaves
+
+
+def _rebuild(layout: str, leaves: tuple) -> tuple[list, list, dict]:
+    fields = layout.split(";")
+    n = int(fields[0])
+    unsharded, args, kwargs, at = list(leaves[:n]), [], {}, n
+    for field in fields[1:]:
+        kind, _, name = field.partition(":")
+        as_is = kind.startswith("o")
+        count = kind.lstrip("oak")
+        if as_is or not count:
+            value, at = leaves[at], at + 1
+        else:
+            value, at = tuple(leaves[at:at + int(count)]), at + int(count)
+        if kind.lstrip("o").startswith("a"):
+            args.append(value)
+        else:
+            kwargs[name] = value
+    return unsharded, args, kwargs
 
 
 def _check_comm(method: str, comm: object) -> None:
