@@ -23,9 +23,9 @@ from typing import Any, Optional
 
 import torch
 import torch.utils._pytree as pytree
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
-from .nodes import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor, parallelism_of
+from .nodes import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor, parallelism_of, region_body
 
 
 class CollectiveKind(Enum):
@@ -179,23 +179,12 @@ def op_facts(node: Node) -> OpFacts:
         else:
             world = _group_size(node.args[2])  # all_reduce(input, op, group_name)
         return OpFacts(collective=kind, collective_bytes=max(inp, out), world=world, parallelism=parallelism_of(node))
-    body = _region_body(node)
+    body = region_body(node)  # costed as the sum of its nodes
     if body is not None:
         return OpFacts(parts=tuple(op_facts(n) for n in body.graph.nodes))
     flops, dtype_bytes = _flops(node)
     moved = _val_bytes(node.meta.get("val")) + sum(_val_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     return OpFacts(flops=flops, bytes_moved=moved, matmul_dtype_bytes=dtype_bytes)
-
-
-def _region_body(node: Node) -> Optional[GraphModule]:
-    """The body of a compile region's call (`torch.compiler.nested_compile_region`, traced as
-    `invoke_subgraph`), which the call costs as the sum of its nodes; None for any other node."""
-    if node.target is not torch.ops.higher_order.invoke_subgraph:
-        return None
-    owner, body = node.graph.owning_module, node.args[0]
-    if owner is None or not isinstance(body, Node) or body.op != "get_attr":
-        return None
-    return getattr(owner, body.target, None)
 
 
 def _group_size(group_name: str) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..runtime.meta import GROUP_KEY
@@ -43,6 +43,21 @@ def is_all_reduce(node: Node) -> bool:
 
 def is_wait_tensor(node: Node) -> bool:
     return node.op == "call_function" and node.target is _C10D.wait_tensor.default
+
+
+def is_region_call(node: Node) -> bool:
+    """A compile region's call (`torch.compiler.nested_compile_region`, traced as `invoke_subgraph`)."""
+    return node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
+
+
+def region_body(node: Node) -> Optional[GraphModule]:
+    """The body a compile region's call runs (a submodule of the node's graph), or None."""
+    if not is_region_call(node):
+        return None
+    owner, body = node.graph.owning_module, node.args[0]
+    if owner is None or not isinstance(body, Node) or body.op != "get_attr":
+        return None
+    return getattr(owner, body.target, None)
 
 
 def is_collective(node: Node) -> bool:

@@ -14,13 +14,14 @@ saves the shards (graph inputs, free to keep) and replays the region in the back
 from __future__ import annotations
 
 import logging
+import operator
 
 from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
 from .cost_model import is_view
-from .nodes import fsdp_meta
+from .nodes import fsdp_meta, region_body
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +103,8 @@ def read_saved_inputs_outside(gm: GraphModule) -> GraphModule:
     that input directly. The region's backward then takes the unsharded parameter that the outer
     graph gathered, which `tag_reshard_after_forward` can make the backward gather again; the
     region's output was the same tensor under another name. Values unchanged."""
-    import operator
-
-    import torch
-
-    for hop in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
-        body = getattr(gm, hop.args[0].target, None) if isinstance(hop.args[0], Node) else None
+    for hop in gm.graph.nodes:
+        body = region_body(hop)
         if body is None:
             continue
         placeholders = list(body.graph.find_nodes(op="placeholder"))

@@ -375,7 +375,6 @@ def _flat_shards(params: list, dtype: torch.dtype, flags: Optional[torch.Tensor]
 
 
 def install(group: TracedGroup, unsharded: Optional[list[torch.Tensor]]) -> None:
-    """Shadow each parameter of `group` with its unsharded tensor, or drop the shadows (None)."""
     """Shadow (or un-shadow, with None) every owner's parameter attribute. See [Note: Traced unshard]."""
     for i, p in enumerate(group.params):
         for module, name in p.owners:
@@ -397,9 +396,19 @@ def pre_forward(state: TracedState, module: torch.nn.Module, args: tuple, kwargs
     if state.group is not None and num_forwards == 0:
         install(state.group, unshard(state.group))
     state._traced_num_forwards = num_forwards + 1
+    return _cast_inputs(state, args, kwargs)
+
+
+def _cast_inputs(state: TracedState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if state.mp_policy.param_dtype is not None and state.mp_policy.cast_forward_inputs:
         args, kwargs = cast_floats((args, kwargs), state.mp_policy.param_dtype)
     return args, kwargs
+
+
+def _cast_output(state: TracedState, output: Any) -> Any:
+    if state.mp_policy.output_dtype is not None:
+        output = cast_floats(output, state.mp_policy.output_dtype)
+    return output
 
 
 # [Note: Blocks as compile regions]
@@ -428,23 +437,17 @@ def pre_forward(state: TracedState, module: torch.nn.Module, args: tuple, kwargs
 def region_pre_forward(state: TracedState, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], tuple, dict]:
     """Traced pre-forward of a block traced as a region: its gathered tensors (not installed) and
     the cast inputs. See [Note: Blocks as compile regions]."""
-    unsharded = unshard(state.group)
-    if state.mp_policy.param_dtype is not None and state.mp_policy.cast_forward_inputs:
-        args, kwargs = cast_floats((args, kwargs), state.mp_policy.param_dtype)
-    return unsharded, args, kwargs
+    return (unshard(state.group), *_cast_inputs(state, args, kwargs))
 
 
 def region_post_forward(state: TracedState, output: Any) -> Any:
     """Traced post-forward of a block traced as a region: cast the outputs."""
-    if state.mp_policy.output_dtype is not None:
-        output = cast_floats(output, state.mp_policy.output_dtype)
-    return output
+    return _cast_output(state, output)
 
 
 def post_forward(state: TracedState, module: torch.nn.Module, output: Any) -> Any:
     """Traced post-forward: cast the outputs; after the group's last module, drop the shadows."""
-    if state.mp_policy.output_dtype is not None:
-        output = cast_floats(output, state.mp_policy.output_dtype)
+    output = _cast_output(state, output)
     if state._traced_num_forwards >= len(state.modules):
         state._traced_num_forwards = 0
         if state.group is not None:

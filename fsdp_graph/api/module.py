@@ -379,9 +379,9 @@ def _call_as_region(module: nn.Module, args: tuple, kwargs: dict):
 # keyword arguments) go through pytree, whose traced code costs every call and leaves a guard on
 # pytree's registry that torch 2.13 cannot serialize (fsdp_graph.precompile then gives up). So the
 # gathered tensors and the call's arguments go in flat, with a string constant that says how to
-# rebuild them: "n;a;a2;k:name;k2:name" = n gathered tensors, a positional leaf, a positional tuple
-# of 2 leaves, a keyword leaf, a keyword tuple of 2 leaves. Leaves are tensors and Python scalars;
-# anything else (a cache object, a nested structure) goes in as it is, under the "o" kinds.
+# rebuild them: "n;a:;a2:;k:name;k2:name" = n gathered tensors, a positional leaf, a positional
+# tuple of 2 leaves, a keyword leaf, a keyword tuple of 2 leaves. Leaves are tensors and Python
+# scalars; anything else (a cache object, a nested structure) goes in as it is, as "oa:" or "ok:name".
 
 
 def _is_leaf(value) -> bool:
@@ -391,21 +391,21 @@ def _is_leaf(value) -> bool:
 def _flat_call(unsharded: list, args: tuple, kwargs: dict) -> tuple[str, list]:
     fields, leaves = [str(len(unsharded))], list(unsharded)
 
-    def add(kind: str, value) -> None:
+    def add(kind: str, name: str, value) -> None:
         if _is_leaf(value):
-            fields.append(kind)
+            fields.append(f"{kind}:{name}")
             leaves.append(value)
         elif type(value) is tuple and all(_is_leaf(v) for v in value):
-            fields.append(kind.replace(":", f"{len(value)}:", 1) if ":" in kind else f"{kind}{len(value)}")
+            fields.append(f"{kind}{len(value)}:{name}")
             leaves.extend(value)
         else:
-            fields.append("o" + kind)
+            fields.append(f"o{kind}:{name}")
             leaves.append(value)
 
     for value in args:
-        add("a", value)
+        add("a", "", value)
     for name, value in kwargs.items():
-        add(f"k:{name}", value)
+        add("k", name, value)
     return ";".join(fields), leaves
 
 
@@ -415,13 +415,12 @@ def _rebuild(layout: str, leaves: tuple) -> tuple[list, list, dict]:
     unsharded, args, kwargs, at = list(leaves[:n]), [], {}, n
     for field in fields[1:]:
         kind, _, name = field.partition(":")
-        as_is = kind.startswith("o")
         count = kind.lstrip("oak")
-        if as_is or not count:
-            value, at = leaves[at], at + 1
-        else:
+        if count:
             value, at = tuple(leaves[at:at + int(count)]), at + int(count)
-        if kind.lstrip("o").startswith("a"):
+        else:
+            value, at = leaves[at], at + 1
+        if "a" in kind:
             args.append(value)
         else:
             kwargs[name] = value

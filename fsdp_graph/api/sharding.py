@@ -119,7 +119,7 @@ def _compile_region_reading(modules: tuple[nn.Module, ...], owners) -> Optional[
     owner_ids = {id(m) for _, param_owners, _ in owners for m, _ in param_owners}
     for root in modules:
         for name, sub in root.named_modules():
-            marked = getattr(getattr(sub, "forward", None), "__marked_compile_region_fn__", None)
+            marked = _region_fn(getattr(sub, "forward", None))
             if marked is not None and any(id(m) in owner_ids for m in sub.modules()):
                 where = f"{type(sub).__name__}.forward" + (f" (submodule '{name}')" if name else "")
                 return (
@@ -133,11 +133,15 @@ def _compile_region_reading(modules: tuple[nn.Module, ...], owners) -> Optional[
 def _own_region_forward(modules: tuple[nn.Module, ...]) -> Optional[Callable]:
     """The function under a `torch.compiler.nested_compile_region` that is the forward of the one
     module of this group, or None ([Note: Blocks as compile regions] in runtime/traced.py)."""
-    if len(modules) != 1:
+    if len(modules) != 1 or "forward" in modules[0].__dict__:
         return None
-    fn = getattr(type(modules[0]).forward, "__marked_compile_region_fn__", None)
-    if fn is None or "forward" in modules[0].__dict__:
-        return None
+    return _region_fn(type(modules[0]).forward)
+
+
+def _region_fn(forward) -> Optional[Callable]:
+    """The innermost function under `torch.compiler.nested_compile_region` wrappers of `forward`,
+    or None where `forward` is not such a region."""
+    fn = getattr(forward, "__marked_compile_region_fn__", None)
     while hasattr(fn, "__marked_compile_region_fn__"):
         fn = fn.__marked_compile_region_fn__
     return fn

@@ -28,7 +28,7 @@ from .cache_key import local_shapes, own_sources_digest, stable_cache_keys
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
 from ..passes.check_collectives import check_collectives
-from ..passes.nodes import fsdp_meta
+from ..passes.nodes import fsdp_meta, is_region_call
 from ..passes.cost_model import CostModel, Profile
 from ..passes.pipeline import GraphPass, PassPipeline
 from ..passes.reshard import tag_reshard_after_forward
@@ -331,8 +331,8 @@ class FSDPGraphBackend:
         schedule = PassPipeline("schedule", self.config.scheduling_passes(), disabled, dump)
         pin = PassPipeline("schedule", self.config.check_passes() + [PIN_ORDER], disabled, dump)
         patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump, schedule, pin, self.config)
-        if any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes):
-            patches["allow_buffer_reuse"] = False
+        if any(is_region_call(n) for n in gm.graph.nodes):  # torch 2.13 reuses a region's buffers wrongly on CPU:
+            patches["allow_buffer_reuse"] = False  # examples/repro/nested_region_inductor_grads.py
         with stable_cache_keys():  # see [Note: Rank-independent cache keys]
             return compile_fx(gm, example_inputs, config_patches=patches)
 
