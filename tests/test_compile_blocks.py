@@ -216,13 +216,35 @@ def _region_variant(rank, world_size, variant):
     compiled = torch.compile(traced, backend=fsdp_graph.backend(compiler="aot_eager", dump_dir=dump_dir))
     train_bitwise_like_eager(model, eager, traced, compiled, rank, world_size)
     regions = (Path(dump_dir) / "frame_0_0.forward.txt").read_text().count("= invoke_subgraph(")
+    _check_params_like_torch(model, traced, variant, rank, world_size)
     return dict(traced._fsdp_state.ctx.fallbacks), counters["stats"]["unique_graphs"], regions
+
+
+def _check_params_like_torch(model, trained, variant, rank, world_size, steps=2) -> None:
+    """torch's fully_shard with `variant`'s settings, trained as `train_bitwise_like_eager` trains:
+    `trained`'s parameters must be its."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
+
+    kwargs = {
+        "bf16": {"mp_policy": TorchMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+        "keep_unsharded": {"reshard_after_forward": False},
+    }.get(variant, {})
+    theirs = shard_llama(copy.deepcopy(model), torch_fully_shard, **kwargs)
+    optimizer = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    for step in range(steps):
+        _, _, x, y = batch_for_step(model, step, 8, rank, world_size)
+        loss_fn(theirs, theirs(x).float(), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    expected = dict(theirs.named_parameters())
+    for name, p in trained.named_parameters():
+        torch.testing.assert_close(p.to_local(), expected[name].to_local(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("variant", ["bf16", "keep_unsharded", "checkpoint"])
 def test_regions_with_other_settings(variant):
     """Blocks as regions under mixed precision, reshard_after_forward=False and activation
-    checkpointing around each block: one graph, no fallback, and the eager runtime's numbers bit for
-    bit (aot_eager)."""
+    checkpointing around each block: one graph, no fallback, the eager runtime's numbers bit for bit
+    (aot_eager), and the parameters torch's fully_shard trains with the same settings."""
     fallbacks, graphs, regions = run_ranks(_region_variant, 2, variant)
     assert fallbacks == {} and graphs == 1 and regions == 3, (fallbacks, graphs, regions)
