@@ -67,7 +67,7 @@ import fsdp_graph  # noqa: E402
 from fsdp_graph import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 SCHEDULING = {"bucket_by_group", "auto_bucket", "reorder_for_overlap", "pin_order"}
-ROWS = ("scheduled", "regions", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes",
+ROWS = ("scheduled", "regions", "block-scope", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes",
         "blocks", "fsdp2-blocks", "floor", "collectives")
 MODELS = {"ours": "Llama (examples/llama.py)", "hf-llama": "HF LlamaForCausalLM", "hf-gpt2": "HF GPT2LMHeadModel"}
 
@@ -317,6 +317,8 @@ def timings(args) -> None:
         "scheduled": lambda: Row("fsdp_graph scheduled", model(fully_shard), ours),
         # The same, the blocks marked as compile regions: one body compiled for all blocks.
         "regions": lambda: Row("fsdp_graph scheduled, blocks as regions", marked_as_regions(model), ours),
+        # The whole model compiled with scope="block": FSDP2 + compile's structure, with our runtime.
+        "block-scope": lambda: Row("fsdp_graph scope=block", model(fully_shard), fsdp_graph.backend(compiler="inductor", scope="block")),
         "unscheduled": lambda: Row("fsdp_graph unscheduled", model(fully_shard), unscheduled),
         "fsdp2-eager": lambda: Row("FSDP2 eager", model(torch_fully_shard)),
         "fsdp2-compile": lambda: Row("FSDP2 + compile", model(torch_fully_shard), "inductor"),

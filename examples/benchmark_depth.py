@@ -31,7 +31,8 @@ from bench_report import write_markdown  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = {"blocks": "ours, blocks compiled one by one", "fsdp2-blocks": "FSDP2, blocks compiled one by one",
          "fsdp2-compile": "FSDP2, torch.compile(model)", "scheduled": "ours, whole step (fsdp_graph backend)",
-         "regions": "ours, whole step, blocks as nested_compile_region"}
+         "regions": "ours, whole step, blocks as nested_compile_region",
+         "block-scope": "ours, torch.compile(model) with scope=\"block\""}
 
 
 def parse_args() -> argparse.Namespace:

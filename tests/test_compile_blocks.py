@@ -9,6 +9,7 @@ numbers and parameter names, and compile the block's code once for all blocks. 2
 """
 
 import copy
+import json
 import re
 import tempfile
 from pathlib import Path
@@ -35,6 +36,9 @@ def _compile_blocks(model, shard, how: str, dump_dir=None):
         for block in model.layers:
             block.__class__ = _RegionBlock
         backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=dump_dir) if shard is fully_shard else "aot_eager"
+        return model, torch.compile(shard_llama(model, shard), backend=backend)
+    if how == "block_scope":  # the whole model compiled, each block's code one graph ([Note: Compile scope])
+        backend = fsdp_graph.backend(compiler="aot_eager", scope="block", dump_dir=dump_dir) if shard is fully_shard else "aot_eager"
         return model, torch.compile(shard_llama(model, shard), backend=backend)
     if how == "compile_then_shard":
         for i, block in enumerate(model.layers):
@@ -107,6 +111,8 @@ def _blocks_compiled(rank, world_size, how):
         # the regions (two graphs).
         assert (graphs, t_graphs) == (1, 2), (graphs, t_graphs)
         _check_one_region_body(dump_dir)
+    elif how == "block_scope":
+        _check_one_block_graph(dump_dir)
     else:
         assert graphs == t_graphs == 1, (graphs, t_graphs)  # one block graph, reused by all three blocks
 
@@ -123,7 +129,19 @@ def _check_one_region_body(dump_dir) -> None:
         assert collective_groups(graphs, "backward", "all_gather_into_tensor").count(block) == 1, block
 
 
-@pytest.mark.parametrize("how", ["compile_then_shard", "shard_then_compile", "regions"])
+def _check_one_block_graph(dump_dir) -> None:
+    """scope="block": the three blocks share one compiled graph, and no graph holds a collective
+    (the eager runtime's hooks run them, as FSDP2 + torch.compile does)."""
+    dynamo = [path.read_text() for path in sorted(Path(dump_dir).glob("*.dynamo.txt"))]
+    assert sum("attention_modules_wq" in text for text in dynamo) == 1, len(dynamo)
+    summary = json.loads((Path(dump_dir) / "summary.json").read_text())
+    assert len(summary["graphs"]) == len(dynamo), summary["graphs"].keys()
+    for graph_id, graphs in summary["graphs"].items():
+        for kind in ("forward", "backward"):
+            assert graphs[kind]["collectives"] == [], (graph_id, kind, graphs[kind]["collectives"])
+
+
+@pytest.mark.parametrize("how", ["compile_then_shard", "shard_then_compile", "regions", "block_scope"])
 def test_blocks_compiled_one_by_one(how):
     run_ranks(_blocks_compiled, 2, how)
 
@@ -248,3 +266,41 @@ def test_regions_with_other_settings(variant):
     (aot_eager), and the parameters torch's fully_shard trains with the same settings."""
     fallbacks, graphs, regions = run_ranks(_region_variant, 2, variant)
     assert fallbacks == {} and graphs == 1 and regions == 3, (fallbacks, graphs, regions)
+
+
+def _block_scope_variant(rank, world_size, variant):
+    """scope="block" against the eager runtime and torch's fully_shard under `variant`'s settings:
+    (fallbacks, graphs compiled at 3 layers, at 5 layers)."""
+    from fsdp_graph import MixedPrecisionPolicy
+
+    kwargs = {
+        "bf16": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+        "keep_unsharded": {"reshard_after_forward": False},
+    }.get(variant, {})
+    graphs = []
+    for num_layers in (3, 5):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(vocab_size=64, dim=32, num_layers=num_layers, num_heads=2, hidden_dim=56,
+                                  checkpoint_blocks=variant == "checkpoint"))
+        eager = shard_llama(copy.deepcopy(model), fully_shard, **kwargs)
+        traced = shard_llama(copy.deepcopy(model), fully_shard, **kwargs)
+        if variant == "options":  # the registered backend, configured through torch.compile's options
+            compiled = torch.compile(traced, backend="fsdp_graph", options={"compiler": "aot_eager", "scope": "block"})
+        else:
+            compiled = torch.compile(traced, backend=fsdp_graph.backend(compiler="aot_eager", scope="block"))
+        train_bitwise_like_eager(model, eager, traced, compiled, rank, world_size)
+        _check_params_like_torch(model, traced, variant, rank, world_size)
+        graphs.append(counters["stats"]["unique_graphs"])
+    return dict(traced._fsdp_state.ctx.fallbacks), graphs
+
+
+@pytest.mark.parametrize("variant", ["options", "bf16", "keep_unsharded", "checkpoint"])
+def test_block_scope(variant):
+    """torch.compile(model, backend=fsdp_graph.backend(scope="block")): every group on the eager
+    runtime's hooks (not reported as fallbacks), the blocks' code compiled once: as many graphs at 5
+    layers as at 3; the eager runtime's numbers bit for bit (aot_eager; the whole-step graph gives
+    them too, tests/test_compile_parity.py), and the parameters torch's fully_shard trains."""
+    fallbacks, graphs = run_ranks(_block_scope_variant, 2, variant)
+    assert fallbacks == {} and graphs[0] == graphs[1], (fallbacks, graphs)

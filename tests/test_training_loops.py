@@ -400,7 +400,7 @@ def _differential(rank, world_size, loops, compiled):
         for block in ours.blocks:
             fully_shard(block)
         fully_shard(ours)
-        kwargs = dict(backend="fsdp_graph", options={"compiler": "aot_eager"}) if compiled else None
+        kwargs = dict(backend="fsdp_graph", options={"compiler": "aot_eager", "scope": compiled}) if compiled else None
         _assert_same_training(_train_loop(loop, ours, kwargs, rank, global_view=False), expected, f"fsdp_graph {loop}")
         if loop.accumulate == 1:  # without sync off, every compiled step is one graph: no group fell back
             assert ours._fsdp_state.ctx.fallbacks == {}, (loop, ours._fsdp_state.ctx.fallbacks)
@@ -414,7 +414,10 @@ def _differential(rank, world_size, loops, compiled):
     return len(loops)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, "step", "block"])
 def test_training_loops_match_the_unsharded_model_and_torch(compiled, loop_fuzz):
+    """Each loop trained by the unsharded model on the global batch, by ours (eager, or compiled with
+    the whole step in one graph or block by block: the backend's `scope`) and by torch's
+    fully_shard (eager or compiled): the same losses, gradients, evaluations and states."""
     loops = DEFAULT_LOOPS + draw_loops(DEFAULT_SEEDS) + draw_loops(range(100, 100 + loop_fuzz))
     assert run_ranks(_differential, 2, loops, compiled, timeout_s=900) == len(loops)

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from ..compile.backend import traced_scope
 from ..runtime.comms import AllGather, ReduceScatter
 from ..runtime import traced
 from ..runtime.state import FSDPState
@@ -40,6 +41,8 @@ class FSDPModule:
         # changing torch's `wrap_top_frame` config. In eager this is one plain Python call more.
         # Each FSDP class gets its own copy of this code object: see `_own_call`.
         if torch.compiler.is_compiling():
+            if traced_scope() == "block":
+                return _call_in_block_scope(self, args, kwargs)  # [Note: Compile scope] in fsdp_graph/compile/backend.py
             if self._fsdp_state.eager_only_reason() is not None:
                 return _call_on_eager_hooks(self, args, kwargs)  # [Note: Groups that stay on the eager hooks]
             if self._fsdp_state.hooks_around_compiled_body is not None:
@@ -351,6 +354,16 @@ def _call_on_eager_hooks(module: nn.Module, args: tuple, kwargs: dict):
 @functools.partial(torch._dynamo.disable, recursive=False)
 def _call_around_compiled_body(module: nn.Module, args: tuple, kwargs: dict):
     return nn.Module.__call__(module, *args, **kwargs)
+
+
+@functools.partial(torch._dynamo.disable, recursive=False)
+def _call_in_block_scope(module: nn.Module, args: tuple, kwargs: dict):
+    state = module._fsdp_state
+    state.in_block_scope = True  # its eager hooks are the plan, not a fallback
+    try:
+        return nn.Module.__call__(module, *args, **kwargs)
+    finally:
+        state.in_block_scope = False
 
 
 @torch.compiler.nested_compile_region

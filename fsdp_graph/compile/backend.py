@@ -47,6 +47,9 @@ DUMP_ENV = "FSDP_GRAPH_DUMP"  # read when a backend with no dump_dir compiles a 
 CHECK_COLLECTIVES_ENV = "FSDP_GRAPH_CHECK_COLLECTIVES"
 TRACE_ENV = "TORCH_TRACE"  # torch's structured trace (tlparse): the dump goes there too, see fsdp_graph/inspect/dump.py
 
+# What one compiled graph spans: `BackendConfig.scope`.
+SCOPES = ("step", "block")
+
 # Joint-graph passes, in order (`BackendConfig.joint_passes`). Names are what `disabled_passes` accepts.
 JOINT_PASS_NAMES = ("unshard_selection", "reshard_after_forward")
 
@@ -100,6 +103,14 @@ class BackendConfig:
         async_tp_chunks: the row chunks each tensor-parallel matmul -> all-reduce is split into, so
             that each chunk's all-reduce runs behind the next chunk's matmul ("async_tp",
             passes/async_tp.py); 1 leaves them whole, as does disabling "async_tp".
+        scope: what one compiled graph spans ([Note: Compile scope]).
+            "step" (default): a sharded module's hooks are traced into the graph of the code that calls
+            it, so the whole step is one graph and its collectives are the passes' to bucket, reorder
+            and reshard. "block": FSDP2's way: every sharded module's hooks run on the eager runtime
+            (one bucket per group, prefetched), and Dynamo compiles the code between them, so
+            blocks of the same code share one compiled graph and the compile time stays flat in
+            depth; cross-group bucketing, the reordered schedule and selective unsharding are
+            then left out.
         check_collectives: check at run time that no buffer of an in-flight collective is written,
             freed or resized before its wait, and raise `CollectiveBufferError` naming it if so
             ([Note: Checking in-flight collectives] in passes/check_collectives.py); a copy of
@@ -118,6 +129,7 @@ class BackendConfig:
     rank_divergent_graphs: bool = False
     async_tp_chunks: int = DEFAULT_NUM_CHUNKS
     check_collectives: Optional[bool] = None
+    scope: str = "step"
 
     def __post_init__(self) -> None:
         problems = []
@@ -143,6 +155,8 @@ class BackendConfig:
                     problems.append(f"disabled_passes names {name!r}, which is not a pass; passes: {known}")
             object.__setattr__(self, "disabled_passes", frozenset(self.disabled_passes))
         problems += self._scheduling_problems()
+        if self.scope not in SCOPES:
+            problems.append(f"scope must be one of {list(SCOPES)}, got {self.scope!r}")
         if self.check_collectives not in (None, True, False):
             problems.append(f"check_collectives must be True, False or None, got {self.check_collectives!r}")
         if problems:
@@ -450,6 +464,37 @@ def backend(config: Optional[BackendConfig] = None, **options: Any) -> FSDPGraph
 def fsdp_graph_backend(gm: GraphModule, example_inputs: list, options: Optional[dict[str, Any]] = None) -> Callable:
     """The backend registered as "fsdp_graph"; `torch.compile(..., options={...})` configures it."""
     return FSDPGraphBackend(BackendConfig.from_options(options))(gm, example_inputs)
+
+
+# [Note: Compile scope]
+# Whether a sharded module's call is traced into the graph of its caller (scope "step") or runs its
+# hooks on the eager runtime around a body Dynamo compiles on its own (scope "block", FSDP2 +
+# torch.compile's structure) is decided while Dynamo traces the call, by `FSDPModule.__call__`;
+# the backend that will compile the graph is the one Dynamo's current translation was started for.
+# `traced_scope` reads it there and Dynamo takes the answer as a constant of the trace (no guard is
+# needed: Dynamo keeps each backend's compiled code apart). Any other backend ("inductor",
+# "aot_eager") traces the step. A module run in block scope is not a fallback: every rank runs every
+# group on the eager hooks, so the groups prefetch and reshard as in eager mode.
+
+
+@torch._dynamo.assume_constant_result
+def traced_scope() -> str:
+    """The `scope` of the fsdp_graph backend Dynamo is tracing for; "step" for any other backend."""
+    from torch._dynamo import symbolic_convert
+
+    tx = getattr(symbolic_convert.tls, "current_tx", None)
+    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
+    options = None
+    while fn is not None:  # Dynamo wraps the backend (WrapBackendDebug, the options' wrapper)
+        if isinstance(fn, FSDPGraphBackend):
+            return fn.config.scope
+        if fn is fsdp_graph_backend:
+            return BackendConfig.from_options(options).scope
+        kwargs = getattr(fn, "kwargs", None)
+        if isinstance(kwargs, dict) and isinstance(kwargs.get("options"), dict):
+            options = kwargs["options"]
+        fn = getattr(fn, "compiler_fn", None)
+    return "step"
 
 
 def _register() -> None:
