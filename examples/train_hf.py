@@ -15,6 +15,9 @@ Add `--eager` to skip torch.compile, `--profile-dir DIR` for a torch.profiler tr
 `--regions` to compile the decoder layers' code once for all layers (each layer's forward a
 `torch.compiler.nested_compile_region`; the step stays one graph: docs/compiler.md, Compile cost):
     torchrun --nproc-per-node 2 examples/train_hf.py --layers 16 --regions
+or `--scope block` to compile block by block as FSDP2 + torch.compile does (the collectives on the eager
+runtime's hooks; the compile time flat in depth: docs/compiler.md, Compile cost):
+    torchrun --nproc-per-node 2 examples/train_hf.py --layers 16 --scope block
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from progress import progress, write_profile
+import fsdp_graph
 from fsdp_graph import fully_shard
 
 CHECKPOINT_STEP_FILE = "step.txt"  # the number of steps the checkpoint holds, written by rank 0
@@ -50,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
     parser.add_argument("--regions", action="store_true", help="compile the decoder layers as one nested_compile_region")
+    parser.add_argument("--scope", choices=("step", "block"), default="step",
+                        help="what one compiled graph spans: the whole step, or one block (fsdp_graph.backend(scope=...))")
     parser.add_argument("--checkpoint-dir", help="save a DCP checkpoint here at the end")
     parser.add_argument("--resume", action="store_true", help="load the checkpoint in --checkpoint-dir first")
     parser.add_argument("--profile-dir", help="write a torch.profiler Chrome trace of one step here, one file per rank")
@@ -117,12 +123,14 @@ def load(checkpoint_dir: str, model, optimizer) -> int:
     return int(Path(checkpoint_dir, CHECKPOINT_STEP_FILE).read_text())
 
 
-def train(args: argparse.Namespace, device, compile_backend="fsdp_graph") -> list[float]:
+def train(args: argparse.Namespace, device, compile_backend=None) -> list[float]:
     """Train (resuming if asked) until `args.steps`; the global loss of each step run here."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = shard(build_model(args).to(device), regions=args.regions)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = load(args.checkpoint_dir, model, optimizer) if args.resume else 0
+    if compile_backend is None:
+        compile_backend = fsdp_graph.backend(scope=args.scope)
     step_fn = model if args.eager else torch.compile(model, backend=compile_backend)
     losses = []
     steps = progress(range(start, args.steps), enabled=rank == 0, initial=start, total=args.steps)
