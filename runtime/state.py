@@ -174,7 +174,7 @@ class FSDPState:
         # [Note: Fallback groups keep the traced order].
         self._fell_back = False
         # Set while a compiled call runs this module on the eager hooks by choice (the backend's
-        # `scope="block"`, [Note: Compile scope] in fsdp_graph/compile/backend.py): not a fallback.
+        # `scope="block"`, [Note: Compile scope] in fsdp_graph/api/scope.py): not a fallback.
         # The root's flag covers every module its call runs, those Dynamo never sees too (a block
         # inside `torch.utils.checkpoint`, which Dynamo runs in Python once the break stops it).
         self.in_block_scope = False

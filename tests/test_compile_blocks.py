@@ -304,3 +304,49 @@ def test_block_scope(variant):
     them too, tests/test_compile_parity.py), and the parameters torch's fully_shard trains."""
     fallbacks, graphs = run_ranks(_block_scope_variant, 2, variant)
     assert fallbacks == {} and graphs[0] == graphs[1], (fallbacks, graphs)
+
+
+def _plain_compile(rank, world_size):
+    """Ours and torch's fully_shard under torch.compile with a backend not fsdp_graph's (aot_eager,
+    noting which ops each graph holds): (graph ops, collectives per step, losses) of each."""
+    from collections import Counter
+
+    from torch._dynamo.backends.registry import lookup_backend
+
+    torch.manual_seed(0)
+    model = tiny_llama(num_layers=3)
+    results = []
+    for shard in (fully_shard, torch_fully_shard):
+        torch._dynamo.reset()
+        ops: set[str] = set()
+
+        def noting_ops(gm, example_inputs):
+            ops.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+            return lookup_backend("aot_eager")(gm, example_inputs)
+
+        sharded = shard_llama(copy.deepcopy(model), shard)
+        run = torch.compile(sharded, backend=noting_ops)
+        optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+        losses, counts = [], []
+        for step in range(2):
+            _, _, x, y = batch_for_step(model, step, 8, rank, world_size)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                loss = loss_fn(sharded, run(x), y)
+                loss.backward()
+            counts.append(Counter(e.name for e in prof.events() if e.name.startswith("gloo:")))
+            losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append((sorted(ops), counts, losses))
+    return results
+
+
+def test_plain_torch_compile_keeps_fsdp2s_structure():
+    """`torch.compile(model)` with a backend not ours has no pass that reshards after forward: a step
+    traced for it kept every gathered weight for backward. So, as under torch's fully_shard, no graph
+    holds a collective and the groups run on the eager hooks: every block gathered again in backward
+    (the same collectives per step as torch's), the same losses."""
+    (ops, counts, losses), (t_ops, t_counts, t_losses) = run_ranks(_plain_compile, 2)
+    assert not [op for op in ops if "c10d" in op or "fsdp_graph" in op or "autograd_function_apply" in op], ops
+    assert counts == t_counts and counts[0]["gloo:all_gather"] == 7, (counts, t_counts)  # root once, 3 blocks twice
+    torch.testing.assert_close(losses, t_losses, rtol=1e-6, atol=0)

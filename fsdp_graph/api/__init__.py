@@ -7,6 +7,7 @@
     mesh.py              the mesh it shards over (given, or one default mesh)
     optimizer_check.py   the optimizer step pre-hook (optimizers built before `fully_shard`, stale gathers)
     pipelining.py        `PipelineStage` for torch's pipeline schedules
+    scope.py             whether a compiled call traces its hooks or runs them eagerly (the backend's `scope`)
 """
 
 from .module import FSDPModule, UnshardHandle

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from ..compile.backend import traced_scope
+from .scope import traced_scope
 from ..runtime.comms import AllGather, ReduceScatter
 from ..runtime import traced
 from ..runtime.state import FSDPState
@@ -42,7 +42,7 @@ class FSDPModule:
         # Each FSDP class gets its own copy of this code object: see `_own_call`.
         if torch.compiler.is_compiling():
             if traced_scope() == "block":
-                return _call_in_block_scope(self, args, kwargs)  # [Note: Compile scope] in fsdp_graph/compile/backend.py
+                return _call_in_block_scope(self, args, kwargs)  # [Note: Compile scope] in fsdp_graph/api/scope.py
             if self._fsdp_state.eager_only_reason() is not None:
                 return _call_on_eager_hooks(self, args, kwargs)  # [Note: Groups that stay on the eager hooks]
             if self._fsdp_state.hooks_around_compiled_body is not None:

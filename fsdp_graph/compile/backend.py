@@ -36,6 +36,7 @@ from ..passes.unshard_selection import select_unsharded
 from ..passes.async_tp import DEFAULT_NUM_CHUNKS, async_tp_on_cuda
 from ..passes.gloo import plain_all_gathers_on_gloo
 from ..passes.scheduling import CROSS_GROUP_PASS_NAMES, PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
+from ..api.scope import SCOPE_ATTR, SCOPES
 from ..runtime.meta import GROUP_KEY
 from ..runtime.param_group import ParamGroup
 
@@ -46,9 +47,6 @@ DUMP_ENV = "FSDP_GRAPH_DUMP"  # read when a backend with no dump_dir compiles a 
 # Read when a backend whose check_collectives is None compiles a graph; "1" turns the checks on.
 CHECK_COLLECTIVES_ENV = "FSDP_GRAPH_CHECK_COLLECTIVES"
 TRACE_ENV = "TORCH_TRACE"  # torch's structured trace (tlparse): the dump goes there too, see fsdp_graph/inspect/dump.py
-
-# What one compiled graph spans: `BackendConfig.scope`.
-SCOPES = ("step", "block")
 
 # Joint-graph passes, in order (`BackendConfig.joint_passes`). Names are what `disabled_passes` accepts.
 JOINT_PASS_NAMES = ("unshard_selection", "reshard_after_forward")
@@ -103,7 +101,7 @@ class BackendConfig:
         async_tp_chunks: the row chunks each tensor-parallel matmul -> all-reduce is split into, so
             that each chunk's all-reduce runs behind the next chunk's matmul ("async_tp",
             passes/async_tp.py); 1 leaves them whole, as does disabling "async_tp".
-        scope: what one compiled graph spans ([Note: Compile scope]).
+        scope: what one compiled graph spans ([Note: Compile scope] in fsdp_graph/api/scope.py).
             "step" (default): a sharded module's hooks are traced into the graph of the code that calls
             it, so the whole step is one graph and its collectives are the passes' to bucket, reorder
             and reshard. "block": FSDP2's way: every sharded module's hooks run on the eager runtime
@@ -272,6 +270,7 @@ class FSDPGraphBackend:
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
+        setattr(self, SCOPE_ATTR, config.scope)  # read while Dynamo traces: fsdp_graph/api/scope.py
 
     def __repr__(self) -> str:
         return f"FSDPGraphBackend({self.config})"
@@ -466,35 +465,7 @@ def fsdp_graph_backend(gm: GraphModule, example_inputs: list, options: Optional[
     return FSDPGraphBackend(BackendConfig.from_options(options))(gm, example_inputs)
 
 
-# [Note: Compile scope]
-# Whether a sharded module's call is traced into the graph of its caller (scope "step") or runs its
-# hooks on the eager runtime around a body Dynamo compiles on its own (scope "block", FSDP2 +
-# torch.compile's structure) is decided while Dynamo traces the call, by `FSDPModule.__call__`;
-# the backend that will compile the graph is the one Dynamo's current translation was started for.
-# `traced_scope` reads it there and Dynamo takes the answer as a constant of the trace (no guard is
-# needed: Dynamo keeps each backend's compiled code apart). Any other backend ("inductor",
-# "aot_eager") traces the step. A module run in block scope is not a fallback: every rank runs every
-# group on the eager hooks, so the groups prefetch and reshard as in eager mode.
-
-
-@torch._dynamo.assume_constant_result
-def traced_scope() -> str:
-    """The `scope` of the fsdp_graph backend Dynamo is tracing for; "step" for any other backend."""
-    from torch._dynamo import symbolic_convert
-
-    tx = getattr(symbolic_convert.tls, "current_tx", None)
-    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
-    options = None
-    while fn is not None:  # Dynamo wraps the backend (WrapBackendDebug, the options' wrapper)
-        if isinstance(fn, FSDPGraphBackend):
-            return fn.config.scope
-        if fn is fsdp_graph_backend:
-            return BackendConfig.from_options(options).scope
-        kwargs = getattr(fn, "kwargs", None)
-        if isinstance(kwargs, dict) and isinstance(kwargs.get("options"), dict):
-            options = kwargs["options"]
-        fn = getattr(fn, "compiler_fn", None)
-    return "step"
+setattr(fsdp_graph_backend, SCOPE_ATTR, BackendConfig.scope)  # unless options= say otherwise
 
 
 def _register() -> None:

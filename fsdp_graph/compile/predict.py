@@ -30,6 +30,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.fx import GraphModule
 
+from ..api.scope import SCOPE_ATTR
 from .backend import BackendConfig
 from .partition import partition
 from ..passes.cost_model import CostModel
@@ -96,6 +97,7 @@ def capture_graphs(
 
     backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=partition_joint,
                            keep_inference_input_mutations=True)
+    setattr(backend, SCOPE_ATTR, "step")  # the hooks traced into the graph: [Note: Compile scope]
     torch._dynamo.reset()
     with capturing_graphs(model):
         loss(torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(*args)).backward()

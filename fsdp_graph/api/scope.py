@@ -1,0 +1,45 @@
+"""Which compile scope a sharded module's call is traced for: the `scope` of the backend Dynamo
+traces for (`fsdp_graph.backend(scope=...)`, fsdp_graph/compile/backend.py).
+
+[Note: Compile scope]
+Whether a sharded module's call is traced into the graph of its caller (scope "step") or runs its
+hooks on the eager runtime around a body Dynamo compiles on its own (scope "block", FSDP2 +
+torch.compile's structure) is decided while Dynamo traces the call, by `FSDPModule.__call__`. The
+backend that will compile the graph is the one Dynamo's current translation was started for:
+`traced_scope` reads it there, and Dynamo takes the answer as a constant of the trace (no guard is
+needed: Dynamo keeps each backend's compiled code apart). The fsdp_graph backend says its scope
+with a `SCOPE_ATTR` attribute (the registered one's default, or `options={"scope": ...}`), as does
+fsdp_graph.predict's own capture ("step"). Any other backend ("inductor", "aot_eager",
+`torch.compile(model)`) gets block scope, FSDP2's structure: it has no pass that reshards after
+forward, so in a step traced for it the partitioner saved every gathered weight for backward (HF
+Llama, 4 layers, dim 256, plain Inductor: 5 all-gathers per step against FSDP2 + compile's 9, peak
+heap 33.3 MiB against 25.9). A module run in block scope is not a fallback: every rank runs every
+group on the eager hooks, so the groups prefetch and reshard as in eager mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCOPES = ("step", "block")  # what one compiled graph spans: `BackendConfig.scope`
+SCOPE_ATTR = "fsdp_graph_scope"  # on a backend: the scope it compiles for
+
+
+@torch._dynamo.assume_constant_result
+def traced_scope() -> str:
+    """The scope of the backend Dynamo is tracing for: its `SCOPE_ATTR` (or the scope in the options
+    it was given); "block" for a backend without one."""
+    from torch._dynamo import symbolic_convert
+
+    tx = getattr(symbolic_convert.tls, "current_tx", None)
+    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
+    options: dict = {}
+    while fn is not None:  # Dynamo wraps the backend (WrapBackendDebug, the options' wrapper)
+        kwargs = getattr(fn, "kwargs", None)
+        if isinstance(kwargs, dict) and isinstance(kwargs.get("options"), dict):
+            options = kwargs["options"]
+        scope = getattr(fn, SCOPE_ATTR, None)
+        if scope is not None:
+            return options.get("scope", scope)
+        fn = getattr(fn, "compiler_fn", None)
+    return "block"
