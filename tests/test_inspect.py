@@ -90,6 +90,8 @@ def test_trace_of_the_predicted_schedule_beside_a_measured_one(tmp_path, capsys)
                          "--measured", str(tmp_path / "measured.json")]) == 0
     events = validate_trace_events(json.loads(out.read_text()))
 
+    # The whole step is one graph: the runtime's hooks issued no all-gather of their own.
+    assert "eager runtime's all-gathers (measured): none" in capsys.readouterr().out
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
     processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert processes[1] == "predicted on h100-nvlink", processes
@@ -137,6 +139,33 @@ def test_text_view_prints_the_collectives_in_flight_of_every_graph(tmp_path, cap
     for label, program in programs.items():
         at = next(i for i, line in enumerate(lines) if line.startswith(f"{label} on cpu-gloo:"))
         assert lines[at + 1] == f"  max collectives in flight: {in_flight(program)[1]}", lines[at : at + 2]
+
+
+def test_measured_gathers_of_a_step_compiled_block_by_block(tmp_path, capsys):
+    """Compile scope "block": no graph predicts the collectives, the runtime's hooks issue them.
+    `--measured` alone lists each all-gather with the hook that issued it: in backward each block's
+    is issued in the hook of the block after it (FSDP2's implicit backward prefetch), across the
+    block boundary; in forward each group gathers in its own hook."""
+    torch.manual_seed(0)
+    model = MLPStack(num_blocks=3)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    compiled = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", scope="block",
+                                                               dump_dir=str(tmp_path / "dump")))
+    _step(compiled)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _step(compiled)
+    prof.export_chrome_trace(str(tmp_path / "measured.json"))
+    assert inspect_main([str(tmp_path / "dump"), "--measured", str(tmp_path / "measured.json")]) == 0
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines() if line.startswith("  forward") or line.startswith("  backward")]
+    forward = [(words[1], words[-1] if words[-1] != "prefetched" else words[-2]) for words in lines if words[0] == "forward"]
+    assert [group for group, _ in forward] == ["<root>", "blocks.0", "blocks.1", "blocks.2"], out
+    assert not any(words[-1] == "prefetched" for words in lines if words[0] == "forward"), out
+    backward = [(words[1], words[-2]) for words in lines if words[0] == "backward" and words[-1] == "prefetched"]
+    assert backward == [("blocks.1", "(blocks.2)"), ("blocks.0", "(blocks.1)")], out
+    assert "prefetched (issued in another group's hook): 2 of" in out, out
 
 
 def test_measured_trace_that_is_not_json_names_the_fix(tmp_path, capsys):

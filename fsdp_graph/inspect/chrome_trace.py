@@ -16,12 +16,19 @@ The graphs of one step (forward, then backward) are laid end to end. With `measu
 torch.profiler trace of the same step, e.g. from an example's `--profile-dir`) the measured
 processes are added beside the predicted one, renumbered, named "measured: ...", and shifted so
 that both start at 0.
+
+`eager_gathers` reads the eager runtime's schedule from a measured trace: each all-gather the
+runtime issued (its `fsdp_graph::all_gather (<group>)` span) and the hook it was issued in (the
+enclosing `fsdp_graph::pre_forward|pre_backward (<group>)` span): a gather issued in another group's
+hook is a prefetch. Groups on the eager hooks (compile scope "block", fallbacks, eager mode) have
+no graph to predict them from; this shows what they did.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -124,12 +131,54 @@ def write_trace(path: str | os.PathLike, sims: dict[str, Simulation], programs: 
     """Write the predicted schedule (and a measured torch.profiler trace beside it) to `path`."""
     events = predicted_events(sims, programs)
     if measured is not None:
-        try:
-            trace = json.loads(Path(measured).read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise ValueError(f"--measured {measured}: not a readable Chrome trace JSON ({error}); write one with "
-                             f"torch.profiler's export_chrome_trace or an example's --profile-dir") from error
-        events += measured_events(trace)
+        events += measured_events(read_trace(measured))
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return path
+
+
+_HOOK_SPAN = re.compile(r"fsdp_graph::(pre_forward|pre_backward) \((.+)\)$")
+_GATHER_SPAN = re.compile(r"fsdp_graph::all_gather \((.+)\)$")
+
+
+def read_trace(path: str | os.PathLike) -> dict[str, Any] | list:
+    """A torch.profiler Chrome trace; ValueError naming how to write one if it is not."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"--measured {path}: not a readable Chrome trace JSON ({error}); write one with "
+                         f"torch.profiler's export_chrome_trace or an example's --profile-dir") from error
+
+
+def eager_gathers(trace: dict[str, Any] | list) -> list[tuple[str, str, str]]:
+    """The eager runtime's all-gathers in a measured trace, in issue order, per thread: (phase
+    "forward"/"backward", the group gathered, the group whose hook issued it)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    spans = [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    hooks = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("pid"), e.get("tid"), m.group(1), m.group(2))
+             for e in spans if (m := _HOOK_SPAN.match(e.get("name", "")))]
+    gathers = []
+    for event in sorted(spans, key=lambda e: float(e["ts"])):
+        match = _GATHER_SPAN.match(event.get("name", ""))
+        if match is None:
+            continue
+        at = float(event["ts"])
+        around = [h for h in hooks if h[0] <= at <= h[1] and h[2:4] == (event.get("pid"), event.get("tid"))]
+        if around:
+            hook = max(around, key=lambda h: h[0])  # the innermost
+            gathers.append(("forward" if hook[4] == "pre_forward" else "backward", match.group(1), hook[5]))
+    return gathers
+
+
+def format_eager_gathers(gathers: list[tuple[str, str, str]]) -> str:
+    """The table `python -m fsdp_graph.inspect DIR --measured TRACE` prints."""
+    if not gathers:
+        return "eager runtime's all-gathers (measured): none (every group's collectives ran in a graph)"
+    width = max(len(group) for _, group, _ in gathers)
+    lines = ["eager runtime's all-gathers (measured), in issue order:"]
+    for phase, group, hook in gathers:
+        mark = "   prefetched" if group != hook else ""
+        lines.append(f"  {phase:8}  {group:{width}}  issued in pre_{phase} ({hook}){mark}")
+    prefetched = sum(group != hook for _, group, hook in gathers)
+    lines.append(f"  prefetched (issued in another group's hook): {prefetched} of {len(gathers)}")
+    return "\n".join(lines)

@@ -6,7 +6,9 @@ scheduled graph replayed on a hardware profile (`--profile h100-nvlink`): bucket
 positions, prefetch distance, predicted exposed communication and peak memory (fsdp_graph/inspect/timeline.py),
 with `--timeline out.svg` (or .html) a picture of it, and with `--trace out.json` a Chrome trace
 (Perfetto, chrome://tracing) of it, beside a measured torch.profiler trace with `--measured`
-(fsdp_graph/inspect/chrome_trace.py).
+(fsdp_graph/inspect/chrome_trace.py). `--measured` alone prints the eager runtime's all-gathers in
+that trace and the hook that issued each (prefetches), for groups no graph predicts (compile scope
+"block", fallbacks, eager mode).
 """
 
 from __future__ import annotations
@@ -23,17 +25,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="cpu-gloo", help="hardware profile to replay the schedules on: cpu-gloo, h100-nvlink, h100-infiniband")
     parser.add_argument("--timeline", help="also write an SVG (or .html) timeline of the schedules here")
     parser.add_argument("--trace", help="also write the predicted schedule as a Chrome trace (Perfetto) here")
-    parser.add_argument("--measured", help="a torch.profiler Chrome trace of the same step, shown beside the prediction in --trace")
+    parser.add_argument("--measured", help="a torch.profiler Chrome trace of the same step: the eager runtime's all-gathers in it "
+                                           "(which hook issued each: prefetches), and beside the prediction in --trace")
     args = parser.parse_args(argv)
-    if args.measured and not args.trace:
-        parser.error("--measured needs --trace OUT.json: the measured trace is shown beside the predicted one there")
     try:
         summary = load_summary(args.directory)
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
     print(format_summary(summary))
-    from .chrome_trace import write_trace
+    from .chrome_trace import eager_gathers, format_eager_gathers, read_trace, write_trace
     from .timeline import format_schedules, simulate_dump, write_timeline
 
     try:
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_schedules(programs, sims))
         if args.timeline:
             print(f"timeline: {write_timeline(args.timeline, sims)}")
+        if args.measured:
+            print(format_eager_gathers(eager_gathers(read_trace(args.measured))))
         if args.trace:
             print(f"trace: {write_trace(args.trace, sims, programs, args.measured)}")
     except ValueError as error:
