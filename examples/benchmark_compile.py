@@ -13,7 +13,9 @@ rank 0's forward / backward / optimizer split and ops by self CPU time printed);
 our row's trace with the predicted schedule: `python -m fsdp_graph.inspect dump --trace t.json --measured prof/<row>.rank0.json`.
 
 Compile cost against depth: an HF LlamaForCausalLM (the `hf` extra), only our row and FSDP2 + torch.compile, each
-launch with an empty Inductor cache (a second launch with the same cache is the warm relaunch):
+launch with an empty Inductor cache (a second launch with the same cache is the warm relaunch; benchmark_depth.py
+runs the series). `block-scope` is ours compiled with `fsdp_graph.backend(scope="block")` (block by block, the
+collectives on the eager hooks), `regions` the whole step with the blocks as nested_compile_regions:
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) torchrun --nproc-per-node 2 examples/benchmark_compile.py \
         --model hf-llama --dim 128 --seq-len 64 --layers 16 --rows scheduled,fsdp2-compile --rounds 3
 Rows of one launch share Inductor's in-process caches, so the row compiled second may reuse kernels of

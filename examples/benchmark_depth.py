@@ -12,7 +12,9 @@ seconds depend on which rank compiled first (FSDP2's blocks at 16 layers: 4.2 CP
     python examples/benchmark_depth.py --layers 4,16 --markdown depth.md # the table for docs/benchmarks.md
 Rows (benchmark_compile.py's names): `blocks` (our fully_shard, each block compiled on its own, the root
 eager), `fsdp2-blocks` (the same with FSDP2), `fsdp2-compile` (FSDP2, torch.compile of the whole model) and
-`scheduled` (ours, torch.compile(model, backend=fsdp_graph.backend(...)): the whole step in one graph).
+`scheduled` (ours, torch.compile(model, backend=fsdp_graph.backend(...)): the whole step in one graph), `regions`
+(the same, the blocks marked as torch.compiler.nested_compile_region) and `block-scope` (ours,
+torch.compile(model, backend=fsdp_graph.backend(scope="block")): the whole model compiled block by block).
 This is a benchmark, not a test: it asserts nothing.
 """
 
