@@ -187,9 +187,9 @@ def collectives_of(row: Row, tokens: torch.Tensor) -> list[tuple[str, int, torch
     for event in prof.events():
         if event.name.startswith("gloo:") and event.input_shapes and event.input_shapes[0]:
             wire.append((event.name[5:], math.prod(event.input_shapes[0]), _DTYPES[event.input_dtypes[0]]))
-    # The events of collectives in flight at once can be listed in another order on each rank; a
-    # replay must issue the same collectives in the same order everywhere (it hung otherwise): rank
-    # 0's list for all.
+    # A replay must issue the same collectives in the same order on every rank, and the events of
+    # collectives in flight at once may be listed in another order on each (a replay hung once, both
+    # ranks waiting in it): rank 0's list for all.
     shared = [wire]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
