@@ -127,11 +127,12 @@ def measured_events(trace: dict[str, Any] | list) -> list[dict[str, Any]]:
 
 
 def write_trace(path: str | os.PathLike, sims: dict[str, Simulation], programs: dict[str, Program],
-                measured: Optional[str | os.PathLike] = None) -> Path:
-    """Write the predicted schedule (and a measured torch.profiler trace beside it) to `path`."""
+                measured: Optional[dict[str, Any] | list] = None) -> Path:
+    """Write the predicted schedule (and a measured torch.profiler trace, as `read_trace` loads it,
+    beside it) to `path`."""
     events = predicted_events(sims, programs)
     if measured is not None:
-        events += measured_events(read_trace(measured))
+        events += measured_events(measured)
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return path

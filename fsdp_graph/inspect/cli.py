@@ -42,10 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         print(format_schedules(programs, sims))
         if args.timeline:
             print(f"timeline: {write_timeline(args.timeline, sims)}")
-        if args.measured:
-            print(format_eager_gathers(eager_gathers(read_trace(args.measured))))
+        measured = read_trace(args.measured) if args.measured else None
+        if measured is not None:
+            print(format_eager_gathers(eager_gathers(measured)))
         if args.trace:
-            print(f"trace: {write_trace(args.trace, sims, programs, args.measured)}")
+            print(f"trace: {write_trace(args.trace, sims, programs, measured)}")
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
