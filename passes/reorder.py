@@ -493,6 +493,17 @@ def _anchor(node: Node) -> Optional[Node]:
     return None
 
 
+def _first_compute_not_reading(nodes: list[Node], i: int) -> Optional[Node]:
+    """The first compute node after `nodes[i]` that reads nothing computed from it, or None."""
+    reading = {nodes[i]}
+    for node in nodes[i + 1 :]:
+        if any(a in reading for a in node.all_input_nodes):
+            reading.add(node)
+        elif _kind(node) is OpKind.COMPUTE:
+            return node
+    return None
+
+
 def pin_order(gm: GraphModule) -> GraphModule:
     """Make the collectives' order binding for Inductor's scheduler, with `control_deps` edges.
 
@@ -500,8 +511,9 @@ def pin_order(gm: GraphModule) -> GraphModule:
     by Inductor. Guarantees: each collective gets an edge to the compute node after it (it is issued
     before that compute) and from the compute node before it (no deeper prefetch than planned: the
     memory budget holds), and each wait an edge from the compute node and the collective before it
-    (it is not hoisted above either), so the overlap windows survive Inductor's reordering. Values
-    unchanged.
+    (it is not hoisted above either) and to the compute node after it (not sunk: the memory it
+    frees is freed where the schedule planned), so the overlap windows and the planned peak survive
+    Inductor's reordering. Values unchanged.
     """
     from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
     from torch.utils._ordered_set import OrderedSet
@@ -540,6 +552,13 @@ def pin_order(gm: GraphModule) -> GraphModule:
             k = bisect.bisect_left(issued, i) - 1
             if k >= 0 and nodes[issued[k]] is not collective_of(node):
                 deps.setdefault(node, OrderedSet()).add(nodes[issued[k]])
+            # And before the first compute node after it that does not read its result: Inductor
+            # otherwise sinks a wait whose result only the graph's outputs read (a reduce-scatter's,
+            # with its division) to the end, which keeps the full gradient bucket and gloo's copy of
+            # it alive through the rest of the backward.
+            after = _first_compute_not_reading(nodes, i)
+            if after is not None:
+                deps.setdefault(after, OrderedSet()).add(node)
     deps = {_anchor(n): OrderedSet(a for a in map(_anchor, before) if a is not None) for n, before in deps.items()}
     preserve_node_ordering(gm.graph, {n: before for n, before in deps.items() if n is not None and before})
     gm.graph.lint()

@@ -13,10 +13,15 @@ inspector can replay a CPU run's schedule on a GPU profile.
   issued (the compute clock at its position) and the previous collective of its stream has finished.
 - A `wait_tensor` stalls the compute stream until its collective has finished; the stall is
   *exposed communication*. The step ends when every stream is idle.
-- Memory counts bytes the graph allocates (inputs are the caller's). A non-view node allocates its
-  output at its position; views (per the op schema) and `getitem`s share their input's storage; a
-  storage dies after the last node that reads it or any view of it, or lives to the end if the graph
-  returns it. A collective reads its input until its wait, and its output exists from its issue.
+- Memory counts bytes the step allocates: what the graph allocates, and in a backward the
+  activations its forward saved for it (`saved_inputs`), which the step made and the backward frees
+  as it goes; other inputs (parameters, the batch, incoming gradients) are the caller's. So a
+  backward's peak is what the step holds at that point above its start, the figure a memory budget
+  is about. A non-view node allocates its output at its position; views (per the op schema) and
+  `getitem`s share their input's storage; a storage dies after the last node that reads it or any
+  view of it, or lives to the end if the graph returns it. A collective reads its input until its
+  wait, its output exists from its issue, and its scratch (`Op.scratch_bytes`) from its issue to its
+  wait.
 This is the model the scheduling passes optimise against; it ignores contention between the
 streams, allocator caching and fragmentation.
 """
@@ -28,10 +33,11 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Optional
 
+import torch
 from torch.fx import GraphModule, Node
 
 from .cost_model import CollectiveKind, CostModel, OpFacts, _val_bytes, is_view, op_facts
-from .nodes import collective_label, is_collective, is_wait_tensor
+from .nodes import backend_of, collective_label, is_collective, is_wait_tensor
 
 
 class OpKind(Enum):
@@ -53,6 +59,10 @@ class Op:
     out_bytes: bytes of its output (0 for the output node).
     facts: what it does (flops, bytes, collective) -- see `OpFacts`.
     group: the fsdp_graph group of a collective, e.g. "layers.3".
+    scratch_bytes: what a collective holds besides its output from its issue to its wait (gloo's
+        copies; `_gloo_scratch_bytes`).
+    writes_into: the input whose storage its output is (an `out=` argument, e.g. gloo's all-gathers
+        after passes/gloo.py): it allocates nothing of its own.
     """
 
     name: str
@@ -62,15 +72,18 @@ class Op:
     out_bytes: int = 0
     facts: OpFacts = field(default_factory=OpFacts)
     group: Optional[str] = None
+    scratch_bytes: int = 0
+    writes_into: Optional[str] = None
 
     def to_json(self) -> dict:
         return {"name": self.name, "kind": self.kind.value, "target": self.target, "inputs": self.inputs,
-                "out_bytes": self.out_bytes, "facts": _facts_to_json(self.facts), "group": self.group}
+                "out_bytes": self.out_bytes, "facts": _facts_to_json(self.facts), "group": self.group,
+                "scratch_bytes": self.scratch_bytes, "writes_into": self.writes_into}
 
     @classmethod
     def from_json(cls, data: dict) -> "Op":
-        return cls(data["name"], OpKind(data["kind"]), data["target"], list(data["inputs"]),
-                   data["out_bytes"], _facts_from_json(data["facts"]), data.get("group"))
+        return cls(data["name"], OpKind(data["kind"]), data["target"], list(data["inputs"]), data["out_bytes"],
+                   _facts_from_json(data["facts"]), data.get("group"), data.get("scratch_bytes", 0), data.get("writes_into"))
 
 
 def _facts_to_json(facts: OpFacts) -> dict:
@@ -115,7 +128,49 @@ def op_of(node: Node) -> Op:
     facts = op_facts(node) if kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) else OpFacts()
     out_bytes = 0 if kind is OpKind.OUTPUT else _val_bytes(node.meta.get("val"))
     group = collective_label(node) if kind is OpKind.COLLECTIVE else None
-    return Op(node.name, kind, _short(node), [a.name for a in node.all_input_nodes], out_bytes, facts, group)
+    scratch = _gloo_scratch_bytes(node, facts, out_bytes) if kind is OpKind.COLLECTIVE else 0
+    written = _written_input(node)
+    return Op(node.name, kind, _short(node), [a.name for a in node.all_input_nodes], out_bytes, facts, group, scratch,
+              written.name if written is not None else None)
+
+
+def _gloo_scratch_bytes(node: Node, facts: OpFacts, out_bytes: int) -> int:
+    """What gloo allocates for collective `node` besides its output (measured with torch alone,
+    examples/repro/gloo_collective_scratch.py): an all-gather a copy of its output while it runs; a
+    reduce-scatter a copy of its input until its wait, and one of its output while it runs. The model
+    keeps both until the wait: it places memory by position, not by when a transfer ends."""
+    if facts.collective not in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER) or backend_of(node) != "gloo":
+        return 0
+    if facts.collective is CollectiveKind.ALL_GATHER:
+        return out_bytes or _val_bytes(node.meta.get("val"))
+    return _val_bytes(node.args[0].meta.get("val")) + out_bytes
+
+
+def _written_input(node: Node) -> Optional[Node]:
+    """The argument whose storage `node`'s output is, per the op schema (`Tensor(a!) out` returned as
+    `Tensor(a!)`), or None."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    returns = node.target._schema.returns
+    if len(returns) != 1 or returns[0].alias_info is None or not returns[0].alias_info.is_write:
+        return None
+    alias_set = returns[0].alias_info.before_set
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is None or arg.alias_info.before_set != alias_set:
+            continue
+        value = node.kwargs.get(arg.name) if arg.kwarg_only or i >= len(node.args) else node.args[i]
+        return value if isinstance(value, Node) else None
+    return None
+
+
+def saved_inputs(program: Program) -> frozenset[str]:
+    """The inputs of a backward program (one with incoming gradients, `tangents_*`) that its forward
+    saved for it: activations, recomputation's inputs. Parameters (`primals_*`, resident anyway) and
+    the incoming gradients are not; a forward has none."""
+    inputs = [op.name for op in program if op.kind is OpKind.INPUT]
+    if not any(name.startswith("tangents") for name in inputs):
+        return frozenset()
+    return frozenset(name for name in inputs if not name.startswith(("primals", "tangents")))
 
 
 def program_of(gm: GraphModule) -> Program:
@@ -136,9 +191,10 @@ class MemoryProfile:
     live_bytes: list[int]
 
 
-def memory_profile(program: Program, owned_inputs: frozenset[str] = frozenset()) -> MemoryProfile:
+def memory_profile(program: Program) -> MemoryProfile:
     """Live bytes by liveness over program order. See [Note: Simulator model]. Inputs are not counted,
-    except `owned_inputs`: live from the start until their last use (a backward's saved activations)."""
+    except a backward's `saved_inputs`: live from the start until their last use."""
+    owned_inputs = saved_inputs(program)
     storage: dict[str, Optional[str]] = {}  # node -> the node that allocated its storage (None: an input)
     wait_of: dict[str, int] = {}  # collective -> position of its wait
     for i, op in enumerate(program):
@@ -148,6 +204,8 @@ def memory_profile(program: Program, owned_inputs: frozenset[str] = frozenset())
             storage[op.name] = storage.get(op.inputs[0]) if op.inputs else None
             if op.kind is OpKind.WAIT and op.inputs:
                 wait_of[op.inputs[0]] = i
+        elif op.writes_into is not None:
+            storage[op.name] = storage.get(op.writes_into)
         elif op.kind is not OpKind.OUTPUT:
             storage[op.name] = op.name
     last = len(program)
@@ -165,14 +223,21 @@ def memory_profile(program: Program, owned_inputs: frozenset[str] = frozenset())
     for owner, i in last_use.items():
         dies_at.setdefault(i, []).append(owner)
     sizes = {op.name: op.out_bytes for op in program}
+    scratch_until: dict[int, int] = {}  # position -> scratch bytes freed there (a collective's wait)
     live, peak, peak_at, curve = 0, 0, None, []
     for i, op in enumerate(program):
-        if storage.get(op.name) == op.name:
-            live += sizes[op.name]
+        allocated = sizes[op.name] if storage.get(op.name) == op.name else 0
+        if op.scratch_bytes:
+            allocated += op.scratch_bytes
+            at = wait_of.get(op.name, last)
+            scratch_until[at] = scratch_until.get(at, 0) + op.scratch_bytes
+        if allocated:
+            live += allocated
             if live > peak:
                 peak, peak_at = live, op.name
         for owner in dies_at.get(i, ()):
             live -= sizes[owner]
+        live -= scratch_until.pop(i, 0)
         curve.append(live)
     return MemoryProfile(peak, peak_at, curve)
 
@@ -324,12 +389,16 @@ class OrderCost:
         """`ops`: every node of the graph (keys, any hashable, in a topological order) with its `Op`."""
         owner_of: dict[str, object] = {}  # op name -> the key whose storage it is (absent: an input's or none)
         key_of = {op.name: key for key, op in ops.items()}
+        owned = saved_inputs(list(ops.values()))
         self._facts: dict[object, tuple] = {}
         for key, op in ops.items():
             if op.kind in (OpKind.VIEW, OpKind.WAIT):
                 if op.inputs and op.inputs[0] in owner_of:
                     owner_of[op.name] = owner_of[op.inputs[0]]
-            elif op.kind in (OpKind.COMPUTE, OpKind.COLLECTIVE):
+            elif op.writes_into is not None:
+                if op.writes_into in owner_of:
+                    owner_of[op.name] = owner_of[op.writes_into]
+            elif op.kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) or op.name in owned:
                 owner_of[op.name] = key
         for key, op in ops.items():
             reads = tuple(owner_of[name] for name in op.inputs if name in owner_of)
@@ -338,7 +407,7 @@ class OrderCost:
             waited = key_of.get(op.inputs[0]) if op.kind is OpKind.WAIT and op.inputs else None
             is_all_gather = op.facts.collective is CollectiveKind.ALL_GATHER
             self._facts[key] = (op.kind, duration, op.facts.parallelism, op.facts.collective_bytes, is_all_gather,
-                                allocates, reads, waited)
+                                allocates, reads, waited, op.scratch_bytes)
 
     def measure(self, order: list) -> tuple[int, float, tuple[int, int, int]]:
         """(peak bytes, exposed seconds, (bytes, collectives, all-gathers) most in flight) of `order`."""
@@ -353,9 +422,13 @@ class OrderCost:
         worst_gathers = 0
         last_use: dict[object, int] = {}  # storage -> position of its last reader
         reads_until_wait: dict[object, tuple] = {}  # collective -> the storages it reads until its wait
+        pending_scratch: dict[object, int] = {}  # collective in flight -> its scratch bytes
         end = len(order)  # what the output reads lives past the last position
+        scratch_at: dict[int, int] = {}  # position -> scratch bytes taken (+, a collective) or given back (-, its wait)
         for i, key in enumerate(order):
-            kind, duration, stream, num_bytes, is_all_gather, allocates, reads, waited = facts[key]
+            kind, duration, stream, num_bytes, is_all_gather, allocates, reads, waited, scratch = facts[key]
+            if scratch:
+                scratch_at[i] = scratch
             if allocates >= 0:
                 last_use.setdefault(key, i)
             if kind is compute:
@@ -373,6 +446,8 @@ class OrderCost:
                     gathers.add(key)
                     worst_gathers = max(worst_gathers, len(gathers))
                 reads_until_wait[key] = reads
+                if scratch:
+                    pending_scratch[key] = scratch
             elif kind is wait:
                 if waited in ends:
                     finish = ends[waited]
@@ -382,6 +457,8 @@ class OrderCost:
                 if waited in pending:
                     pending_bytes -= pending.pop(waited)
                 gathers.discard(waited)
+                if waited in pending_scratch:
+                    scratch_at[i] = scratch_at.get(i, 0) - pending_scratch.pop(waited)
                 for owner in reads_until_wait.get(waited, ()):
                     if last_use[owner] < i:
                         last_use[owner] = i
@@ -394,10 +471,10 @@ class OrderCost:
             freed[i] = freed.get(i, 0) + facts[owner][5]
         live = peak = 0
         for i, key in enumerate(order):
-            allocates = facts[key][5]
-            if allocates >= 0:
+            allocates = max(facts[key][5], 0) + max(scratch_at.get(i, 0), 0)
+            if allocates:
                 live += allocates
                 if live > peak:
                     peak = live
-            live -= freed.get(i, 0)
+            live -= freed.get(i, 0) - min(scratch_at.get(i, 0), 0)
         return peak, exposed, (worst_bytes, worst_count, worst_gathers)

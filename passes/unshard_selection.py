@@ -95,12 +95,9 @@ def partitioned_peak(gm: GraphModule) -> int:
     (outputs,) = graph.output_node().args
     # A joint graph returns the forward's outputs, then one gradient per primal input.
     forward, backward = min_cut_rematerialization_partition(preview, None, num_fwd_outputs=len(outputs) - num_primals)
-    # What the forward allocated and saved lives in backward until its last use there; the
-    # parameters' shards (primals) are the job's, not the step's.
-    saved = frozenset(
-        n.name for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith(("tangents", "primals"))
-    )
-    return max(memory_profile(program_of(forward)).peak_bytes, memory_profile(program_of(backward), saved).peak_bytes)
+    # What the forward allocated and saved lives in backward until its last use there (the simulator's
+    # `saved_inputs`); the parameters' shards (primals) are the job's, not the step's.
+    return max(memory_profile(program_of(forward)).peak_bytes, memory_profile(program_of(backward)).peak_bytes)
 
 
 def select_unsharded(gm: GraphModule, memory_budget_bytes: Optional[int]) -> GraphModule:

@@ -4,6 +4,7 @@ Update the inline expectations with `EXPECTTEST_ACCEPT=1`.
 """
 
 import copy
+import dataclasses
 
 import expecttest
 import torch
@@ -19,7 +20,8 @@ from fsdp_graph.passes.reorder import SCHEDULE_META, reorder_for_overlap
 
 UNLIMITED = 1 << 50  # a memory budget nothing reaches: the schedule overlap alone decides
 from fsdp_graph.passes.simulator import (
-    OrderCost, all_gathers_in_flight, in_flight, in_flight_bytes, op_of, program_of, simulate,
+    Op, OpKind, OrderCost, all_gathers_in_flight, in_flight, in_flight_bytes, memory_profile, op_of, program_of,
+    saved_inputs, simulate,
 )
 
 # Up and down weights of one block, fp32, all ranks, and one gradient flag per weight and rank
@@ -268,13 +270,50 @@ wait RS blocks.0""")
                 if scheduled:
                     graph = reorder_for_overlap(graph, FIXED)
                 ops = {n: op_of(n) for n in graph.graph.nodes}
-                cost = OrderCost(ops, FIXED)
-                for seed in range(20):
-                    order = _random_topological_order(list(graph.graph.nodes), seed)
-                    program = [ops[n] for n in order]
-                    sim = simulate(program, FIXED)
-                    expected = (sim.memory.peak_bytes, sim.exposed_comm_s, (*in_flight(program), all_gathers_in_flight(program)))
-                    self.assertEqual(cost.measure(order), expected, f"{name}, scheduled={scheduled}, seed {seed}")
+                # As on gloo: each collective holds a copy of its output until its wait.
+                gloo_like = {n: dataclasses.replace(op, scratch_bytes=op.out_bytes) if is_collective(n) else op
+                             for n, op in ops.items()}
+                for with_scratch, graph_ops in ((False, ops), (True, gloo_like)):
+                    cost = OrderCost(graph_ops, FIXED)
+                    for seed in range(20):
+                        order = _random_topological_order(list(graph.graph.nodes), seed)
+                        program = [graph_ops[n] for n in order]
+                        sim = simulate(program, FIXED)
+                        expected = (sim.memory.peak_bytes, sim.exposed_comm_s, (*in_flight(program), all_gathers_in_flight(program)))
+                        self.assertEqual(cost.measure(order), expected,
+                                         f"{name}, scheduled={scheduled}, scratch={with_scratch}, seed {seed}")
+
+    def test_memory_model(self):
+        """What [Note: Simulator model] says a step holds: a backward's saved activations until their
+        last use, a collective's scratch until its wait, an `out=` collective's output in its buffer."""
+        def op(name, kind, inputs=(), out_bytes=0, **kwargs):
+            return Op(name, OpKind(kind), name, list(inputs), out_bytes, **kwargs)
+
+        backward = [
+            op("primals_1", "input", out_bytes=1000),  # a parameter's shard: the caller's
+            op("saved", "input", out_bytes=100),  # an activation the forward saved
+            op("tangents_1", "input", out_bytes=10),
+            op("grad", "compute", ["saved", "tangents_1"], 40),  # the saved activation's last use
+            op("rs", "collective", ["grad"], 20, scratch_bytes=60),
+            op("x", "compute", ["primals_1"], 5),
+            op("wait", "wait", ["rs"], 20),
+            op("buffer", "compute", [], 80),
+            op("ag", "collective", ["primals_1", "buffer"], 80, writes_into="buffer"),
+            op("wait_ag", "wait", ["ag"], 80),
+            op("output", "output", ["wait", "wait_ag", "x"]),
+        ]
+        self.assertEqual(saved_inputs(backward), frozenset({"saved"}))
+        profile = memory_profile(backward)
+        # saved 100 + grad 40 at its position; then the reduce-scatter: its input (read until its
+        # wait) 40, output 20 and scratch 60, and x 5 before its wait.
+        self.assertEqual(profile.live_bytes[:7], [0, 100, 100, 40, 120, 125, 25])
+        self.assertEqual((profile.peak_bytes, profile.peak_at), (140, "grad"))
+        # The all-gather writes into its buffer: 80 bytes, not 160.
+        self.assertEqual(profile.live_bytes[7:10], [105, 105, 105])
+        # A forward's inputs are all the caller's.
+        forward = [dataclasses.replace(o, name="primals_2") if o.name == "tangents_1" else o for o in backward]
+        self.assertEqual(saved_inputs(forward), frozenset())
+        self.assertEqual(memory_profile(forward).peak_bytes, 125)
 
     def test_decisions_do_not_depend_on_the_rank(self):
         first = schedule_lines(reorder_for_overlap(bucket_by_group(self.graphs()["backward"]), FIXED))

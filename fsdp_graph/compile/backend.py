@@ -82,9 +82,11 @@ class BackendConfig:
         max_collectives_in_flight: the most collectives issued and not yet waited on; None: no
             limit (gloo included: its all-gathers go through gloo's plain allgather, see
             [Note: All-gathers on gloo] in passes/gloo.py).
-        memory_budget_bytes: the predicted peak memory one graph may allocate (inputs excluded)
-            when reordering; prefetch gets shallower to stay within it. None: the unscheduled
-            peak plus two of the largest buckets. Given explicitly, it is also the budget for
+        memory_budget_bytes: the predicted peak memory a step may hold above its start, when
+            reordering: what a graph allocates, and in a backward also the activations its
+            forward saved (parameters, optimizer state and the batch are not counted); prefetch
+            gets shallower to stay within it. None: the unscheduled peak plus two of the largest
+            buckets. Given explicitly, it is also the budget for
             keeping groups unsharded from forward to backward ("unshard_selection",
             passes/unshard_selection.py): it then overrides `reshard_after_forward=True`.
         rank_divergent_graphs: the ranks may compile different graphs for one step: Python in the
@@ -344,6 +346,8 @@ class FSDPGraphBackend:
         schedule = PassPipeline("schedule", self.config.scheduling_passes(), disabled, dump)
         pin = PassPipeline("schedule", self.config.check_passes() + [PIN_ORDER], disabled, dump)
         patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump, schedule, pin, self.config)
+        if "pin_order" not in disabled:  # [Note: Inductor keeps the planned order]
+            patches["reorder_for_peak_memory"] = False
         if any(is_region_call(n) for n in gm.graph.nodes):  # torch 2.13 reuses a region's buffers wrongly on CPU:
             patches["allow_buffer_reuse"] = False  # examples/repro/nested_region_inductor_grads.py
         with stable_cache_keys():  # see [Note: Rank-independent cache keys]

@@ -35,7 +35,7 @@ from .backend import BackendConfig
 from .partition import partition
 from ..passes.cost_model import CostModel
 from ..passes.pipeline import PassPipeline
-from ..passes.simulator import Simulation, memory_profile, program_of, simulate
+from ..passes.simulator import Simulation, program_of, simulate
 from ..runtime.state import capturing_graphs
 
 
@@ -138,13 +138,6 @@ class StepPrediction:
         return exposed / self.step_s if self.step_s else 0.0
 
 
-def saved_for_backward(backward: GraphModule) -> frozenset[str]:
-    """The backward's inputs that the forward saved for it: activations, recomputation's inputs.
-    Parameters (`primals_*`, resident anyway) and incoming gradients (`tangents_*`) are not."""
-    return frozenset(n.name for n in backward.graph.nodes if n.op == "placeholder"
-                     and not n.name.startswith(("primals", "tangents")))
-
-
 def predict_step(graphs: dict[str, GraphModule], cost_model: CostModel, resident_bytes: int = 0) -> StepPrediction:
     """Simulate the (scheduled) forward and backward graphs `capture_graphs` returned, on
     `cost_model`'s machine; `resident_bytes` is what lives through the step outside the graphs
@@ -159,8 +152,7 @@ def predict_step(graphs: dict[str, GraphModule], cost_model: CostModel, resident
             comm[c.parallelism] += c.end_s - c.start_s
             exposed_by[c.parallelism] += c.exposed_s
             count[c.parallelism] += 1
-        owned = saved_for_backward(gm) if kind == "backward" else frozenset()
-        peaks[kind] = memory_profile(program, owned).peak_bytes
+        peaks[kind] = sims[kind].memory.peak_bytes
     peak_graph = max(peaks, key=peaks.__getitem__)
     return StepPrediction(
         step_s=sum(s.total_s for s in sims.values()), exposed_s=sum(s.exposed_comm_s for s in sims.values()),
