@@ -191,8 +191,12 @@ class FSDPState:
             module.register_forward_hook(self._post_forward_hook)
             module.register_state_dict_pre_hook(self._reshard_for_state_dict)
             module.register_load_state_dict_pre_hook(self._check_and_reshard_for_load_state_dict)
-        for owner in self._owners_inside_group():
-            owner.register_forward_pre_hook(self._check_called_through_group)
+        # Each submodule holding this group's parameters, with its call check's handle: see
+        # `_check_called_through_group` and `owner_checks_lifted`.
+        self._owner_checks: list[tuple[nn.Module, Any]] = [
+            (owner, owner.register_forward_pre_hook(self._check_called_through_group))
+            for owner in self._owners_inside_group()
+        ]
 
     # -- root --------------------------------------------------------------------------------
 
@@ -526,6 +530,35 @@ class FSDPState:
                 if all(owner is not m for m in self.modules) and all(owner is not o for o in owners):
                     owners.append(owner)
         return owners
+
+    @contextlib.contextmanager
+    def owner_checks_lifted(self) -> Iterator[None]:
+        """This group's submodules without their call check (`_check_called_through_group`) for
+        the duration: a call of the group runs them, where the check never fires anyway.
+
+        [Note: Owner checks in block scope]
+        Under `scope="block"` a group's call runs its hooks eagerly and Dynamo compiles its forward
+        frame. Dynamo also compiles, as a graph of its own, the forward of an inbuilt module
+        (`torch.nn.Embedding`, ...) that has a forward hook, where it meets that module running in
+        a frame it does not trace (torch/_dynamo/trace_rules.py: "inbuilt nn.Module.forward allowed
+        - module has hooks"): HF's LlamaModel.forward breaks in its loop over the layers, so its
+        embedding ran as a graph of its own under us and eagerly under FSDP2, each step (about 8%
+        of a 4-layer HF Llama's step, measured in two pairs of runs, and 1-2 s of its cold start).
+        So the group's call lifts the checks for its duration, and puts them back after."""
+        lifted = []
+        for owner, handle in self._owner_checks:
+            if handle.id in owner._forward_pre_hooks:
+                handle.remove()
+                lifted.append(owner)
+        try:
+            yield
+        finally:
+            if lifted:
+                self._owner_checks = [
+                    (owner, owner.register_forward_pre_hook(self._check_called_through_group))
+                    if any(owner is o for o in lifted) else (owner, handle)
+                    for owner, handle in self._owner_checks
+                ]
 
     def _check_called_through_group(self, module: nn.Module, _args) -> None:
         # A submodule whose parameters belong to this group, called on its own, would see DTensor

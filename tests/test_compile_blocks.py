@@ -320,8 +320,11 @@ def _plain_compile(rank, world_size):
         torch._dynamo.reset()
         ops: set[str] = set()
 
+        graphs = []
+
         def noting_ops(gm, example_inputs):
             ops.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+            graphs.append(sorted(str(node.target) for node in gm.graph.nodes if node.op == "call_function"))
             return lookup_backend("aot_eager")(gm, example_inputs)
 
         sharded = shard_llama(copy.deepcopy(model), shard)
@@ -337,7 +340,7 @@ def _plain_compile(rank, world_size):
             losses.append(loss.item())
             optimizer.step()
             optimizer.zero_grad()
-        results.append((sorted(ops), counts, losses))
+        results.append((sorted(ops), counts, losses, sorted(graphs)))
     return results
 
 
@@ -346,7 +349,11 @@ def test_plain_torch_compile_keeps_fsdp2s_structure():
     traced for it kept every gathered weight for backward. So, as under torch's fully_shard, no graph
     holds a collective and the groups run on the eager hooks: every block gathered again in backward
     (the same collectives per step as torch's), the same losses."""
-    (ops, counts, losses), (t_ops, t_counts, t_losses) = run_ranks(_plain_compile, 2)
+    (ops, counts, losses, graphs), (t_ops, t_counts, t_losses, t_graphs) = run_ranks(_plain_compile, 2)
     assert not [op for op in ops if "c10d" in op or "fsdp_graph" in op or "autograd_function_apply" in op], ops
     assert counts == t_counts and counts[0]["gloo:all_gather"] == 7, (counts, t_counts)  # root once, 3 blocks twice
     torch.testing.assert_close(losses, t_losses, rtol=1e-6, atol=0)
+    # The same graphs as under torch's fully_shard: the root's loop over its blocks breaks, so Dynamo
+    # runs the root's forward itself, and its embedding and output layer run eagerly, not as
+    # graphs of their own ([Note: Owner checks in block scope] in runtime/state.py).
+    assert graphs == t_graphs, (len(graphs), len(t_graphs))

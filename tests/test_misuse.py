@@ -62,6 +62,16 @@ def test_submodule_of_a_group_called_on_its_own():
     model.reshard()
 
 
+def test_submodule_called_on_its_own_after_a_compiled_step():
+    # `torch.compile` with a backend not ours runs every group block by block, which lifts the check
+    # only while the group's call runs ([Note: Owner checks in block scope] in runtime/state.py).
+    model = _sharded_mlp()
+    torch._dynamo.reset()
+    torch.compile(model, backend="aot_eager")(torch.randn(4, 13)).sum().backward()
+    _raises(ValueError, r"Linear was called on its own.*\['inp.weight', 'inp.bias'\]", model.inp, torch.randn(2, 13))
+    _raises(ValueError, r"\['up.weight', 'up.bias'\] are sharded", model.blocks[0].up, torch.randn(2, 13))
+
+
 def test_optimizer_built_before_fully_shard():
     model = MLPStack()
     optimizer = torch.optim.AdamW(model.parameters())

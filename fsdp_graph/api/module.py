@@ -361,7 +361,8 @@ def _call_in_block_scope(module: nn.Module, args: tuple, kwargs: dict):
     state = module._fsdp_state
     state.in_block_scope = True  # its eager hooks are the plan, not a fallback
     try:
-        return nn.Module.__call__(module, *args, **kwargs)
+        with state.owner_checks_lifted():  # [Note: Owner checks in block scope] in runtime/state.py
+            return nn.Module.__call__(module, *args, **kwargs)
     finally:
         state.in_block_scope = False
 
