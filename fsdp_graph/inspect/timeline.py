@@ -99,7 +99,7 @@ def format_schedules(programs: dict[str, Program], sims: dict[str, Simulation]) 
     parts = [format_schedule(label, sim, programs[label]) for label, sim in sims.items()]
     parts.append(
         f"all graphs: step {_ms(total)}, exposed comm {_ms(exposed)} ({100 * exposed / total if total else 0:.1f}%), "
-        f"peak memory of one graph {_mib(peak)} per rank"
+        f"peak memory {_mib(peak)} per rank above the step's start (a backward counts the activations saved for it)"
     )
     return "\n".join(parts)
 
