@@ -142,7 +142,7 @@ def _gloo_scratch_bytes(node: Node, facts: OpFacts, out_bytes: int) -> int:
     if facts.collective not in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER) or backend_of(node) != "gloo":
         return 0
     if facts.collective is CollectiveKind.ALL_GATHER:
-        return out_bytes or _val_bytes(node.meta.get("val"))
+        return out_bytes
     return _val_bytes(node.args[0].meta.get("val")) + out_bytes
 
 

@@ -197,6 +197,7 @@ class FSDPState:
             (owner, owner.register_forward_pre_hook(self._check_called_through_group))
             for owner in self._owners_inside_group()
         ]
+        self._owner_checks_lifted = False  # while a call of the group runs: `owner_checks_lifted`
 
     # -- root --------------------------------------------------------------------------------
 
@@ -545,20 +546,20 @@ class FSDPState:
         embedding ran as a graph of its own under us and eagerly under FSDP2, each step (about 8%
         of a 4-layer HF Llama's step, measured in two pairs of runs, and 1-2 s of its cold start).
         So the group's call lifts the checks for its duration, and puts them back after."""
-        lifted = []
-        for owner, handle in self._owner_checks:
-            if handle.id in owner._forward_pre_hooks:
-                handle.remove()
-                lifted.append(owner)
+        if self._owner_checks_lifted:  # a call of this group inside one: the outer call puts them back
+            yield
+            return
+        for _, handle in self._owner_checks:
+            handle.remove()
+        self._owner_checks_lifted = True
         try:
             yield
         finally:
-            if lifted:
-                self._owner_checks = [
-                    (owner, owner.register_forward_pre_hook(self._check_called_through_group))
-                    if any(owner is o for o in lifted) else (owner, handle)
-                    for owner, handle in self._owner_checks
-                ]
+            self._owner_checks = [
+                (owner, owner.register_forward_pre_hook(self._check_called_through_group))
+                for owner, _ in self._owner_checks
+            ]
+            self._owner_checks_lifted = False
 
     def _check_called_through_group(self, module: nn.Module, _args) -> None:
         # A submodule whose parameters belong to this group, called on its own, would see DTensor

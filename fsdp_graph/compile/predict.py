@@ -152,7 +152,7 @@ def predict_step(graphs: dict[str, GraphModule], cost_model: CostModel, resident
             comm[c.parallelism] += c.end_s - c.start_s
             exposed_by[c.parallelism] += c.exposed_s
             count[c.parallelism] += 1
-        peaks[kind] = sims[kind].memory.peak_bytes
+        peaks[kind] = sim.memory.peak_bytes
     peak_graph = max(peaks, key=peaks.__getitem__)
     return StepPrediction(
         step_s=sum(s.total_s for s in sims.values()), exposed_s=sum(s.exposed_comm_s for s in sims.values()),
