@@ -14,8 +14,8 @@ inspector can replay a CPU run's schedule on a GPU profile.
 - A `wait_tensor` stalls the compute stream until its collective has finished; the stall is
   *exposed communication*. The step ends when every stream is idle.
 - Memory counts bytes the step allocates: what the graph allocates, and in a backward the
-  activations its forward saved for it (`saved_inputs`), which the step made and the backward frees
-  as it goes; other inputs (parameters, the batch, incoming gradients) are the caller's. So a
+  activations its forward saved for it (`saved_inputs`; a saved view counts its whole storage, once),
+  which the step made and the backward frees as it goes; other inputs (parameters, the batch, incoming gradients) are the caller's. So a
   backward's peak is what the step holds at that point above its start, the figure a memory budget
   is about. A non-view node allocates its output at its position; views (per the op schema) and
   `getitem`s share their input's storage; a storage dies after the last node that reads it or any
@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .cost_model import CollectiveKind, CostModel, OpFacts, _val_bytes, is_view, op_facts
 from .nodes import backend_of, collective_label, is_collective, is_wait_tensor
@@ -61,8 +62,9 @@ class Op:
     group: the fsdp_graph group of a collective, e.g. "layers.3".
     scratch_bytes: what a collective holds besides its output from its issue to its wait (gloo's
         copies; `_gloo_scratch_bytes`).
-    writes_into: the input whose storage its output is (an `out=` argument, e.g. gloo's all-gathers
-        after passes/gloo.py): it allocates nothing of its own.
+    storage_of: the node whose storage its output is, so that it allocates nothing of its own: an
+        `out=` argument (gloo's all-gathers after passes/gloo.py), or for a backward's saved input an
+        earlier saved input viewing the same tensor (`_share_saved_storages`).
     """
 
     name: str
@@ -73,17 +75,17 @@ class Op:
     facts: OpFacts = field(default_factory=OpFacts)
     group: Optional[str] = None
     scratch_bytes: int = 0
-    writes_into: Optional[str] = None
+    storage_of: Optional[str] = None
 
     def to_json(self) -> dict:
         return {"name": self.name, "kind": self.kind.value, "target": self.target, "inputs": self.inputs,
                 "out_bytes": self.out_bytes, "facts": _facts_to_json(self.facts), "group": self.group,
-                "scratch_bytes": self.scratch_bytes, "writes_into": self.writes_into}
+                "scratch_bytes": self.scratch_bytes, "storage_of": self.storage_of}
 
     @classmethod
     def from_json(cls, data: dict) -> "Op":
         return cls(data["name"], OpKind(data["kind"]), data["target"], list(data["inputs"]), data["out_bytes"],
-                   _facts_from_json(data["facts"]), data.get("group"), data.get("scratch_bytes", 0), data.get("writes_into"))
+                   _facts_from_json(data["facts"]), data.get("group"), data.get("scratch_bytes", 0), data.get("storage_of"))
 
 
 def _facts_to_json(facts: OpFacts) -> dict:
@@ -127,6 +129,8 @@ def op_of(node: Node) -> Op:
     kind = _kind(node)
     facts = op_facts(node) if kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) else OpFacts()
     out_bytes = 0 if kind is OpKind.OUTPUT else _val_bytes(node.meta.get("val"))
+    if kind is OpKind.INPUT:
+        out_bytes = max(out_bytes, _storage_bytes(node.meta.get("val")))
     group = collective_label(node) if kind is OpKind.COLLECTIVE else None
     scratch = _gloo_scratch_bytes(node, facts, out_bytes) if kind is OpKind.COLLECTIVE else 0
     written = _written_input(node)
@@ -144,6 +148,33 @@ def _gloo_scratch_bytes(node: Node, facts: OpFacts, out_bytes: int) -> int:
     if facts.collective is CollectiveKind.ALL_GATHER:
         return out_bytes
     return _val_bytes(node.args[0].meta.get("val")) + out_bytes
+
+
+def _storage_bytes(val) -> int:
+    """Bytes of the storage under tensor `val`: more than its own where it is a view (a saved query
+    slicing a fused query-key-value projection keeps the whole projection alive). 0 if unknown."""
+    try:
+        return int(val.untyped_storage().nbytes()) if isinstance(val, torch.Tensor) else 0
+    except (TypeError, RuntimeError, NotImplementedError):  # symbolic sizes, tensor subclasses
+        return 0
+
+
+def _share_saved_storages(gm: GraphModule, program: Program) -> None:
+    """Mark each saved input of a backward that views the same storage as an earlier one as that
+    one's (`Op.storage_of`): the storage is counted once, and lives until its last use by either.
+    The graph's metadata keeps the forward's storages (fake tensors alias as the real ones will)."""
+    first: dict[StorageWeakRef, str] = {}
+    saved = saved_inputs(program)
+    ops = {op.name: op for op in program}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if node.name not in saved or not isinstance(val, torch.Tensor) or not _storage_bytes(val):
+            continue
+        key = StorageWeakRef(val.untyped_storage())
+        if key in first:
+            ops[node.name].storage_of = first[key]
+        else:
+            first[key] = node.name
 
 
 def _written_input(node: Node) -> Optional[Node]:
@@ -175,7 +206,9 @@ def saved_inputs(program: Program) -> frozenset[str]:
 
 def program_of(gm: GraphModule) -> Program:
     """`gm`'s nodes in graph order as a `Program`."""
-    return [op_of(node) for node in gm.graph.nodes]
+    program = [op_of(node) for node in gm.graph.nodes]
+    _share_saved_storages(gm, program)
+    return program
 
 
 # -- memory ------------------------------------------------------------------------------------------
@@ -199,13 +232,13 @@ def memory_profile(program: Program) -> MemoryProfile:
     wait_of: dict[str, int] = {}  # collective -> position of its wait
     for i, op in enumerate(program):
         if op.kind is OpKind.INPUT:
-            storage[op.name] = op.name if op.name in owned_inputs else None
+            storage[op.name] = None if op.name not in owned_inputs else storage[op.storage_of] if op.storage_of else op.name
         elif op.kind in (OpKind.VIEW, OpKind.WAIT):
             storage[op.name] = storage.get(op.inputs[0]) if op.inputs else None
             if op.kind is OpKind.WAIT and op.inputs:
                 wait_of[op.inputs[0]] = i
-        elif op.writes_into is not None:
-            storage[op.name] = storage.get(op.writes_into)
+        elif op.storage_of is not None:
+            storage[op.name] = storage.get(op.storage_of)
         elif op.kind is not OpKind.OUTPUT:
             storage[op.name] = op.name
     last = len(program)
@@ -395,9 +428,9 @@ class OrderCost:
             if op.kind in (OpKind.VIEW, OpKind.WAIT):
                 if op.inputs and op.inputs[0] in owner_of:
                     owner_of[op.name] = owner_of[op.inputs[0]]
-            elif op.writes_into is not None:
-                if op.writes_into in owner_of:
-                    owner_of[op.name] = owner_of[op.writes_into]
+            elif op.storage_of is not None:
+                if op.storage_of in owner_of:
+                    owner_of[op.name] = owner_of[op.storage_of]
             elif op.kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) or op.name in owned:
                 owner_of[op.name] = key
         for key, op in ops.items():

@@ -5,10 +5,14 @@ the heap: gloo's all-gather holds a copy of its output while it runs, its reduce
 its input until the wait (examples/repro/gloo_collective_scratch.py shows it with torch alone).
 """
 
+import threading
+
 import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import fsdp_graph
+from fsdp_graph import fully_shard
 from _harness import run_ranks
 import _models  # noqa: F401  puts examples/ on the path
 from repro.gloo_collective_scratch import measure  # torch alone: the heap while a collective runs
@@ -60,3 +64,100 @@ def test_predicted_memory_covers_what_gloo_holds():
         assert before_wait <= predicted, (name, predicted, before_wait)
         # And the copies are there to be covered: more than the output alone.
         assert peak > 1.5 * (_NUMEL * 4 / _MIB / (2 if name == "reduce_scatter" else 1)), (name, peak)
+
+
+def test_a_saved_view_counts_its_whole_storage():
+    """Reference: the storages the compiled forward really saves (autograd's saved-tensor hooks).
+    As in GPT-NeoX's attention, k and v are views of one fused projection and reach attention as
+    they are: saving them keeps the whole projection alive, once."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from fsdp_graph.passes.simulator import OpKind, memory_profile, program_of
+
+    torch.manual_seed(0)
+    qkv = torch.nn.Linear(64, 3 * 64)
+    x = torch.randn(32, 64)  # 2 x 16 tokens, flat: the projection's gradient reads x itself, not a view of it
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, _inputs):
+            graphs[kind] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def attention(x):
+        q, k, v = qkv(x).view(2, 16, 4, 48).transpose(1, 2).chunk(3, dim=-1)
+        return torch.nn.functional.scaled_dot_product_attention(q * 2, k, v)
+
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                           partition_fn=min_cut_rematerialization_partition)  # Inductor's partitioner
+    torch._dynamo.reset()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = torch.compile(attention, backend=backend)(x)
+    out.sum().backward()
+    torch._dynamo.reset()
+    resident = {t.untyped_storage().data_ptr() for t in (x, qkv.weight, qkv.bias)}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    projection = 2 * 16 * 3 * 64 * 4
+    assert projection in storages.values()  # k's and v's: the whole projection is kept
+    made = sum(n for ptr, n in storages.items() if ptr not in resident)
+    # The backward's live bytes once its inputs are in: what the step made and saved for it.
+    program = program_of(graphs["backward"])
+    inputs_in = max(i for i, op in enumerate(program) if op.kind is OpKind.INPUT)
+    assert memory_profile(program).live_bytes[inputs_in] == made
+
+
+def _compiled_step_heap(rank, world_size, dump_dir):
+    """HF GPT-NeoX, 2 blocks, compiled with Inductor on gloo: (the simulator's peak of the step's
+    graphs above its start, the heap measured above the step's start). Its attention saves query,
+    key and value as views of one fused projection; its flat gradient and gathered buffers are the
+    same size, which Inductor's buffer reuse would pair."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from fsdp_graph.inspect.timeline import load_programs
+    from fsdp_graph.passes.simulator import memory_profile
+    from repro.gloo_collective_scratch import in_use
+
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=682, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=65, use_cache=False))
+    for layer in model.gpt_neox.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    compiled = torch.compile(model, backend=fsdp_graph.backend(compiler="inductor", dump_dir=f"{dump_dir}/{rank}"))
+    tokens = torch.randint(0, 256, (4, 64))
+
+    def step():
+        compiled(tokens).logits.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    step()
+    dist.barrier()
+    base, peak, stop = in_use(), [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], in_use() - base)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    compiled(tokens).logits.sum().backward()
+    stop.set()
+    sampler.join()
+    predicted = max(memory_profile(program).peak_bytes for program in load_programs(f"{dump_dir}/{rank}").values())
+    return predicted / _MIB, peak[0] / _MIB
+
+
+def test_compiled_step_holds_no_more_than_predicted(tmp_path):
+    # A saved view keeps its whole storage (the fused projection, not the third of it the view
+    # spans), and Inductor's buffer reuse is off for our graphs ([Note: Inductor keeps the planned
+    # order]): with either missing, the heap exceeds the prediction by about a gathered block.
+    torch._dynamo.reset()
+    predicted, measured = run_ranks(_compiled_step_heap, 2, str(tmp_path))
+    # MiB. Outside the graphs the step also holds the logits, their gradient and the sum's: 0.5 MiB.
+    assert measured <= predicted + 0.75, (predicted, measured)

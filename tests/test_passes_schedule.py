@@ -298,7 +298,7 @@ wait RS blocks.0""")
             op("x", "compute", ["primals_1"], 5),
             op("wait", "wait", ["rs"], 20),
             op("buffer", "compute", [], 80),
-            op("ag", "collective", ["primals_1", "buffer"], 80, writes_into="buffer"),
+            op("ag", "collective", ["primals_1", "buffer"], 80, storage_of="buffer"),
             op("wait_ag", "wait", ["ag"], 80),
             op("output", "output", ["wait", "wait_ag", "x"]),
         ]
