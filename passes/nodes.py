@@ -38,7 +38,8 @@ def is_reduce_scatter(node: Node) -> bool:
 
 
 def is_all_reduce(node: Node) -> bool:
-    return node.op == "call_function" and node.target is _C10D.all_reduce.default
+    """An all-reduce: functional, or in place as a gloo reduce-scatter becomes (passes/gloo.py)."""
+    return node.op == "call_function" and node.target in (_C10D.all_reduce.default, _C10D.all_reduce_.default)
 
 
 def is_wait_tensor(node: Node) -> bool:

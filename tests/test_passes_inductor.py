@@ -18,8 +18,8 @@ def _calls(code: str) -> list[str]:
     for line in code.splitlines():
         if "all_gather_into_tensor.default(" in line:
             found.append("AG")
-        elif "reduce_scatter_tensor.default(" in line:
-            found.append("RS")
+        elif "reduce_scatter_tensor.default(" in line or "all_reduce_.default(" in line:
+            found.append("RS")  # on gloo, an in-place all-reduce of the bucket: [Note: Reduce-scatters on gloo]
         elif "wait_tensor.default(" in line:
             found.append("wait")
         elif re.search(r"extern_kernels\.(add)?mm\(", line):
@@ -77,6 +77,8 @@ def _planned_and_ran(rank, world_size, dump_dir):
         planned = ["RS" if "reduce_scatter" in op.target else names[op.kind] for op in program
                    if op.kind in (OpKind.COLLECTIVE, OpKind.WAIT) or op.target in ("mm", "addmm")]
         code = code.replace("all_gather_into_tensor_out.default(", "all_gather_into_tensor.default(")  # gloo's
+        if kind == "backward":  # gloo's reduce-scatters, rewritten in place (passes/gloo.py)
+            assert "reduce_scatter_tensor.default(" not in code and "all_reduce_.default(" in code
         orders.append((kind, planned, _calls(code)))
     return orders
 

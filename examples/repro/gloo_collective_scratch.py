@@ -76,6 +76,7 @@ def main() -> None:
             x[: numel // world], world, group, out=torch.empty(numel)),
         "reduce_scatter_tensor": lambda: torch.ops._c10d_functional.reduce_scatter_tensor(x, "sum", world, group),
         "all_reduce": lambda: torch.ops._c10d_functional.all_reduce(x, "sum", group),
+        "all_reduce_ (in place)": lambda: torch.ops._c10d_functional.all_reduce_(x, "sum", group),
     }
     if dist.get_rank() == 0:
         print(f"{'op':34}{'output':8}{'peak in flight':16}{'before wait':13}after wait")

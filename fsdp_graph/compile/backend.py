@@ -34,7 +34,7 @@ from ..passes.pipeline import GraphPass, PassPipeline
 from ..passes.reshard import tag_reshard_after_forward
 from ..passes.unshard_selection import select_unsharded
 from ..passes.async_tp import DEFAULT_NUM_CHUNKS, async_tp_on_cuda
-from ..passes.gloo import plain_all_gathers_on_gloo
+from ..passes.gloo import plain_all_gathers_on_gloo, reduce_scatters_in_place_on_gloo
 from ..passes.scheduling import CROSS_GROUP_PASS_NAMES, PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
 from ..api.scope import SCOPE_ATTR, SCOPES
 from ..runtime.meta import GROUP_KEY
@@ -417,6 +417,8 @@ class _InductorLogPass(CustomGraphPass):
         if self.dump is not None:
             _log_graph(self.graph_id, kind, graph.owning_module, self.dump)
         gm = _schedule(self.schedule, self.graph_id, kind, graph.owning_module, self.dump)
+        # Inductor only: aot_eager keeps gloo's reduce-scatters as traced, op for op like eager mode.
+        gm = reduce_scatters_in_place_on_gloo(gm)  # [Note: Reduce-scatters on gloo]
         self.pin(gm, f"{self.graph_id}.{kind}")
 
     def uuid(self) -> Optional[str]:
