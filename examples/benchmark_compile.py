@@ -8,6 +8,10 @@ CPU / gloo, 2 ranks, the 8-block example Llama (timings):
 The per-model tables of docs/benchmarks.md, one launch per model (ours, hf-llama, hf-gpt2; the hf extra):
     torchrun --nproc-per-node 2 examples/benchmark_compile.py --model hf-gpt2 --dim 256 --layers 4 --seq-len 64 \
         --batch-size 4 --rows scheduled,selective,fsdp2-eager,fsdp2-compile,floor,collectives --rounds 9 --markdown gpt2.md
+Any other transformers causal LM, by class name (built from its config at the same sizes, one group per block):
+    torchrun --nproc-per-node 2 examples/benchmark_compile.py --model hf:Qwen2ForCausalLM --dim 256 --layers 4 --seq-len 64 \
+        --batch-size 4 --rows selective,fsdp2-eager,fsdp2-compile,floor,collectives --rounds 9
+Every row steps AdamW's foreach implementation (`--optimizer for-loop` for torch's CPU default), as on CUDA.
 Where the time goes: `--profile-dir prof` profiles one more step of each row (a Chrome trace per row and rank there,
 rank 0's forward / backward / optimizer split and ops by self CPU time printed); with `FSDP_GRAPH_DUMP=dump`, compare
 our row's trace with the predicted schedule: `python -m fsdp_graph.inspect dump --trace t.json --measured prof/<row>.rank0.json`.
@@ -38,8 +42,8 @@ compiled, each of the two processes on its own half batch at once, with no commu
 "collectives only": the collectives of the selective row's step (the scheduled row's without it),
 the same ops and bytes, with no compute. The measured bound is the floor plus that row; each row is
 reported against FSDP2 eager, the floor and the bound. Steps alternate between the rows. Per row:
-median step time, collectives per step (gloo's profiler events), peak heap of one step above its start
-(glibc's in-use bytes, sampled).
+median step time (each step's slowest rank: a step ends when both ranks are done), collectives per step (gloo's profiler events), peak heap
+above a step's start (glibc's in-use bytes, sampled; the highest of 3 steps and of the ranks).
 The prediction compares, on the chosen profile, the unscheduled graph, our schedule, and Inductor's
 `schedule_overlap_bucketing` run on the same graph with our cost model's estimates.
 This is a benchmark, not a test: it asserts nothing.
@@ -74,14 +78,24 @@ ROWS = ("scheduled", "regions", "block-scope", "selective", "unscheduled", "fsdp
 MODELS = {"ours": "Llama (examples/llama.py)", "hf-llama": "HF LlamaForCausalLM", "hf-gpt2": "HF GPT2LMHeadModel"}
 
 
+def model_name(model: str) -> str:
+    return MODELS.get(model) or f"HF {model[3:]}"
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=8, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row (the first compiles)")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--model", choices=tuple(MODELS), default="ours",
-                        help="examples/llama.py's Llama, or transformers' LlamaForCausalLM or GPT2LMHeadModel (the hf extra) of the "
-                             "same width and depth")
+    parser.add_argument("--model", default="ours",
+                        help="examples/llama.py's Llama (ours), or transformers' LlamaForCausalLM (hf-llama) or GPT2LMHeadModel "
+                             "(hf-gpt2) of the same width and depth (the hf extra); or any transformers causal LM by class name, "
+                             "hf:<class> (hf:Qwen2ForCausalLM), built from its config with the same sizes, one group per block of "
+                             "its largest ModuleList")
+    parser.add_argument("--optimizer", choices=("foreach", "for-loop"), default="foreach",
+                        help="AdamW's implementation in every row: foreach (torch's default for CUDA tensors, DTensors included, "
+                             "and torchtitan's) or for-loop (torch's default on CPU: each parameter's ops dispatched one by one, "
+                             "which costs the sharded rows DTensor's per-op dispatch and the floor not)")
     parser.add_argument("--rows", default=",".join(ROWS),
                         help=f"comma-separated rows to run, of {','.join(ROWS)} (selective needs fsdp2-eager: its budget; "
                              "collectives replays the selective row's collectives, or the scheduled row's without it)")
@@ -102,6 +116,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-dir", help="after the timed rounds, profile one more step of each row: a Chrome trace per row and "
                                                 "rank here, and rank 0's ops by self CPU time printed (where the time goes)")
     args = parser.parse_args()
+    if args.model not in MODELS and not args.model.startswith("hf:"):
+        parser.error(f"--model {args.model}: one of {', '.join(MODELS)}, or hf:<a transformers causal LM class>")
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = sorted(set(args.rows) - set(ROWS))
     if unknown:
@@ -114,7 +130,7 @@ def parse_args() -> argparse.Namespace:
 
 class Row:
     def __init__(self, name: str, model: torch.nn.Module, compile_backend=None, inductor_patches=None,
-                 precompile_dir=None, compile_blocks=False) -> None:
+                 precompile_dir=None, compile_blocks=False, foreach=True) -> None:
         self.name = name
         self.model = model
         self.run = torch.compile(model, backend=compile_backend) if compile_backend is not None else model
@@ -128,7 +144,7 @@ class Row:
             self.run = None
             self.precompile = lambda tokens: fsdp_graph.precompile(model, (tokens,), save_dir=precompile_dir, backend=compile_backend)
         self.patches = inductor_patches
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
         self.times: list[float] = []
         self.first_step_s = 0.0  # the first warm-up step: compiles, for compiled rows
         self.first_step_cpu_s = 0.0  # its CPU time, compiler processes included: steadier than wall time on a loaded machine
@@ -158,10 +174,13 @@ class Row:
         self.step(tokens)
         self.times.append(time.perf_counter() - start)
 
-    def measure(self, tokens: torch.Tensor) -> None:
-        with HeapPeak() as heap:
-            self.step(tokens)
-        peak_t = torch.tensor([heap.peak_bytes], dtype=torch.float64)
+    def measure(self, tokens: torch.Tensor, steps: int = 3) -> None:
+        peak = 0
+        for _ in range(steps):  # the highest of a few: a sampled peak can be missed, never invented
+            with HeapPeak() as heap:
+                self.step(tokens)
+            peak = max(peak, heap.peak_bytes)
+        peak_t = torch.tensor([peak], dtype=torch.float64)
         dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
         self.peak_bytes = int(peak_t.item())
         self.peak = f"{peak_t.item() / 2**20:.1f}"
@@ -270,6 +289,24 @@ class HeapPeak:
         self._thread.join()
 
 
+def hf_causal_lm(class_name: str, vocab: int, dim: int, layers: int, positions: int) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
+    """A transformers causal LM by class name, from its config class with these sizes (the names most
+    configs share; 4 heads, 2 of them for keys and values where the model has grouped-query
+    attention), and its blocks: the ModuleList holding the most parameters."""
+    import transformers
+
+    cls = getattr(transformers, class_name, None)
+    if cls is None or not hasattr(cls, "config_class"):
+        raise SystemExit(f"--model hf:{class_name}: transformers {transformers.__version__} has no such model class")
+    model = cls(cls.config_class(
+        vocab_size=vocab, hidden_size=dim, intermediate_size=dim * 8 // 3, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=positions, pad_token_id=0, use_cache=False))
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        raise SystemExit(f"--model hf:{class_name}: no ModuleList of blocks to shard")
+    return model, max(lists, key=lambda blocks: sum(p.numel() for p in blocks.parameters()))
+
+
 def timings(args) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -290,6 +327,8 @@ def timings(args) -> None:
                 vocab_size=cfg.vocab_size, hidden_size=args.dim, intermediate_size=args.dim * 8 // 3, num_hidden_layers=args.layers,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len + 1, use_cache=False))
             blocks = hf.model.layers
+        elif args.model.startswith("hf:"):
+            hf, blocks = hf_causal_lm(args.model[3:], cfg.vocab_size, args.dim, args.layers, args.seq_len + 1)
         else:  # GPT-2: tied input/output embeddings (both in the root group), Conv1D (transposed) weights
             from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -317,26 +356,29 @@ def timings(args) -> None:
             return fully_shard(module)
         return build(marked_shard)
 
+    def make_row(*args_, **kwargs) -> Row:
+        return Row(*args_, foreach=args.optimizer == "foreach", **kwargs)
+
     ours = fsdp_graph.backend(compiler="inductor")
     unscheduled = fsdp_graph.backend(compiler="inductor", disabled_passes=SCHEDULING)
     in_tree = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all", "reorder_for_compute_comm_overlap": True}
     makers = {
-        "scheduled": lambda: Row("fsdp_graph scheduled", model(fully_shard), ours),
+        "scheduled": lambda: make_row("fsdp_graph scheduled", model(fully_shard), ours),
         # The same, the blocks marked as compile regions: one body compiled for all blocks.
-        "regions": lambda: Row("fsdp_graph scheduled, blocks as regions", marked_as_regions(model), ours),
+        "regions": lambda: make_row("fsdp_graph scheduled, blocks as regions", marked_as_regions(model), ours),
         # The whole model compiled with scope="block": FSDP2 + compile's structure, with our runtime.
-        "block-scope": lambda: Row("fsdp_graph scope=block", model(fully_shard), fsdp_graph.backend(compiler="inductor", scope="block")),
-        "unscheduled": lambda: Row("fsdp_graph unscheduled", model(fully_shard), unscheduled),
-        "fsdp2-eager": lambda: Row("FSDP2 eager", model(torch_fully_shard)),
-        "fsdp2-compile": lambda: Row("FSDP2 + compile", model(torch_fully_shard), "inductor"),
+        "block-scope": lambda: make_row("fsdp_graph scope=block", model(fully_shard), fsdp_graph.backend(compiler="inductor", scope="block")),
+        "unscheduled": lambda: make_row("fsdp_graph unscheduled", model(fully_shard), unscheduled),
+        "fsdp2-eager": lambda: make_row("FSDP2 eager", model(torch_fully_shard)),
+        "fsdp2-compile": lambda: make_row("FSDP2 + compile", model(torch_fully_shard), "inductor"),
         # The same as the first row, its step saved by fsdp_graph.precompile: a relaunch loads it.
-        "precompiled": lambda: Row("fsdp_graph precompiled", model(fully_shard), ours, precompile_dir=args.precompile_dir),
-        "inductor-passes": lambda: Row("ours + Inductor passes", model(fully_shard), unscheduled, in_tree),
-        "blocks": lambda: Row("fsdp_graph blocks compiled", model(fully_shard), compile_blocks=True),
-        "fsdp2-blocks": lambda: Row("FSDP2 blocks compiled", model(torch_fully_shard), compile_blocks=True),
+        "precompiled": lambda: make_row("fsdp_graph precompiled", model(fully_shard), ours, precompile_dir=args.precompile_dir),
+        "inductor-passes": lambda: make_row("ours + Inductor passes", model(fully_shard), unscheduled, in_tree),
+        "blocks": lambda: make_row("fsdp_graph blocks compiled", model(fully_shard), compile_blocks=True),
+        "fsdp2-blocks": lambda: make_row("FSDP2 blocks compiled", model(torch_fully_shard), compile_blocks=True),
         # The floor for any FSDP here: both ranks compute their own half batch at once, compiled,
         # unsharded, with no collective at all (the optimizer steps on local parameters).
-        "floor": lambda: Row("floor: no sharding/comm", model(lambda module: module), "inductor"),
+        "floor": lambda: make_row("floor: no sharding/comm", model(lambda module: module), "inductor"),
     }
     rows = [makers[key]() for key in ROWS if key in makers and key in args.rows]
     gen = torch.Generator().manual_seed(rank)
@@ -362,7 +404,7 @@ def timings(args) -> None:
         # the memory budget: the groups that fit stay unsharded from forward to backward.
         fsdp2.measure(batches[0])
         budget = fsdp2.peak_bytes // 2**20 * 2**20  # whole MiB: the same budget (and compile-cache key) each run
-        selective = Row("fsdp_graph selective", model(fully_shard), fsdp_graph.backend(compiler="inductor", memory_budget_bytes=budget))
+        selective = make_row("fsdp_graph selective", model(fully_shard), fsdp_graph.backend(compiler="inductor", memory_budget_bytes=budget))
         if warm_up(selective):
             rows.insert(1, selective)
         if rank == 0:
@@ -383,10 +425,19 @@ def timings(args) -> None:
     if args.profile_dir:
         for row in rows:
             where_the_time_goes(args.profile_dir, row, batches[0])
+    for row in rows:  # a step ends when its last rank is done: the floor's two processes included
+        row.times = slowest_rank(row.times)
     if rank == 0:
         report(args, rows)
     dist.barrier()
     os._exit(0)  # see train_llama.py: torch 2.13's gloo teardown can abort
+
+
+def slowest_rank(times: list[float]) -> list[float]:
+    """Each step's time on the rank that took longest (every rank's steps start at one barrier)."""
+    mine = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return mine.tolist()
 
 
 def where_the_time_goes(directory: str, row: Row, tokens: torch.Tensor, num_ops: int = 18) -> None:
@@ -435,10 +486,11 @@ def report(args, rows: list[Row]) -> None:
             json.dump([{"row": row.name, "step_ms": median[row.name] * 1e3, "first_step_s": row.first_step_s,
                         "first_step_cpu_s": row.first_step_cpu_s, "peak_mib": row.peak} for row in rows], f)
     if args.markdown:
-        caption = (f"{MODELS[args.model]}, {args.layers} blocks, dim {args.dim}, vocab 256, batch {args.batch_size}x{args.seq_len} per "
-                   f"rank, fp32, {dist.get_world_size()} gloo ranks x 1 thread, median of {args.rounds} alternating rounds. "
+        caption = (f"{model_name(args.model)}, {args.layers} blocks, dim {args.dim}, vocab 256, batch {args.batch_size}x{args.seq_len} per "
+                   f"rank, fp32, AdamW ({args.optimizer}), {dist.get_world_size()} gloo ranks x 1 thread, median of {args.rounds} alternating rounds "
+                   f"(each step's slowest rank). "
                    f"Bound: the floor plus the collectives-only row ({bound * 1e3:.1f} ms).")
-        title = f"Compiled: {MODELS[args.model]}"
+        title = f"Compiled: {model_name(args.model)}"
         print(f"markdown: {write_markdown(args.markdown, title, [(caption, header, table)])}")
 
 
