@@ -51,10 +51,7 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
         node.replace_all_uses_with(gathered)
         gm.graph.erase_node(node)
         changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+    return _recompiled(gm, changed)
 
 
 # [Note: Reduce-scatters on gloo]
@@ -116,6 +113,11 @@ def reduce_scatters_in_place_on_gloo(gm: GraphModule) -> GraphModule:
                 use.replace_input_with(wait, row)
         gm.graph.erase_node(node)
         changed = True
+    return _recompiled(gm, changed)
+
+
+def _recompiled(gm: GraphModule, changed: bool) -> GraphModule:
+    """`gm`, linted and recompiled where a rewrite changed its graph."""
     if changed:
         gm.graph.lint()
         gm.recompile()
