@@ -14,14 +14,14 @@ inspector can replay a CPU run's schedule on a GPU profile.
 - A `wait_tensor` stalls the compute stream until its collective has finished; the stall is
   *exposed communication*. The step ends when every stream is idle.
 - Memory counts bytes the step allocates: what the graph allocates, and in a backward the
-  activations its forward saved for it (`saved_inputs`; a saved view counts its whole storage, once),
-  which the step made and the backward frees as it goes; other inputs (parameters, the batch, incoming gradients) are the caller's. So a
-  backward's peak is what the step holds at that point above its start, the figure a memory budget
-  is about. A non-view node allocates its output at its position; views (per the op schema) and
-  `getitem`s share their input's storage; a storage dies after the last node that reads it or any
-  view of it, or lives to the end if the graph returns it. A collective reads its input until its
-  wait, its output exists from its issue, and its scratch (`Op.scratch_bytes`) from its issue to its
-  wait.
+  activations its forward saved for it (`saved_inputs`; a saved view counts its whole storage,
+  once), which the step made and the backward frees as it goes; other inputs (parameters, the
+  batch, incoming gradients) are the caller's. So a backward's peak is what the step holds at that
+  point above its start, the figure a memory budget is about. A non-view node allocates its output
+  at its position; views (per the op schema) and `getitem`s share their input's storage; a storage
+  dies after the last node that reads it or any view of it, or lives to the end if the graph
+  returns it. A collective reads its input until its wait, its output exists from its issue, and
+  its scratch (`Op.scratch_bytes`) from its issue to its wait.
 This is the model the scheduling passes optimise against; it ignores contention between the
 streams, allocator caching and fragmentation.
 """
