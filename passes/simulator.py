@@ -64,7 +64,7 @@ class Op:
         copies; `_gloo_scratch_bytes`).
     storage_of: the node whose storage its output is, so that it allocates nothing of its own: an
         `out=` argument (gloo's all-gathers after passes/gloo.py), or for a backward's saved input an
-        earlier saved input viewing the same tensor (`_share_saved_storages`).
+        earlier saved input viewing the same tensor (`_size_saved_storages`).
     """
 
     name: str
@@ -129,8 +129,6 @@ def op_of(node: Node) -> Op:
     kind = _kind(node)
     facts = op_facts(node) if kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) else OpFacts()
     out_bytes = 0 if kind is OpKind.OUTPUT else _val_bytes(node.meta.get("val"))
-    if kind is OpKind.INPUT:
-        out_bytes = max(out_bytes, _storage_bytes(node.meta.get("val")))
     group = collective_label(node) if kind is OpKind.COLLECTIVE else None
     scratch = _gloo_scratch_bytes(node, facts, out_bytes) if kind is OpKind.COLLECTIVE else 0
     written = _written_input(node)
@@ -159,20 +157,24 @@ def _storage_bytes(val) -> int:
         return 0
 
 
-def _share_saved_storages(gm: GraphModule, program: Program) -> None:
-    """Mark each saved input of a backward that views the same storage as an earlier one as that
-    one's (`Op.storage_of`): the storage is counted once, and lives until its last use by either.
-    The graph's metadata keeps the forward's storages (fake tensors alias as the real ones will)."""
+def _size_saved_storages(gm: GraphModule, program: Program) -> None:
+    """Each saved input of a backward counts the storage it views (`_storage_bytes`), and one that
+    views the same storage as an earlier one is that one's (`Op.storage_of`): counted once, alive
+    until its last use by either. The graph's metadata keeps the forward's storages (fake tensors
+    alias as the real ones will)."""
     first: dict[StorageWeakRef, str] = {}
     saved = saved_inputs(program)
     ops = {op.name: op for op in program}
     for node in gm.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
-        if node.name not in saved or not isinstance(val, torch.Tensor) or not _storage_bytes(val):
+        nbytes = _storage_bytes(val) if node.name in saved else 0
+        if not nbytes:
             continue
+        op = ops[node.name]
+        op.out_bytes = max(op.out_bytes, nbytes)
         key = StorageWeakRef(val.untyped_storage())
         if key in first:
-            ops[node.name].storage_of = first[key]
+            op.storage_of = first[key]
         else:
             first[key] = node.name
 
@@ -207,7 +209,7 @@ def saved_inputs(program: Program) -> frozenset[str]:
 def program_of(gm: GraphModule) -> Program:
     """`gm`'s nodes in graph order as a `Program`."""
     program = [op_of(node) for node in gm.graph.nodes]
-    _share_saved_storages(gm, program)
+    _size_saved_storages(gm, program)
     return program
 
 
@@ -231,8 +233,8 @@ def memory_profile(program: Program) -> MemoryProfile:
     storage: dict[str, Optional[str]] = {}  # node -> the node that allocated its storage (None: an input)
     wait_of: dict[str, int] = {}  # collective -> position of its wait
     for i, op in enumerate(program):
-        if op.kind is OpKind.INPUT:
-            storage[op.name] = None if op.name not in owned_inputs else storage[op.storage_of] if op.storage_of else op.name
+        if op.kind is OpKind.INPUT:  # the step's storage if it is a saved input, else the caller's
+            storage[op.name] = (storage[op.storage_of] if op.storage_of else op.name) if op.name in owned_inputs else None
         elif op.kind in (OpKind.VIEW, OpKind.WAIT):
             storage[op.name] = storage.get(op.inputs[0]) if op.inputs else None
             if op.kind is OpKind.WAIT and op.inputs:

@@ -5,8 +5,6 @@ the heap: gloo's all-gather holds a copy of its output while it runs, its reduce
 its input until the wait (examples/repro/gloo_collective_scratch.py shows it with torch alone).
 """
 
-import threading
-
 import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -119,7 +117,7 @@ def _compiled_step_heap(rank, world_size, dump_dir):
 
     from fsdp_graph.inspect.timeline import load_programs
     from fsdp_graph.passes.simulator import memory_profile
-    from repro.gloo_collective_scratch import in_use
+    from repro.gloo_collective_scratch import heap_peak
 
     torch.manual_seed(0)
     model = GPTNeoXForCausalLM(GPTNeoXConfig(
@@ -138,17 +136,8 @@ def _compiled_step_heap(rank, world_size, dump_dir):
     step()
     step()
     dist.barrier()
-    base, peak, stop = in_use(), [0], threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], in_use() - base)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    compiled(tokens).logits.sum().backward()
-    stop.set()
-    sampler.join()
+    with heap_peak() as peak:
+        compiled(tokens).logits.sum().backward()
     predicted = max(memory_profile(program).peak_bytes for program in load_programs(f"{dump_dir}/{rank}").values())
     return predicted / _MIB, peak[0] / _MIB
 

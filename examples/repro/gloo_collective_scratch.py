@@ -21,6 +21,7 @@ several collectives in flight on gloo holds these too, and a memory budget must 
 """
 
 import ctypes
+from contextlib import contextmanager
 import threading
 import time
 
@@ -43,9 +44,10 @@ def in_use() -> int:
     return info.uordblks + info.hblkhd
 
 
-def measure(issue) -> tuple[float, float, float, float]:
-    """(output, peak while in flight, before the wait, after the wait), MiB above the level before."""
-    dist.barrier()
+@contextmanager
+def heap_peak():
+    """Yields a one-item list that holds, once the block ends, the most in-use heap bytes above the
+    level at entry seen meanwhile (a thread samples it without pause)."""
     base = in_use()
     peak, stop = [0], threading.Event()
 
@@ -55,10 +57,20 @@ def measure(issue) -> tuple[float, float, float, float]:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    out = issue()
-    time.sleep(0.05)  # the transfer finishes meanwhile
-    stop.set()
-    sampler.join()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        sampler.join()
+
+
+def measure(issue) -> tuple[float, float, float, float]:
+    """(output, peak while in flight, before the wait, after the wait), MiB above the level before."""
+    dist.barrier()
+    base = in_use()
+    with heap_peak() as peak:
+        out = issue()
+        time.sleep(0.05)  # the transfer finishes meanwhile
     before = in_use() - base
     torch.ops._c10d_functional.wait_tensor(out)
     after = in_use() - base
