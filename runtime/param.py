@@ -39,6 +39,12 @@ from .storage import contiguous_stride, refill
 from .tp_layout import TensorParallelLayout, sharded_layout
 
 
+# Set on every sharded parameter, and on each original parameter `fully_shard` took, naming its
+# `ShardedParam`: a later `fully_shard` meeting a tied weight, the optimizer check and the backend
+# read it. See [Note: The sharded parameter is the one its module holds].
+OWNER_ATTR = "_fsdp_graph_param"
+
+
 class MetaParameterError(ValueError, RuntimeError):
     """Parameters still on the meta device when a forward needs them.
 
@@ -108,13 +114,21 @@ class ShardedParam(AllGatherExtensions):
         local = self.own_rows(param.detach())
         local = local.clone() if local.is_meta else local.to(shard_device, copy=True)
         local = local.contiguous()
-        self.sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
+        # The sharded parameter as last followed; `sharded_param` is the one the module holds now.
+        self._sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
+        self._installed = False  # until `install` first registers it on the owners
+        # (id, TensorImpl) of the sharded parameter when it was last followed: a new object, or
+        # the same one after `torch.utils.swap_tensors`, has lost our hooks and attribute.
+        self._followed: tuple[int, int] | None = None
         # See [Note: All-gather extensions] in runtime/all_gather_extensions.py.
         self._init_all_gather_extensions(mp_policy, type(local))
-        # Whether `.grad` was None when the last compiled backward reached this parameter; see
-        # [Note: Gradient flags in a graph] in runtime/traced.py.
-        self.grad_was_none = True
+        # Whether the last compiled backward accumulated into this parameter (`grad_seen`), and if
+        # so whether `.grad` was None just before; see [Note: Gradient flags in a graph] in
+        # runtime/traced.py.
+        self.grad_seen = False
+        self.grad_was_none = False
         self._watching_grad = False
+        self._watch_handle = None  # our hook in the sharded parameter's hook dict
 
         # Unsharded storage, padded to world * padded_dim0 rows so the all-gather output copies out
         # in one `split_with_sizes_copy`; the parameter autograd sees is a view of its first dim0
@@ -137,7 +151,7 @@ class ShardedParam(AllGatherExtensions):
         """Pin the (CPU-offloaded) shard in page-locked memory: its copies to the GPU can overlap."""
         if not self.local_shard.is_meta:
             pinned = self.local_shard.pin_memory()
-            self.sharded_param = nn.Parameter(self._to_dtensor(pinned), requires_grad=self.requires_grad)
+            self._sharded_param = nn.Parameter(self._to_dtensor(pinned), requires_grad=self.requires_grad)
         self.pinned = True
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
@@ -187,38 +201,82 @@ class ShardedParam(AllGatherExtensions):
         local = self.local_shard
         return (local if self.shard_dim == 0 else local.movedim(self.shard_dim, 0)).reshape(-1)
 
-    def adopt_current_param(self) -> None:
-        """Take back the parameter the owner module holds now, if the user replaced it.
+    # [Note: The sharded parameter is the one its module holds]
+    # Users and frameworks change parameters after `fully_shard`: `load_state_dict(sd, assign=True)`
+    # and `set_model_state_dict(..., broadcast_from_rank0=True)` put new DTensors in place (HF's and
+    # Accelerate's meta-device loading), `module.weight = nn.Parameter(...)` replaces one, and
+    # `to_empty()`, `.to()` and `.float()` convert DTensor parameters with `torch.utils.swap_tensors`,
+    # which keeps the Python object but gives it a new TensorImpl: the tensor's hooks and Python
+    # attributes stay with the old one. So nothing here trusts an identity or a hook from
+    # `fully_shard` time:
+    # - `sharded_param` is whatever the first owner module holds now (once installed), so eager and
+    #   traced steps read the new tensor even before anything followed it; Dynamo's guards on it then
+    #   see the new object too.
+    # - `follow_registered_param` checks a replacement, registers it on every owner (tied weights),
+    #   and puts back what the tensor lost: our attribute and the gradient watch of [Note: Gradient
+    #   flags in a graph]. It runs wherever the runtime gets control before parameters are read:
+    #   the root's pre-forward (FSDP2's lazy init) and every unshard, after `_apply` and
+    #   `load_state_dict`, before Dynamo compiles a frame, and at the end of every backward.
+    # - The watch only ever removes a gradient it saw created by a compiled backward (`grad_seen`);
+    #   a parameter whose watch was lost keeps its gradient.
 
-        `load_state_dict(assign=True)`, `to_empty()` and friends may swap the registered parameter
-        object. The new one becomes the sharded parameter, so no user state is lost.
-        """
-        module, name = self.owners[0]
-        current = module._parameters.get(name)
-        if current is None or current is self.sharded_param or current is self.unsharded_param:
-            self._check_unchanged()
-            return
+    @property
+    def sharded_param(self) -> nn.Parameter:
+        """The sharded parameter: the one the first owner module holds now, or the last followed
+        one while the module holds the unsharded parameter (or before `fully_shard` installed it)."""
+        if self._installed:
+            module, name = self.owners[0]
+            live = module._parameters.get(name)
+            if live is not None and live is not self._sharded_param and live is not self.unsharded_param:
+                return live
+        return self._sharded_param
+
+    def follow_registered_param(self) -> None:
+        """Take the sharded parameter the module holds now, and give it back our attribute and
+        gradient watch if it lost them. See [Note: The sharded parameter is the one its module holds]."""
+        current = self.sharded_param
+        if current is not self._sharded_param:
+            self._check_replacement(current)
+            self._sharded_param = current
+            self.install(sharded=True)  # every owner of a tied weight
+        if self._followed != (id(current), current._cdata):
+            self._followed = (id(current), current._cdata)
+            setattr(current, OWNER_ATTR, self)
+            if self._watching_grad:
+                self._watch(current)
+
+    def replacement_problem(self, current: torch.Tensor, name: str | None = None) -> str | None:
+        """Why `current`, put in place of the sharded parameter, cannot be one; None if it can.
+        `name`: the parameter's name in the message (its name in the group's module by default)."""
+        name = self.fqn if name is None else name
         if not isinstance(current, DTensor) or tuple(current.placements) != self.placements:
-            raise ValueError(
-                f"Parameter '{self.fqn}' was replaced by a tensor that is not a DTensor sharded with "
-                f"{self.placements}; load sharded state with model.load_state_dict(...) "
-                f"(without assign=True) or assign DTensors from distribute_tensor(...)"
+            placements = tuple(current.placements) if isinstance(current, DTensor) else None
+            return (
+                f"Parameter '{name}' was replaced by a {type(current).__name__}"
+                + (f" with placements {placements}" if placements is not None else "")
+                + f", not a DTensor sharded with {self.placements}; load sharded state with "
+                f"model.load_state_dict(...) (without assign=True), or assign DTensors made with "
+                f"distribute_tensor(full, param.device_mesh, param.placements)"
             )
         if current.size() != self.orig_size:
-            raise ValueError(
-                f"Parameter '{self.fqn}' was replaced by a DTensor of shape {tuple(current.size())}, "
+            return (
+                f"Parameter '{name}' was replaced by a DTensor of shape {tuple(current.size())}, "
                 f"expected {tuple(self.orig_size)}"
             )
-        if not isinstance(current, nn.Parameter):
-            current = nn.Parameter(current, requires_grad=self.requires_grad)
-        self.sharded_param = current
-        self._check_unchanged()
-        self.install(sharded=True)
-        if self._watching_grad:
-            self.watch_grad_before_backward()
+        if current.device_mesh != self.sharded_mesh:
+            return (
+                f"Parameter '{name}' was replaced by a DTensor on mesh {current.device_mesh}, "
+                f"expected {self.sharded_mesh}; distribute it over the parameter's own device_mesh"
+            )
+        return None
 
-    def _check_unchanged(self) -> None:
-        """Follow the sharded parameter's dtype (checked before a gather), and refuse meta shards.
+    def _check_replacement(self, current: torch.Tensor) -> None:
+        problem = self.replacement_problem(current)
+        if problem is not None:
+            raise ValueError(problem)
+
+    def check_gatherable(self) -> None:
+        """Before a gather: follow the sharded parameter's dtype, and refuse meta shards.
 
         See [Note: Parameters changed after fully_shard]: an unsharded parameter of another dtype
         than the one now wanted is dropped, and the next copy-out allocates it anew.
@@ -230,16 +288,28 @@ class ShardedParam(AllGatherExtensions):
             raise MetaParameterError([self.fqn])
 
     def watch_grad_before_backward(self) -> None:
-        """Record in `grad_was_none`, each time autograd is about to accumulate into the sharded
-        parameter, whether its `.grad` was None."""
+        """Record, each time autograd is about to accumulate into the sharded parameter, that it
+        did (`grad_seen`) and whether its `.grad` was None (`grad_was_none`)."""
         self._watching_grad = True
-        param = self.sharded_param
+        self._followed = None  # registered by following
+        self.follow_registered_param()
 
+    def _watch(self, param: nn.Parameter) -> None:
         def record(grad: torch.Tensor) -> torch.Tensor:
+            self.grad_seen = True
             self.grad_was_none = param.grad is None
             return grad
 
-        hook_even_if_frozen(param, lambda t: t.register_hook(record))
+        if self._watch_handle is not None:
+            self._watch_handle.remove()
+        hooks = param._backward_hooks
+        if hooks is not None:
+            # `swap_tensors` left the hook dict on the Python object, no longer linked to the new
+            # TensorImpl (a new hook would join a dict autograd never reads): setting it links it.
+            param._backward_hooks = hooks
+        handles = []
+        hook_even_if_frozen(param, lambda t: handles.append(t.register_hook(record)))
+        self._watch_handle = handles[0] if handles else None
 
     def own_rows(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's valid rows (on the shard dim) of a full tensor of this parameter's (tp-local) shape."""
@@ -259,9 +329,10 @@ class ShardedParam(AllGatherExtensions):
 
     def install(self, sharded: bool) -> None:
         """Register the sharded or the unsharded parameter on every owner module."""
-        param = self.sharded_param if sharded else self.unsharded_param
+        param = self._sharded_param if sharded else self.unsharded_param
         for module, name in self.owners:
             module._parameters[name] = param
+        self._installed = True
 
     def scatter_from(self, full: torch.Tensor | None, src: int) -> None:
         """Overwrite the shard with this rank's rows of `full`, which only global rank `src` has."""

@@ -170,7 +170,8 @@ class ParamGroup:
                 )
             else:
                 for p in self.params:
-                    p.adopt_current_param()
+                    p.follow_registered_param()  # [Note: The sharded parameter is the one its module holds]
+                    p.check_gatherable()
                     p.refresh_gather_hooks()  # [Note: Extensions found on the tensor instance]
                 self.num_trainable = sum(p.requires_grad for p in self.params)
                 # [Note: One wire layout for eager and traced gathers] in runtime/collectives.py
@@ -183,9 +184,16 @@ class ParamGroup:
                     as_bytes=as_bytes,
                 )
 
-    def follow_moved_shards(self) -> None:
-        """After `_apply` (`to_empty()`, `.to()`): the compiled steps' gradient-flags leaf goes
-        to the shards' new device."""
+    def follow_registered_params(self) -> None:
+        """Take the sharded parameters the modules hold now (replaced, or converted by `_apply`:
+        `to_empty()`, `.to()`), with our hooks, and move the compiled steps' gradient-flags leaf
+        to where the shards are. A no-op while the group is gathered (the modules hold the
+        unsharded parameters). See [Note: The sharded parameter is the one its module holds] in
+        runtime/param.py."""
+        if self.state is ShardedState.UNSHARDED:
+            return
+        for p in self.params:
+            p.follow_registered_param()
         if self.grad_flags.device != self.params[0].local_shard.device:
             traced.new_flags_leaf(self)
 

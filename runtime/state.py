@@ -15,7 +15,9 @@ Per step, for each state:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import weakref
 from enum import Enum, auto
 from typing import Any, Callable, Iterator, Optional
 
@@ -61,6 +63,7 @@ class RootContext:
         self.fallbacks: dict[str, str] = {}
         # `backward_writes_param_grads`' answer for the current backward, None until asked.
         self._writes_param_grads: Optional[bool] = None
+        _follow_before_compiling(self)
 
     def backward_writes_param_grads(self) -> bool:
         """Whether the running backward accumulates into the `.grad` of any trainable parameter
@@ -95,6 +98,34 @@ class RootContext:
             if not group.all_grads_ready:
                 return
             group.post_backward()
+
+
+# Every root context alive, for `_follow_all_roots`; contexts of outer roots replace inner ones.
+_roots: "weakref.WeakSet[RootContext]" = weakref.WeakSet()
+
+
+def _follow_before_compiling(ctx: RootContext) -> None:
+    _roots.add(ctx)
+    _install_compile_start_callback()
+
+
+@functools.lru_cache(maxsize=None)
+def _install_compile_start_callback() -> None:
+    torch._dynamo.callback.on_compile_start(_follow_all_roots)
+
+
+def _follow_all_roots(*_args) -> None:
+    """Before Dynamo traces a frame: every root takes the sharded parameters its modules hold now,
+    so the graph reads them and their gradients are watched ([Note: The sharded parameter is the
+    one its module holds] in runtime/param.py). A replacement that cannot be a shard is left for
+    the traced root's check, which names every such parameter."""
+    for ctx in list(_roots):
+        if ctx.root.ctx is not ctx:  # an inner root's context, claimed by an outer one since
+            continue
+        try:
+            ctx.root.follow_registered_params()
+        except ValueError:
+            pass
 
 
 class _InputGradsDone(torch.autograd.Function):
@@ -191,6 +222,7 @@ class FSDPState:
             module.register_forward_hook(self._post_forward_hook)
             module.register_state_dict_pre_hook(self._reshard_for_state_dict)
             module.register_load_state_dict_pre_hook(self._check_and_reshard_for_load_state_dict)
+            module.register_load_state_dict_post_hook(self._follow_loaded_params)
         # Each submodule holding this group's parameters, with its call check's handle: see
         # `_check_called_through_group` and `owner_checks_lifted`.
         self._owner_checks: list[tuple[nn.Module, Any]] = [
@@ -317,8 +349,16 @@ class FSDPState:
         hooked = dict(zip(map(id, needing_grad), _InputGradsDone.apply(group, *needing_grad)))
         return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
 
+    def follow_registered_params(self) -> None:
+        """Root only: every group under this root takes the sharded parameters its modules hold
+        now ([Note: The sharded parameter is the one its module holds] in runtime/param.py)."""
+        for state in self.ctx.states:
+            if state.group is not None:
+                state.group.follow_registered_params()
+
     def check_materialized(self) -> None:
-        """Root only: raise once, naming every parameter under this root still on the meta device.
+        """Root only: raise once, naming every parameter under this root that is still on the meta
+        device, or that was replaced by a tensor that cannot be its shard.
 
         Eager roots check until a forward passed; traced roots check every trace (the flag would be
         a guard, and setting it a recompile), where `is_meta` is a constant of the graph inputs.
@@ -326,24 +366,36 @@ class FSDPState:
         tracing = torch.compiler.is_compiling()
         if (not tracing and self.ctx.materialized) or (tracing and self.ctx.capturing):
             return
-        sharded = [p.sharded_param for s in self.ctx.states if s.group is not None for p in s.group.params]
-        if not any(param.is_meta for param in sharded):
+        params = [p for s in self.ctx.states if s.group is not None for p in s.group.params]
+        replaced = [p for p in params if p.sharded_param is not p._sharded_param]
+        if replaced:
+            names = self._names_under_root(replaced)
+            problems = [p.replacement_problem(p.sharded_param, name) for p, name in zip(replaced, names)]
+            problems = [problem for problem in problems if problem is not None]
+            if problems:
+                raise ValueError(
+                    "Parameters replaced after fully_shard cannot be its shards:\n"
+                    + "\n".join(f"  - {problem}" for problem in problems)
+                )
+        on_meta = [p for p in params if p.sharded_param.is_meta]
+        if not on_meta:
             if not tracing:
                 self.ctx.materialized = True
             return
-        self._raise_for_meta_params({id(param) for param in sharded})
+        raise MetaParameterError(self._names_under_root(on_meta))
 
-    def _raise_for_meta_params(self, sharded: set[int]) -> None:
-        fqns = []
+    def _names_under_root(self, params: list) -> list[str]:
+        """The names of `params` (ShardedParams), in order, as the root's `named_parameters` gives them."""
+        names = {}
         for index, module in enumerate(self.modules):
             prefix = f"[{index}]." if len(self.modules) > 1 else ""
             for name, param in module.named_parameters():
-                if id(param) in sharded and param.is_meta:
-                    fqns.append(prefix + name)
-        raise MetaParameterError(fqns)
+                names.setdefault(id(param), prefix + name)
+        return [names.get(id(p.sharded_param), p.fqn) for p in params]
 
     def _root_pre_forward(self) -> None:
         self.check_materialized()
+        self.follow_registered_params()  # FSDP2's lazy init takes replaced parameters here too
         # Gradients of the last step must be final before parameters are read again, and a
         # forward or backward that raised must not leave groups gathered or states half-way.
         self.ctx.comm.finish_reduce_scatters()
@@ -518,6 +570,13 @@ class FSDPState:
                     + "\n".join(f"  - {p}" for p in problems)
                 )
         self._reshard_for_state_dict()
+
+    def _follow_loaded_params(self, *_args) -> None:
+        # `load_state_dict(assign=True)` put new tensors in place, or swapped them
+        # (`torch.__future__.set_swap_module_params_on_conversion`): [Note: The sharded parameter
+        # is the one its module holds] in runtime/param.py.
+        if self.group is not None:
+            self.group.follow_registered_params()
 
     # -- misuse checks -------------------------------------------------------------------------
 

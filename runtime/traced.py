@@ -80,6 +80,8 @@ class TracedGroup(Protocol):
     @property
     def world(self) -> int: ...
 
+    def follow_registered_params(self) -> None: ...
+
     @property
     def gathers_bytes(self) -> bool: ...
 
@@ -111,8 +113,8 @@ logger = logging.getLogger(__name__)
 # traced bucket carries, like the eager one, one flag per trainable parameter after the gradients:
 # the flags ride in the columns of `group.grad_flags`, a small leaf gathered (as zeros) with the
 # shards, and its gradient, after the reduce-scatter, is the sum over ranks of "had a gradient".
-# Once the backward ends, a parameter whose flag is 0 on every rank and whose `.grad` was None
-# before this backward gets None back. Only then are the flags read (a device sync on CUDA).
+# Once the backward ends, a parameter whose flag is 0 on every rank and whose `.grad` this backward
+# created (a hook saw it None just before) gets None back. Only then are the flags read (a device sync on CUDA).
 # A backward that writes no parameter gradient (`torch.autograd.grad(loss, inputs=[x])`) still runs
 # the graph's reduce-scatters: the compiled backward is one autograd node that computes all its
 # outputs, and only the accumulators after it are skipped, so `.grad` (and the flags) stay as they
@@ -150,6 +152,9 @@ def _trainable_flags(leaf: torch.Tensor, trainable: list[int]) -> torch.Tensor:
 
 def _restore_none_grads(group: TracedGroup) -> None:
     flags, group.grad_flags.grad = group.grad_flags.grad, None
+    seen = [p.requires_grad and p.grad_seen for p in group.params]
+    for p in group.params:
+        p.grad_seen = False
     if flags is None:
         # The group ran in the graph but no gradient reached it (its outputs were detached): the
         # accumulators got nothing and `.grad` is as it was. FSDP2 reduces such a group as zeros
@@ -158,14 +163,17 @@ def _restore_none_grads(group: TracedGroup) -> None:
             for p in group.params:
                 if p.requires_grad and p.sharded_param.grad is None:
                     p.accumulate_sharded_grad(p.local_shard.new_zeros(p.shard_numel))
-        return
-    if flags.is_meta or not any(p.requires_grad and p.grad_was_none for p in group.params):
-        return  # meta: a model traced for its graphs only, with no values to read
-    if group.reduce_controls.zeros_for_unused:
-        return  # FSDP2 keeps the zeros: [Note: Every rank packs every parameter]
-    for p, flag in zip(group.params, flags.tolist()):
-        if p.requires_grad and flag <= 0 and p.grad_was_none:
-            p.sharded_param.grad = None
+    elif not flags.is_meta and not group.reduce_controls.zeros_for_unused:
+        # meta: a model traced for its graphs only; zeros_for_unused: FSDP2 keeps the zeros.
+        # Only a gradient this backward created (its watch saw `.grad` None) is ever taken back:
+        # a parameter whose watch was lost keeps what it has ([Note: The sharded parameter is the
+        # one its module holds] in runtime/param.py).
+        created = [was_seen and p.grad_was_none for p, was_seen in zip(group.params, seen)]
+        if any(created):  # read the flags (a device sync) only when a gradient may go
+            for p, flag, new in zip(group.params, flags.tolist(), created):
+                if new and flag <= 0:
+                    p.sharded_param.grad = None
+    group.follow_registered_params()  # for the next step, should anything have replaced a shard
 
 
 def _reshards_after_forward(group: TracedGroup) -> bool:

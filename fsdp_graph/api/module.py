@@ -22,11 +22,6 @@ from ..runtime.state import FSDPState
 logger = logging.getLogger(__name__)
 
 
-# Set on every original parameter a group took over, so a later `fully_shard` that meets the same
-# parameter (a tied weight) can tell which group owns it.
-_OWNER_ATTR = "_fsdp_graph_param"
-
-
 class FSDPModule:
     """Mixed into every module `fully_shard` was applied to: `FSDP<Cls>` is both `Cls` and this."""
 
@@ -81,8 +76,8 @@ class FSDPModule:
         for state in states:
             state.group.reshard()
         result = super()._apply(*args, **kwargs)
-        for state in states:
-            state.group.follow_moved_shards()
+        for state in states:  # [Note: The sharded parameter is the one its module holds]
+            state.group.follow_registered_params()
         return result
 
     def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:

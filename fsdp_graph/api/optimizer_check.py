@@ -8,7 +8,7 @@ import functools
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .module import _OWNER_ATTR
+from ..runtime.param import OWNER_ATTR
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,7 +41,7 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> 
     contexts, groups = {}, {}  # by id, so the check stays linear in the number of parameters
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
-            owner = p.__dict__.get(_OWNER_ATTR)
+            owner = p.__dict__.get(OWNER_ATTR)
             if owner is None:
                 continue
             if p is not owner.sharded_param:

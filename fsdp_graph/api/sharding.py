@@ -15,10 +15,10 @@ from torch.distributed.tensor import Shard
 
 from ..runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..runtime.mesh_info import MeshInfo
-from ..runtime.param import ShardedParam
+from ..runtime.param import OWNER_ATTR, ShardedParam
 from ..runtime.param_group import ParamGroup
 from ..runtime.state import FSDPState
-from .module import _OWNER_ATTR, FSDPModule, _fsdp_class
+from .module import FSDPModule, _fsdp_class
 from .checks import (
     _check_devices,
     _check_ignored_params,
@@ -92,9 +92,9 @@ def fully_shard(
     for param, sharded in zip((o[0] for o in owners), params):
         if pin_memory:
             sharded.pin_shard()
-        setattr(param, _OWNER_ATTR, sharded)
-        setattr(sharded.sharded_param, _OWNER_ATTR, sharded)
+        setattr(param, OWNER_ATTR, sharded)
         sharded.install(sharded=True)
+        sharded.follow_registered_param()  # our attribute and hooks on the installed shard
     for m in modules:
         _move_buffers(m, device)
 
@@ -248,7 +248,7 @@ def _collect_params(modules, ignored: set[int]):
                 if param is None or id(param) in ignored:
                     continue
                 fqn = prefix + (f"{module_name}.{name}" if module_name else name)
-                taken = getattr(param, _OWNER_ATTR, None)
+                taken = getattr(param, OWNER_ATTR, None)
                 if taken is not None:
                     _check_taken(taken, owner, fqn, modules)
                     continue

@@ -38,6 +38,7 @@ from ..passes.gloo import plain_all_gathers_on_gloo, reduce_scatters_in_place_on
 from ..passes.scheduling import CROSS_GROUP_PASS_NAMES, PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
 from ..api.scope import SCOPE_ATTR, SCOPES
 from ..runtime.meta import GROUP_KEY
+from ..runtime.param import OWNER_ATTR
 from ..runtime.param_group import ParamGroup
 
 logger = logging.getLogger(__name__)
@@ -242,7 +243,7 @@ def _ranks_of(owners: list) -> list[int]:
 def _sharded_param_of(t: Any):
     """The `ShardedParam` a graph input belongs to: a sharded parameter, or an unsharded one that
     the eager runtime reduces (a group that fell back); None for anything else."""
-    owner = getattr(t, "_fsdp_graph_param", None)
+    owner = getattr(t, OWNER_ATTR, None)
     if owner is not None:
         return owner
     for hook in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).values():
