@@ -181,8 +181,6 @@ def decompose_tp_matmuls(gm: GraphModule, num_chunks: int = DEFAULT_NUM_CHUNKS) 
     num_done = sum(_decompose(gm, n, num_chunks, positions) for n in candidates)
     logger.debug("fsdp_graph::async_tp %d of %d tp all-reduces decomposed into %d chunks",
                  num_done, len(candidates), num_chunks)
-    gm.graph.lint()
-    gm.recompile()
     return gm
 
 
@@ -251,8 +249,6 @@ def merge_summed_all_reduces(gm: GraphModule) -> GraphModule:
                 changed = True
     if num_merged:
         logger.debug("fsdp_graph::merge_tp_all_reduces %d all-reduces fewer", num_merged)
-        gm.graph.lint()
-        gm.recompile()
     return gm
 
 

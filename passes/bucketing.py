@@ -267,12 +267,6 @@ def _merge_runs(gm: GraphModule, pass_name: str, same_bucket: Callable[[list[Nod
     return num_removed
 
 
-def _finish(gm: GraphModule) -> GraphModule:
-    gm.graph.lint()
-    gm.recompile()
-    return gm
-
-
 # -- the passes -----------------------------------------------------------------------------------------
 
 
@@ -293,7 +287,7 @@ def bucket_by_group(gm: GraphModule) -> GraphModule:
     num_removed = _merge_runs(gm, "bucket_by_group", lambda bucket, nxt: bucket_groups(bucket[-1]) == bucket_groups(nxt))
     if num_removed:
         logger.debug("fsdp_graph::bucket_by_group merged %d collectives", num_removed)
-    return _finish(gm)
+    return gm
 
 
 def auto_bucket(gm: GraphModule, cost_model: CostModel, bucket_cap_bytes: int) -> GraphModule:
@@ -330,7 +324,7 @@ def auto_bucket(gm: GraphModule, cost_model: CostModel, bucket_cap_bytes: int) -
     if not num_merged and not num_split:
         return gm
     logger.debug("fsdp_graph::auto_bucket merged away %d and split off %d collectives", num_merged, num_split)
-    return _finish(gm)
+    return gm
 
 
 def buckets(gm: GraphModule) -> list[dict]:

@@ -1,9 +1,10 @@
 """All-gathers on gloo through gloo's plain allgather ([Note: All-gathers on gloo]), and
 reduce-scatters on gloo as an all-reduce of their own buffer ([Note: Reduce-scatters on gloo]).
 
-Both run after the scheduling passes (they are not among them and cannot be switched off: without
-the first, a schedule may put torch 2.13's gloo at risk; the second changes no value and no byte on
-the wire): the first on every scheduled graph, the second on the graphs Inductor compiles.
+Both are rows of the pass table (passes/table.py): the first runs last among the scheduling passes,
+on every scheduled graph (switching it off puts torch 2.13's gloo at risk as soon as two all-gathers
+are in flight); the second runs on the graphs Inductor compiles, after the program for the inspector
+is written (it changes no value and no byte on the wire).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ _C10D = torch.ops._c10d_functional
 def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
     """Each functional all-gather that runs on gloo rewritten as `all_gather_into_tensor_out` into a
     fresh buffer of its output's shape; uses of the old node read the new one (the buffer)."""
-    changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _C10D.all_gather_into_tensor.default:
             continue
@@ -50,8 +50,7 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
             gathered.meta.update(node.meta)
         node.replace_all_uses_with(gathered)
         gm.graph.erase_node(node)
-        changed = True
-    return _recompiled(gm, changed)
+    return gm
 
 
 # [Note: Reduce-scatters on gloo]
@@ -85,7 +84,6 @@ def _owned_by(node: Node, user: Node) -> bool:
 def reduce_scatters_in_place_on_gloo(gm: GraphModule) -> GraphModule:
     """Each reduce-scatter on gloo whose input it owns, rewritten as `all_reduce_` of that input and
     this rank's row of it after the wait; see [Note: Reduce-scatters on gloo]."""
-    changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _C10D.reduce_scatter_tensor.default:
             continue
@@ -112,13 +110,4 @@ def reduce_scatters_in_place_on_gloo(gm: GraphModule) -> GraphModule:
             for use in old_uses:
                 use.replace_input_with(wait, row)
         gm.graph.erase_node(node)
-        changed = True
-    return _recompiled(gm, changed)
-
-
-def _recompiled(gm: GraphModule, changed: bool) -> GraphModule:
-    """`gm`, linted and recompiled where a rewrite changed its graph."""
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
     return gm

@@ -46,6 +46,17 @@ def is_wait_tensor(node: Node) -> bool:
     return node.op == "call_function" and node.target is _C10D.wait_tensor.default
 
 
+def is_tangent(node: Node) -> bool:
+    """A placeholder of the gradients flowing into a backward: AOTAutograd names them `tangents_<i>`,
+    in a joint graph and in the partitioned backward."""
+    return node.op == "placeholder" and node.name.startswith("tangents")
+
+
+def is_backward_graph(graph: "torch.fx.Graph") -> bool:
+    """A partitioned backward graph (it takes tangents), as opposed to a forward."""
+    return any(is_tangent(n) for n in graph.find_nodes(op="placeholder"))
+
+
 def is_region_call(node: Node) -> bool:
     """A compile region's call (`torch.compiler.nested_compile_region`, traced as `invoke_subgraph`)."""
     return node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph

@@ -68,8 +68,6 @@ def tag_reshard_after_forward(gm: GraphModule) -> GraphModule:
     if not num_tagged:
         return gm
     logger.debug("fsdp_graph::reshard_after_forward tagged %d nodes in %d groups", num_tagged, len(region_ids))
-    gm.graph.lint()
-    gm.recompile()
     return gm
 
 

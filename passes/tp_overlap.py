@@ -152,6 +152,4 @@ def overlap_tp_all_reduces(gm: GraphModule, cost_model: CostModel) -> GraphModul
         return gm
     num_moved = sum(_overlap(group, cost_model) for group in reversed(groups))
     logger.debug("fsdp_graph::overlap_tp_all_reduces %d nodes moved under %d tp all-reduce groups", num_moved, len(groups))
-    gm.graph.lint()
-    gm.recompile()
     return gm

@@ -19,8 +19,10 @@ from _models import MLPStack
 from fsdp_graph import fully_shard
 from fsdp_graph.inspect.timeline import load_programs
 from fsdp_graph.passes.simulator import in_flight
-from fsdp_graph.compile.backend import CHECK_COLLECTIVES_ENV, BackendConfig
-from fsdp_graph.passes.check_collectives import CollectiveBufferError, check_collectives
+from fsdp_graph.compile.backend import BackendConfig
+from fsdp_graph.passes.check_collectives import CHECK_COLLECTIVES_ENV, CollectiveBufferError, check_collectives
+from fsdp_graph.passes.pipeline import run_pass
+from fsdp_graph.passes.table import Stage
 
 _C10D = torch.ops._c10d_functional
 
@@ -48,7 +50,7 @@ def fake_group():
 
 
 def test_untouched_buffers_pass(fake_group):
-    gm = check_collectives(_graph())
+    gm = run_pass(check_collectives, _graph())
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"].count(
         torch.ops.fsdp_graph.check_collective.default
     ) == 1
@@ -57,7 +59,7 @@ def test_untouched_buffers_pass(fake_group):
 
 
 def test_a_write_into_an_in_flight_input_raises(fake_group):
-    gm = check_collectives(_graph(between=_add_one))
+    gm = run_pass(check_collectives, _graph(between=_add_one))
     with pytest.raises(CollectiveBufferError, match=r"all_gather_into_tensor_default \(\[0\]\) was in flight when 32 of its input's 64 bytes"):
         gm(torch.zeros(16))
 
@@ -67,18 +69,18 @@ def _add_one(t: torch.Tensor) -> None:
 
 
 def test_freeing_an_in_flight_input_raises(fake_group):
-    gm = check_collectives(_graph(between=_free_storage))
+    gm = run_pass(check_collectives, _graph(between=_free_storage))
     with pytest.raises(CollectiveBufferError, match=r"input's storage was resized from 64 to 0 bytes"):
         gm(torch.zeros(16))
 
 
 def test_the_environment_variable_turns_the_checks_on(monkeypatch):
     monkeypatch.delenv(CHECK_COLLECTIVES_ENV, raising=False)
-    assert not BackendConfig().checking_collectives()
+    assert not BackendConfig().resolved_options()["check_collectives"]
     monkeypatch.setenv(CHECK_COLLECTIVES_ENV, "1")
-    assert BackendConfig().checking_collectives()
-    assert [p.name for p in BackendConfig().check_passes()] == ["check_collectives"]
-    assert not BackendConfig(check_collectives=False).checking_collectives()
+    assert BackendConfig().resolved_options()["check_collectives"]
+    assert [p.name for p in BackendConfig(compiler="aot_eager").passes(Stage.LOWER)] == ["check_collectives"]
+    assert not BackendConfig(check_collectives=False).resolved_options()["check_collectives"]
     with pytest.raises(ValueError, match="check_collectives must be True, False or None"):
         BackendConfig(check_collectives="yes")
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from _models import MLPStack
 from fsdp_graph import fully_shard
 from fsdp_graph.passes.nodes import fsdp_meta, is_all_gather, is_reduce_scatter, tensor_bytes
-from fsdp_graph.predict import capture_graphs, fake_world
+from fsdp_graph.predict import capture_graphs, fake_world, schedule_graphs
 from fsdp_graph.runtime.meta import GROUP_KEY
 
 WORLD = 64
@@ -125,15 +125,10 @@ def test_flash_attention_is_off_for_real_tensors():
 
 
 def _schedule(graphs: dict, disabled: frozenset) -> dict:
-    import copy
-
     from fsdp_graph.passes.cost_model import CostModel
-    from fsdp_graph.passes.pipeline import PassPipeline
-    from fsdp_graph.passes.scheduling import scheduling_passes
 
-    passes = scheduling_passes(CostModel("h100-infiniband", links={"tp": "h100-nvlink"}), 1 << 30, None, None, None, 4)
-    pipeline = PassPipeline("schedule", passes, disabled, None)
-    return {kind: pipeline(copy.deepcopy(gm), kind) for kind, gm in graphs.items()}
+    cost_model = CostModel("h100-infiniband", links={"tp": "h100-nvlink"})
+    return schedule_graphs(graphs, hardware_profile=cost_model, disabled_passes=disabled, async_tp_chunks=4)
 
 
 def test_overlap_tp_all_reduces_moves_only_independent_work_and_hides_tp_time():
