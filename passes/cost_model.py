@@ -25,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import Node
 
-from .nodes import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor, parallelism_of, region_body
+from .nodes import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor, parallelism_of, region_body, value_bytes
 
 
 class CollectiveKind(Enum):
@@ -104,15 +104,10 @@ class OpFacts:
     parts: tuple["OpFacts", ...] = ()  # a compile region's call: the facts of each node of its body
 
 
-def _val_bytes(val: Any) -> int:
-    total = 0
-    for leaf in pytree.tree_leaves(val):
-        if isinstance(leaf, torch.Tensor):
-            try:
-                total += int(leaf.numel()) * leaf.element_size()
-            except (TypeError, RuntimeError):  # symbolic sizes: count nothing rather than guess
-                pass
-    return total
+def known_bytes(val: Any) -> int:
+    """`value_bytes`, a symbolic size counted as 0: the cost model prices what it knows rather than
+    guess."""
+    return max(value_bytes(val), 0)
 
 
 def is_view(node: Node) -> bool:
@@ -171,7 +166,7 @@ def op_facts(node: Node) -> OpFacts:
         else None
     )
     if kind is not None:
-        inp, out = _val_bytes(node.args[0].meta.get("val")), _val_bytes(node.meta.get("val"))
+        inp, out = known_bytes(node.args[0].meta.get("val")), known_bytes(node.meta.get("val"))
         if kind is CollectiveKind.ALL_GATHER:
             world = int(node.args[1])  # all_gather_into_tensor(input, group_size, group_name)
         elif kind is CollectiveKind.REDUCE_SCATTER:
@@ -183,7 +178,7 @@ def op_facts(node: Node) -> OpFacts:
     if body is not None:
         return OpFacts(parts=tuple(op_facts(n) for n in body.graph.nodes))
     flops, dtype_bytes = _flops(node)
-    moved = _val_bytes(node.meta.get("val")) + sum(_val_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    moved = known_bytes(node.meta.get("val")) + sum(known_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     return OpFacts(flops=flops, bytes_moved=moved, matmul_dtype_bytes=dtype_bytes)
 
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .nodes import _process_group, backend_of, is_wait_tensor
+from .nodes import C10D, _process_group, backend_of, is_wait_tensor
 
-_C10D = torch.ops._c10d_functional
 
 # [Note: All-gathers on gloo]
 # The functional `all_gather_into_tensor` that traced graphs use calls
@@ -33,7 +32,7 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
     """Each functional all-gather that runs on gloo rewritten as `all_gather_into_tensor_out` into a
     fresh buffer of its output's shape; uses of the old node read the new one (the buffer)."""
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not _C10D.all_gather_into_tensor.default:
+        if node.op != "call_function" or node.target is not C10D.all_gather_into_tensor.default:
             continue
         if backend_of(node) != "gloo":
             continue
@@ -46,7 +45,7 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
             )
             out.meta.update({k: v for k, v in node.meta.items() if k != "val"})
             out.meta["val"] = val
-            gathered = gm.graph.call_function(_C10D.all_gather_into_tensor_out.default, tuple(node.args), {"out": out})
+            gathered = gm.graph.call_function(C10D.all_gather_into_tensor_out.default, tuple(node.args), {"out": out})
             gathered.meta.update(node.meta)
         node.replace_all_uses_with(gathered)
         gm.graph.erase_node(node)
@@ -85,7 +84,7 @@ def reduce_scatters_in_place_on_gloo(gm: GraphModule) -> GraphModule:
     """Each reduce-scatter on gloo whose input it owns, rewritten as `all_reduce_` of that input and
     this rank's row of it after the wait; see [Note: Reduce-scatters on gloo]."""
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not _C10D.reduce_scatter_tensor.default:
+        if node.op != "call_function" or node.target is not C10D.reduce_scatter_tensor.default:
             continue
         bucket, reduce_op, world, group_name = node.args
         waits = list(node.users)
@@ -94,7 +93,7 @@ def reduce_scatters_in_place_on_gloo(gm: GraphModule) -> GraphModule:
         rank = _process_group(node).rank()
         full = bucket.meta["val"]
         with gm.graph.inserting_before(node):
-            reduced = gm.graph.call_function(_C10D.all_reduce_.default, (bucket, reduce_op, group_name))
+            reduced = gm.graph.call_function(C10D.all_reduce_.default, (bucket, reduce_op, group_name))
         reduced.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         reduced.meta["val"] = full
         for wait in waits:

@@ -37,8 +37,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .cost_model import CollectiveKind, CostModel, OpFacts, _val_bytes, is_view, op_facts
-from .nodes import backend_of, collective_label, is_collective, is_wait_tensor
+from .cost_model import CollectiveKind, CostModel, OpFacts, is_view, known_bytes, op_facts
+from .nodes import backend_of, collective_label, is_collective, is_tangent_name, is_wait_tensor
 
 
 class OpKind(Enum):
@@ -128,7 +128,7 @@ def _short(node: Node) -> str:
 def op_of(node: Node) -> Op:
     kind = _kind(node)
     facts = op_facts(node) if kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) else OpFacts()
-    out_bytes = 0 if kind is OpKind.OUTPUT else _val_bytes(node.meta.get("val"))
+    out_bytes = 0 if kind is OpKind.OUTPUT else known_bytes(node.meta.get("val"))
     group = collective_label(node) if kind is OpKind.COLLECTIVE else None
     scratch = _gloo_scratch_bytes(node, facts, out_bytes) if kind is OpKind.COLLECTIVE else 0
     written = _written_input(node)
@@ -145,7 +145,7 @@ def _gloo_scratch_bytes(node: Node, facts: OpFacts, out_bytes: int) -> int:
         return 0
     if facts.collective is CollectiveKind.ALL_GATHER:
         return out_bytes
-    return _val_bytes(node.args[0].meta.get("val")) + out_bytes
+    return known_bytes(node.args[0].meta.get("val")) + out_bytes
 
 
 def _storage_bytes(val) -> int:
@@ -201,9 +201,9 @@ def saved_inputs(program: Program) -> frozenset[str]:
     saved for it: activations, recomputation's inputs. Parameters (`primals_*`, resident anyway) and
     the incoming gradients are not; a forward has none."""
     inputs = [op.name for op in program if op.kind is OpKind.INPUT]
-    if not any(name.startswith("tangents") for name in inputs):
+    if not any(is_tangent_name(name) for name in inputs):
         return frozenset()
-    return frozenset(name for name in inputs if not name.startswith(("primals", "tangents")))
+    return frozenset(name for name in inputs if not (name.startswith("primals") or is_tangent_name(name)))
 
 
 def program_of(gm: GraphModule) -> Program:

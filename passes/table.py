@@ -287,10 +287,6 @@ PASS_NAMES: tuple[str, ...] = tuple(spec.name for spec in PASSES)
 OPTIONS: tuple[Option, ...] = tuple({o.name: o for spec in PASSES for o in spec.reads()}.values())
 
 
-def _by_name() -> dict[str, PassSpec]:
-    return {spec.name: spec for spec in PASSES}
-
-
 def option_problems(values: Mapping[str, Any]) -> list[str]:
     """What is wrong with the options' `values` (by name), one sentence each."""
     return [p for p in (o.problem(values[o.name]) for o in OPTIONS) if p is not None]

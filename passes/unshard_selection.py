@@ -39,7 +39,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx import Graph, GraphModule
 
 from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
-from .nodes import KEPT_UNSHARDED_META, fsdp_meta, is_all_gather, tensor_bytes
+from .nodes import KEPT_UNSHARDED_META, fsdp_meta, is_all_gather, is_tangent, tensor_bytes
 from .reshard import depends_on_tangents, tag_reshard_after_forward
 from .simulator import memory_profile, program_of
 
@@ -91,7 +91,7 @@ def partitioned_peak(gm: GraphModule) -> int:
     graph.output(graph.graph_copy(gm.graph, {}))  # node metas are copied, so tagging the copy is safe
     preview = tag_reshard_after_forward(GraphModule(gm, graph))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    num_primals = sum(not n.name.startswith("tangents") for n in placeholders)
+    num_primals = sum(not is_tangent(n) for n in placeholders)
     (outputs,) = graph.output_node().args
     # A joint graph returns the forward's outputs, then one gradient per primal input.
     forward, backward = min_cut_rematerialization_partition(preview, None, num_fwd_outputs=len(outputs) - num_primals)

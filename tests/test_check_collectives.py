@@ -15,16 +15,14 @@ import torch.fx as fx
 
 import fsdp_graph
 from _harness import fake_process_group
-from _models import MLPStack
-from fsdp_graph import fully_shard
+from _models import MLPStack, shard_blocks_then_root
 from fsdp_graph.inspect.timeline import load_programs
 from fsdp_graph.passes.simulator import in_flight
 from fsdp_graph.compile.backend import BackendConfig
 from fsdp_graph.passes.check_collectives import CHECK_COLLECTIVES_ENV, CollectiveBufferError, check_collectives
+from fsdp_graph.passes.nodes import C10D
 from fsdp_graph.passes.pipeline import run_pass
 from fsdp_graph.passes.table import Stage
-
-_C10D = torch.ops._c10d_functional
 
 
 def _free_storage(t: torch.Tensor) -> None:
@@ -35,10 +33,10 @@ def _graph(between=None) -> fx.GraphModule:
     """x -> all_gather(x) -> [between(x)] -> wait -> * 2: `between` runs while the gather is in flight."""
     graph = fx.Graph()
     x = graph.placeholder("x")
-    gathered = graph.call_function(_C10D.all_gather_into_tensor.default, (x, 8, torch.distributed.group.WORLD.group_name))
+    gathered = graph.call_function(C10D.all_gather_into_tensor.default, (x, 8, torch.distributed.group.WORLD.group_name))
     if between is not None:
         graph.call_function(between, (x,))
-    waited = graph.call_function(_C10D.wait_tensor.default, (gathered,))
+    waited = graph.call_function(C10D.wait_tensor.default, (gathered,))
     graph.output(graph.call_function(operator.mul, (waited, 2)))
     return fx.GraphModule(torch.nn.Module(), graph)
 
@@ -91,9 +89,7 @@ def test_compiled_step_with_several_in_flight_passes_the_checks(fake_group, tmp_
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = MLPStack(num_blocks=3)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     backend = fsdp_graph.backend(
         compiler="aot_eager", disabled_passes={"auto_bucket"}, dump_dir=str(tmp_path), check_collectives=True
     )

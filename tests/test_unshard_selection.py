@@ -21,6 +21,7 @@ from _models import MLPStack
 from fsdp_graph import fully_shard
 from fsdp_graph.inspect.dump import load_summary
 from fsdp_graph.passes import unshard_selection
+from fsdp_graph.passes.nodes import is_tangent
 from fsdp_graph.predict import capture_graphs
 
 
@@ -134,7 +135,7 @@ def test_preview_predicts_the_peak_of_the_graphs_the_backend_runs():
 
         inputs = [real(n) for n in forward.graph.nodes if n.op == "placeholder"]
         backward_inputs = [n for n in backward.graph.nodes if n.op == "placeholder"]
-        tangents = [real(n) for n in backward_inputs if n.name.startswith("tangents")]
+        tangents = [real(n) for n in backward_inputs if is_tangent(n)]
         num_saved = len(backward_inputs) - len(tangents)
         with _LiveBytes() as memory:
             outputs = torch.fx.Interpreter(forward).boxed_run(inputs)
