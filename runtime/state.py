@@ -208,7 +208,7 @@ class FSDPState:
         # `scope="block"`, [Note: Compile scope] in fsdp_graph/api/scope.py): not a fallback.
         # The root's flag covers every module its call runs, those Dynamo never sees too (a block
         # inside `torch.utils.checkpoint`, which Dynamo runs in Python once the break stops it).
-        self.in_block_scope = False
+        self.calling_in_block_scope = False
         # Set by fully_shard where a torch.compiler.nested_compile_region reads this group's
         # parameters: compiled calls run the hooks eagerly around a body Dynamo compiles on its own.
         # See [Note: Compile regions under fully_shard] in fsdp_graph/api/module.py.
@@ -277,8 +277,9 @@ class FSDPState:
                 return reason
         return None
 
-    def _in_block_scope(self) -> bool:
-        return self.in_block_scope or (self.ctx is not None and self.ctx.root.in_block_scope)
+    def _within_block_scope(self) -> bool:
+        """Whether this module runs under a call in block scope: its own, or its root's."""
+        return self.calling_in_block_scope or (self.ctx is not None and self.ctx.root.calling_in_block_scope)
 
     def traces_as_region(self) -> bool:
         """Whether a traced call of this state's module runs its forward as a compile region: see
@@ -299,7 +300,7 @@ class FSDPState:
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if torch.compiler.is_compiling():
             return traced.pre_forward(self, module, args, kwargs)
-        self._fell_back = traced.in_compiled_call() and not self._in_block_scope()
+        self._fell_back = traced.in_compiled_call() and not self._within_block_scope()
         if self._fell_back:
             traced.record_fallback(self)
         if _in_backward():
