@@ -58,7 +58,7 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
 # input is the packed gradient bucket, made for it alone (or its cast or pre-division), so the graph
 # can all-reduce that buffer in place and read this rank's row as a view: the same all-reduce on
 # gloo's wire and the same sums bit for bit, without the clone of the whole bucket and the copy
-# (torch alone, HF Llama's five buckets at dim 256, 2 ranks: 0.70 of the time). The divide after it
+# (docs/benchmarks.md has the step times and heaps of both). The divide after it
 # reads the row and makes the shard-sized gradient, so the bucket dies there as before. Only
 # where the input is a fresh tensor nothing else reads (not a view, not a graph input); any other
 # reduce-scatter stays as it is. Applied for Inductor only (aot_eager runs the graph as traced, op
@@ -66,8 +66,6 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
 # reduce-scatter as scheduled. The memory model keeps planning gloo's copies of a reduce-scatter
 # (passes/simulator.py), true of aot_eager: under Inductor the heap stays about a bucket below the
 # plan (an in-place all-reduce holds one row while it runs, repro/gloo_collective_scratch.py).
-# Same-run A/B, 2026-11-26 (rows alternating in one launch, 31 rounds): step 0.989 / 0.953 / 0.970
-# and peak heap 24.2 / 23.4 / 30.2 against 28.3 / 26.4 / 32.9 MiB (our Llama / HF Llama / GPT-2).
 
 
 def _owned_by(node: Node, user: Node) -> bool:

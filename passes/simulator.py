@@ -410,7 +410,7 @@ class OrderCost:
     [Note: Measuring candidate orders]
     The reorder pass measures one candidate order per move it tries, and the moves grow with the
     number of blocks, as does the program: a full `simulate` per candidate made the pass quadratic in
-    depth (16 s of a 16-layer Llama's compile). Everything that does not depend on the order is found
+    depth. Everything that does not depend on the order is found
     once here: each node's duration, its stream, which storage it allocates and which storages it
     reads (a view reads its base's; see [Note: Simulator model]). A candidate then costs one pass over
     its nodes for the clocks and the collectives in flight and one sweep for live memory, with the same

@@ -24,9 +24,9 @@ peak({}) comes from a preview (`partitioned_peak`): a copy of the joint graph wi
 resharded, split by the min-cut partitioner as the backend will split it, then the larger of the
 forward's peak and the backward's by liveness (passes/simulator.py), each saved activation live
 until its last use in backward. The joint graph's own liveness would keep every forward value that
-backward reads, where the partitioner recomputes the cheap ones (pointwise chains): for the example
-Llama that is a fifth too high, while the preview predicts 148.7 MiB where the compiled step
-measures 147.0.
+backward reads, where the partitioner recomputes the cheap ones (pointwise chains), and so predict
+too high a peak; tests/test_unshard_selection.py holds the preview to the peak of the graphs the
+backend runs.
 """
 
 from __future__ import annotations

@@ -603,8 +603,8 @@ class FSDPState:
         (`torch.nn.Embedding`, ...) that has a forward hook, where it meets that module running in
         a frame it does not trace (torch/_dynamo/trace_rules.py: "inbuilt nn.Module.forward allowed
         - module has hooks"): HF's LlamaModel.forward breaks in its loop over the layers, so its
-        embedding ran as a graph of its own under us and eagerly under FSDP2, each step (about 8%
-        of a 4-layer HF Llama's step, measured in two pairs of runs, and 1-2 s of its cold start).
+        embedding ran as a graph of its own under us and eagerly under FSDP2, each step (a graph
+        call per step and a compile at the cold start more than FSDP2; docs/benchmarks.md).
         So the group's call lifts the checks for its duration, and puts them back after."""
         if self._owner_checks_lifted:  # a call of this group inside one: the outer call puts them back
             yield

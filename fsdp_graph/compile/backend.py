@@ -308,15 +308,13 @@ class FSDPGraphBackend:
             # own `reorder_for_peak_memory` still moved the compute between them: it postponed
             # gradient matmuls whose outputs live to the end, and with them the all-gather and
             # reduce-scatter pinned next to them, so the gradient buckets of two blocks were alive
-            # at once (a kept block's step measured 38.6 MiB at a predicted 29.7; 34.8 with the
-            # pass off, 30.8-32.5 at 30.5 once gloo's copies were modeled). Its model knows neither
-            # gloo's copies nor our budget; ours does, so it decides.
+            # at once, over the budget. Its model knows neither gloo's copies nor our budget; ours
+            # does, so it decides (docs/compiler.md, "What a memory budget counts", has the figures).
             patches["reorder_for_peak_memory"] = False
             # Inductor's buffer reuse keeps a freed buffer alive until a later buffer of the same
             # size takes it over: a block's packed gradients held from its reduce-scatter's wait
-            # until the next all-gather's output, gathered blocks held between their all-gathers
-            # (GPT-NeoX at a 23 MiB budget measured 25.3 MiB against 22.8 predicted; 22.8 without
-            # reuse, at the same step time). The budget is planned on freeing at last use.
+            # until the next all-gather's output, gathered blocks held between their all-gathers,
+            # over the budget. The budget is planned on freeing at last use.
             patches["allow_buffer_reuse"] = False
         if any(is_region_call(n) for n in gm.graph.nodes):  # torch 2.13 reuses a region's buffers wrongly on CPU:
             patches["allow_buffer_reuse"] = False  # examples/repro/nested_region_inductor_grads.py
