@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import fsdp_graph
 from _harness import fake_process_group
-from _models import MLPBlock, MLPStack
+from _models import MLPBlock, MLPStack, shard_blocks_then_root
 from fsdp_graph import BackendConfig, Compiler, fully_shard
 from fsdp_graph.inspect import main as inspect_main
 
@@ -31,9 +31,7 @@ def _forget_compiles():
 def _sharded_mlp(num_blocks=2):
     torch.manual_seed(0)
     model = MLPStack(num_blocks=num_blocks)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     return model
 
 
@@ -93,9 +91,7 @@ class _BreakingBlock(MLPBlock):
 def test_fallback_is_logged_and_dumped(tmp_path, capsys, caplog):
     model = MLPStack(num_blocks=2)
     model.blocks[0].__class__ = _BreakingBlock
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     with caplog.at_level("WARNING", logger="fsdp_graph"):
         _step(torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", dump_dir=str(tmp_path))))
     assert "fsdp_graph::fallback (blocks.0)" in caplog.text

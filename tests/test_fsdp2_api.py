@@ -20,7 +20,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp_graph.runtime.collectives as collectives
 from _harness import run_ranks
-from _models import MLPBlock, comm_counts
+from _models import comm_counts, MLPBlock, shard_blocks_then_root
 from fsdp_graph import AllGather, CPUOffloadPolicy, MixedPrecisionPolicy, ReduceScatter, fully_shard, share_comm_ctx
 
 
@@ -157,9 +157,7 @@ def _pair(mp=None, mesh=None):
         if mp:
             kwargs["mp_policy"] = mp_cls(**mp)
         fs(model.emb, **kwargs)
-        for block in model.blocks:
-            fs(block, **kwargs)
-        fs(model, **kwargs)
+        shard_blocks_then_root(model, fs, **kwargs)
         out.append(model)
     return out
 
@@ -552,9 +550,7 @@ def _compiled(rank, world_size):
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
     def shard(model, control):
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        shard_blocks_then_root(model)
         control(model)
         return model
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import fsdp_graph
 from _harness import run_ranks
-from _models import Llama, LlamaConfig, batch_for_step, check_grads_match, loss_fn
+from _models import batch_for_step, check_grads_match, Llama, LlamaConfig, loss_fn, shard_blocks_then_root
 from fsdp_graph import fully_shard
 
 _CFG = LlamaConfig(vocab_size=64, dim=32, num_layers=2, num_heads=2, hidden_dim=56)
@@ -182,9 +182,7 @@ def _check_same_training(results):
 def _sharded_on_meta(fs, reference):
     with torch.device("meta"):
         model = HiddenStatesLlama(_CFG)
-    for layer in model.layers:
-        fs(layer)
-    return fs(model)
+    return shard_blocks_then_root(model, fs)
 
 
 def _loaded_with_assign(fs, reference, rank):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _models import MLPStack
+from _models import MLPStack, shard_blocks_then_root
 from fsdp_graph import fully_shard
 from fsdp_graph.passes.nodes import fsdp_meta, is_all_gather, is_reduce_scatter, tensor_bytes
 from fsdp_graph.predict import capture_graphs, fake_world, schedule_graphs
@@ -32,9 +32,7 @@ def test_capture_on_meta_at_world_size_64():
     groups = {f"blocks.{i}": list(block.parameters()) for i, block in enumerate(model.blocks)}
     groups["<root>"] = [*model.inp.parameters(), *model.head.parameters()]
     with fake_world(WORLD):
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        shard_blocks_then_root(model)
         graphs = capture_graphs(model, torch.randn(4, 13, device="meta"))
     gathered = {fsdp_meta(n, GROUP_KEY): tensor_bytes(n) for n in graphs["forward"].graph.nodes if is_all_gather(n)}
     assert gathered == {group: _expected_gather_bytes(params) for group, params in groups.items()}
@@ -63,9 +61,7 @@ def _capture_llama(flash_attention: bool, world: int = 4) -> dict:
     with torch.device("meta"):
         model = Llama(cfg)
     with fake_world(world):
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
+        shard_blocks_then_root(model)
         return capture_graphs(model, torch.randint(0, 64, (BATCH, SEQ), device="meta"))
 
 
