@@ -10,6 +10,7 @@ busy in an exception handler) makes them fail when the timeout expires.
 from __future__ import annotations
 
 import os
+import queue
 import tempfile
 import time
 import traceback
@@ -64,7 +65,7 @@ def run_ranks_with_a_failure(fn, world_size: int, failing_rank: int, *args) -> d
             try:
                 rank, error, out = results.get(timeout=0.2)
                 outcomes[rank] = (error, out)
-            except Exception:
+            except queue.Empty:
                 pass
             if time.monotonic() > deadline:
                 raise AssertionError(f"ranks still running after {DEADLINE_S}s: a hang; reported: {sorted(outcomes)}")

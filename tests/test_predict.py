@@ -48,7 +48,8 @@ def test_fake_world_refuses_a_second_process_group():
                 pass
 
 
-# -- flash attention on meta (examples/llama.py `flash_attention`, see [Note: Flash attention on meta]) --
+# -- flash attention on meta: `LlamaConfig.flash_attention` in examples/llama.py says why, `_MetaRunner` in
+# fsdp_graph/predict.py how a captured graph runs its RNG-state wrappers on meta ---------------------------
 
 BATCH, SEQ, HEADS, KV_HEADS, DIM, LAYERS = 2, 32, 4, 2, 64, 2
 
