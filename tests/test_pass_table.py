@@ -26,7 +26,7 @@ from fsdp_graph.compile.backend import FSDPGraphBackend
 from fsdp_graph.inspect import main as inspect_main
 from fsdp_graph.passes.check_collectives import CHECK_COLLECTIVES_ENV
 from fsdp_graph.passes.pipeline import GraphPass, PassPipeline
-from fsdp_graph.passes.table import OPTIONS, PASSES, format_table
+from fsdp_graph.passes.table import OPTIONS, PASSES, Stage, format_table
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "compiler.md"
@@ -67,6 +67,12 @@ def _keys(config: BackendConfig) -> dict[str, str]:
         }
 
 
+def _uuid_of(spec) -> str:
+    """Which of `_keys`' uuids covers a pass: the joint pass's, or the schedule pass's (scheduling
+    and lowering passes)."""
+    return "joint uuid" if spec.stage is Stage.JOINT else "schedule uuid"
+
+
 def _changed(before: dict[str, str], after: dict[str, str]) -> set[str]:
     return {name for name in before if before[name] != after[name]}
 
@@ -80,16 +86,13 @@ def test_every_option_and_every_pass_reaches_both_cache_keys(monkeypatch):
     assert all(default.values()), default
     for option in OPTIONS:
         changed = _changed(default, _keys(BackendConfig(**{option.name: option.example})))
-        stages = {spec.stage.value for spec in PASSES if option in spec.reads()}
-        uuids = {"joint uuid"} if stages == {"joint"} else {"schedule uuid"} if "joint" not in stages else {
-            "joint uuid", "schedule uuid"}
+        uuids = {_uuid_of(spec) for spec in PASSES if option in spec.reads()}
         assert changed == uuids | {"fx graph cache", "aot autograd cache"}, (option.name, changed)
     for spec in PASSES:
         if spec.enabled_by is not None:  # off by default: switching it off changes nothing
             continue
         changed = _changed(default, _keys(BackendConfig(disabled_passes={spec.name})))
-        uuid = "joint uuid" if spec.stage.value == "joint" else "schedule uuid"
-        assert changed == {uuid, "fx graph cache", "aot autograd cache"}, (spec.name, changed)
+        assert changed == {_uuid_of(spec), "fx graph cache", "aot autograd cache"}, (spec.name, changed)
 
 
 def test_dumping_turns_the_caches_off():
@@ -161,7 +164,7 @@ def test_the_inspector_prints_each_pass_seconds_for_a_dumped_step(tmp_path, caps
     header = re.search(r"^frame_0_0 seconds per pass +joint +forward +backward$", out, re.M)
     assert header, out
     rows = out[header.end():].splitlines()[1:]
-    names = [r.split()[0] for r in rows[: len(rows)] if r.startswith("  ")]
+    names = [r.split()[0] for r in rows if r.startswith("  ")]
     ran = [s.name for s in PASSES if not s.inductor_only and s.enabled_by is None]
     assert names[: len(ran) + 1] == ran + ["all"], out
     assert re.search(r"^  auto_bucket +off +off$", out, re.M), out
