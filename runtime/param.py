@@ -81,6 +81,7 @@ class ShardedParam(AllGatherExtensions):
         param_dtype: torch.dtype | None,
         shard_dim: int = 0,
         mp_policy: MixedPrecisionPolicy | None = None,
+        spmd_axes: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
     ) -> None:
         self.owners = owners  # every (module, attribute) that holds this parameter (tied weights)
         self.fqn = fqn
@@ -93,8 +94,12 @@ class ShardedParam(AllGatherExtensions):
         self.param_dtype = param_dtype
 
         # See [Note: Sharding a tensor-parallel parameter] in runtime/tp_layout.py: below, `param` is the
-        # tp-local tensor.
-        self.tp = TensorParallelLayout(param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
+        # tp-local tensor. `spmd_axes`: the shard and replicate axes of `dp_mesh_dims` on the
+        # parameter's own mesh ([Note: Parameters on the whole SPMD mesh]).
+        self.tp = (
+            TensorParallelLayout(param.device_mesh, tuple(param.placements), *spmd_axes)
+            if isinstance(param, DTensor) else None
+        )
         if self.tp is not None:
             param = param.to_local()
         self.local_size = param.size()  # the shape the module computes with on this rank
@@ -222,23 +227,32 @@ class ShardedParam(AllGatherExtensions):
 
     @property
     def sharded_param(self) -> nn.Parameter:
-        """The sharded parameter: the one the first owner module holds now, or the last followed
-        one while the module holds the unsharded parameter (or before `fully_shard` installed it)."""
-        if self._installed:
-            module, name = self.owners[0]
-            live = module._parameters.get(name)
-            if live is not None and live is not self._sharded_param and live is not self.unsharded_param:
-                return live
-        return self._sharded_param
+        """The sharded parameter: the DTensor the first owner module holds now, else (the module
+        holds the unsharded parameter, or full ones inside `summon_full_params`) the last one
+        followed."""
+        replacement = self.replacement()
+        return replacement if isinstance(replacement, DTensor) else self._sharded_param
+
+    def replacement(self) -> torch.Tensor | None:
+        """What the first owner module holds in place of the sharded parameter, if anything else
+        than our sharded or unsharded parameter (None before `fully_shard` installed it)."""
+        if not self._installed:
+            return None
+        module, name = self.owners[0]
+        live = module._parameters.get(name)
+        if live is None or live is self._sharded_param or live is self.unsharded_param:
+            return None
+        return live
 
     def follow_registered_param(self) -> None:
         """Take the sharded parameter the module holds now, and give it back our attribute and
         gradient watch if it lost them. See [Note: The sharded parameter is the one its module holds]."""
-        current = self.sharded_param
-        if current is not self._sharded_param:
-            self._check_replacement(current)
-            self._sharded_param = current
+        replacement = self.replacement()
+        if replacement is not None:
+            self._check_replacement(replacement)
+            self._sharded_param = replacement
             self.install(sharded=True)  # every owner of a tied weight
+        current = self._sharded_param
         if self._followed != (id(current), current._cdata):
             self._followed = (id(current), current._cdata)
             setattr(current, OWNER_ATTR, self)
@@ -393,6 +407,11 @@ class ShardedParam(AllGatherExtensions):
     def tp_dtensor(self, local: torch.Tensor) -> DTensor:
         """The tp-local unsharded tensor `local` as the tp DTensor `parallelize_module` made. Its
         backward hands `local` the gradient on the tp placements (e.g. Partial summed to Replicate)."""
+        if self.tp.dp_axes:  # [Note: Parameters on the whole SPMD mesh]
+            return _OnWholeMesh.apply(
+                local, self.tp.mesh, self.tp.placements, tuple(sorted(self.tp.dp_axes)),
+                self.orig_size, contiguous_stride(self.orig_size),
+            )
         return DTensor.from_local(
             local, self.tp.mesh, self.tp.placements, run_check=False,
             shape=self.orig_size, stride=contiguous_stride(self.orig_size),
@@ -408,8 +427,9 @@ class ShardedParam(AllGatherExtensions):
         """A gradient of the unsharded parameter as the local tensor the reduce-scatter packs."""
         if not isinstance(grad, DTensor):
             return grad
-        if tuple(grad.placements) != self.tp.placements:  # e.g. Partial where the parameter is Replicate
-            grad = grad.redistribute(placements=self.tp.placements)
+        placements = self.tp.grad_placements(tuple(grad.placements))
+        if tuple(grad.placements) != placements:  # e.g. Partial where the parameter is Replicate
+            grad = grad.redistribute(placements=placements)
         return grad.to_local()
 
     def finish_copy_out(self) -> None:
@@ -526,6 +546,33 @@ class ShardedParam(AllGatherExtensions):
         if self.host_copy_pending:
             torch.cuda.current_stream(self.device).synchronize()
             self.host_copy_pending = False
+
+
+class _OnWholeMesh(torch.autograd.Function):
+    """The unsharded local tensor as a DTensor on the whole SPMD mesh; its backward hands the
+    local tensor the gradient as FSDP2 takes it: moved to the parameter's placements on every axis
+    but the data-parallel ones, where it stays as it is ([Note: Parameters on the whole SPMD mesh]
+    in runtime/tp_layout.py). `DTensor.from_local` would move those too: a gradient labelled
+    `Replicate()` there (a `local_map` output, e.g. torchtitan's embedding) made `Partial()` is
+    divided by the axis size.
+
+    In the graph as one call (`allow_in_graph`): Dynamo would trace the backward once, for a
+    gradient placed as the forward's output, and keep that plan for the real gradient."""
+
+    @staticmethod
+    def forward(ctx, local, mesh, placements, dp_axes, size, stride):
+        ctx.placements, ctx.dp_axes = placements, dp_axes
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=size, stride=stride)
+
+    @staticmethod
+    def backward(ctx, grad):
+        placements = tuple(g if axis in ctx.dp_axes else p for axis, (g, p) in enumerate(zip(grad.placements, ctx.placements)))
+        if tuple(grad.placements) != placements:
+            grad = grad.redistribute(placements=placements)
+        return grad.to_local(), None, None, None, None, None
+
+
+torch._dynamo.allow_in_graph(_OnWholeMesh)
 
 
 def hook_even_if_frozen(param: torch.Tensor, register) -> None:

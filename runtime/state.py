@@ -216,6 +216,8 @@ class FSDPState:
         # The unwrapped forward, where the module's own forward is such a region: traced as one
         # inside the step's graph when `traces_as_region()` ([Note: Blocks as compile regions]).
         self.region_forward: Optional[Callable] = None
+        # Set by `FSDPModule.compile`: the module's compiled call is its whole `__call__`.
+        self.compiled_in_place = False
         traced.trace_hooks_inside_checkpoint()
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -367,10 +369,10 @@ class FSDPState:
         if (not tracing and self.ctx.materialized) or (tracing and self.ctx.capturing):
             return
         params = [p for s in self.ctx.states if s.group is not None for p in s.group.params]
-        replaced = [p for p in params if p.sharded_param is not p._sharded_param]
+        replaced = [p for p in params if p.replacement() is not None]
         if replaced:
             names = self._names_under_root(replaced)
-            problems = [p.replacement_problem(p.sharded_param, name) for p, name in zip(replaced, names)]
+            problems = [p.replacement_problem(p.replacement(), name) for p, name in zip(replaced, names)]
             problems = [problem for problem in problems if problem is not None]
             if problems:
                 raise ValueError(
@@ -391,7 +393,7 @@ class FSDPState:
             prefix = f"[{index}]." if len(self.modules) > 1 else ""
             for name, param in module.named_parameters():
                 names.setdefault(id(param), prefix + name)
-        return [names.get(id(p.sharded_param), p.fqn) for p in params]
+        return [names.get(id(p.replacement() if p.replacement() is not None else p.sharded_param), p.fqn) for p in params]
 
     def _root_pre_forward(self) -> None:
         self.check_materialized()
@@ -449,6 +451,8 @@ class FSDPState:
             if tensors:
                 register_multi_grad_hook(tensors, self._pre_backward, mode="any")
             if self._num_forwards_done >= len(self.modules):
+                if self.is_root:  # [Note: Groups whose forward ran partly in a graph] in runtime/traced.py
+                    traced.close_partly_run_groups(self)
                 if self.group is not None:
                     if tensors:
                         # A traced graph re-gathers from the whole shard group: so does a fallback.

@@ -461,13 +461,14 @@ def post_forward(state: TracedState, module: torch.nn.Module, output: Any) -> An
         if state.group is not None:
             install(state.group, None)
         if state.is_root:
-            _close_partly_run_groups(state)
+            close_partly_run_groups(state)
     return output
 
 
-def _close_partly_run_groups(root: TracedState) -> None:
+def close_partly_run_groups(root: TracedState) -> None:
     """At the root's post-forward: drop the shadows of every `fully_shard([a, b])` group whose
     forward ran only some of its modules (a chunked loss runs the head after the model's call).
+    The root's eager post-forward calls it too, for a body traced without the root's hooks.
 
     [Note: Groups whose forward ran partly in a graph]
     Such a group was gathered in the graph, but its last post-forward never came, so its shadows

@@ -21,6 +21,7 @@ import fsdp_graph
 from _harness import run_ranks
 from _models import Llama, LlamaConfig, batch_for_step, check_grads_match, loss_fn
 from fsdp_graph import fully_shard
+from fsdp_graph.runtime.param_group import ShardedState
 
 _CFG = LlamaConfig(vocab_size=64, dim=32, num_layers=2, num_heads=2, hidden_dim=56)
 
@@ -104,7 +105,21 @@ def _meta_model_like(reference):
     return model, init
 
 
-def _torchtitan_loop(rank, world_size, compiler):
+def _compiled(model, compiler, how):
+    """`model` compiled with our backend: `torch.compile(model)`, `model.compile()` (in place, as
+    torchtitan and Lightning compile), or torch's own `nn.Module.compile` (which compiles
+    `_call_impl`: the root's hooks run eagerly around a traced body)."""
+    backend = fsdp_graph.backend(compiler=compiler)
+    if how == "torch.compile":
+        return torch.compile(model, backend=backend)
+    if how == "module.compile":
+        model.compile(backend=backend)
+    else:
+        nn.Module.compile(model, backend=backend)
+    return model
+
+
+def _torchtitan_loop(rank, world_size, compiler, how="torch.compile"):
     torch.manual_seed(0)
     reference = HiddenStatesLlama(_CFG)
     losses = {}
@@ -115,31 +130,38 @@ def _torchtitan_loop(rank, world_size, compiler):
         model.to_empty(device="cpu")  # converts every DTensor parameter with swap_tensors
         init(model)
         model.skip_head = True
-        run = model if name == "torch" or compiler is None else torch.compile(
-            model, backend=fsdp_graph.backend(compiler=compiler)
-        )
+        run = model if name == "torch" or compiler is None else _compiled(model, compiler, how)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses[name], grads_of_head[name] = [], []
         for step in range(4):
             _, _, x, y = batch_for_step(reference, step, 8, rank, world_size)
-            loss = _chunked_loss(model.output, run(x), y)
+            hidden = run(x)
+            if how == "module.compile" and name == "ours":  # the root's gather ran in the graph, not eagerly
+                assert model._fsdp_state.group.state is ShardedState.SHARDED
+            loss = _chunked_loss(model.output, hidden, y)
             loss.backward()
             assert model.output.weight.grad is not None, f"{name} step {step}: the head's gradient was dropped"
             grads_of_head[name].append(model.output.weight.grad.to_local().clone())
             losses[name].append(loss.item())
             opt.step()
             opt.zero_grad()
-    if compiler is not None:
+    if compiler is not None and how != "nn.Module.compile":
         assert model._fsdp_state.ctx.fallbacks.keys() <= {"norm, output"}, model._fsdp_state.ctx.fallbacks
     return losses, grads_of_head
 
 
-@pytest.mark.parametrize("compiler", [None, "aot_eager"], ids=["eager", "compiled"])
-def test_torchtitan_meta_init_and_chunked_head(compiler):
+@pytest.mark.parametrize(
+    "compiler, how",
+    [(None, None), ("aot_eager", "torch.compile"), ("aot_eager", "module.compile"), ("aot_eager", "nn.Module.compile")],
+    ids=["eager", "torch.compile", "module.compile", "nn.Module.compile"],
+)
+def test_torchtitan_meta_init_and_chunked_head(compiler, how):
     """Whole-step compile of a model built on meta, `to_empty`'d, with its head called outside the
     compiled forward: the head's gradient was None every step (its watch hook was lost with
-    swap_tensors, and the compiled backward reset the eagerly written gradient)."""
-    losses, grads = run_ranks(_torchtitan_loop, 2, compiler)
+    swap_tensors, and the compiled backward reset the eagerly written gradient). Compiled in place
+    (`model.compile()`, torchtitan's way) the root's hooks ran outside the graph and the head's
+    gathered weight leaked out of it ("backward through the graph a second time")."""
+    losses, grads = run_ranks(_torchtitan_loop, 2, compiler, how)
     assert losses["ours"] == losses["torch"], losses  # aot_eager and eager: bit for bit
     for step, (ours, theirs) in enumerate(zip(grads["ours"], grads["torch"])):
         assert torch.equal(ours, theirs), f"step {step}"
