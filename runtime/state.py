@@ -384,10 +384,21 @@ class FSDPState:
             if not tracing:
                 self.ctx.materialized = True
             return
-        raise MetaParameterError(self._names_under_root(on_meta))
+        order = self._parameter_order()
+        raise MetaParameterError(sorted(self._names_under_root(on_meta), key=lambda name: order.get(name, len(order))))
+
+    def _parameter_order(self) -> dict[str, int]:
+        """Each parameter name under this root, with its place in `named_parameters()`."""
+        names = {}
+        for index, module in enumerate(self.modules):
+            prefix = f"[{index}]." if len(self.modules) > 1 else ""
+            for name, _ in module.named_parameters():
+                names.setdefault(prefix + name, len(names))
+        return names
 
     def _names_under_root(self, params: list) -> list[str]:
-        """The names of `params` (ShardedParams), in order, as the root's `named_parameters` gives them."""
+        """The names of `params` (ShardedParams), in the order given, as the root's
+        `named_parameters` gives them."""
         names = {}
         for index, module in enumerate(self.modules):
             prefix = f"[{index}]." if len(self.modules) > 1 else ""
