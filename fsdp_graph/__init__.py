@@ -21,7 +21,7 @@ One subpackage per kind of reader; the names above are re-exported here:
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .compile.backend import BackendConfig, Compiler, backend
 from .compile.precompile import precompile
-from .runtime.comms import AllGather, ReduceScatter
+from .runtime.custom_comms import AllGather, ReduceScatter
 from .runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comms import AllGather, Comm, ReduceScatter
+from .custom_comms import AllGather, Comm, ReduceScatter
 from .mesh_info import MeshInfo
 from .param import ShardedParam
 

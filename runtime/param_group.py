@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import traced
 from .collectives import AllGatherWork, CommContext, CommHook, ReduceControls, all_gather, copy_out, reduce_scatter, wire_order
-from .comms import AllGather, ProcessGroupAllocator, ReduceScatter, has_own_allocator
+from .custom_comms import AllGather, ProcessGroupAllocator, ReduceScatter, has_own_allocator
 from .mesh_info import MeshInfo
 from .param import ShardedParam, hook_even_if_frozen
 from .policies import MixedPrecisionPolicy
