@@ -27,12 +27,18 @@ trainable parameters' gradients in group order, then the flags ([Note: Every ran
 parameter] in runtime/collectives.py). A byte bucket ([Note: Byte buckets]) gathers in group order
 without flags and reduces as any other group.
 
-One row is laid out otherwise, eagerly and only there: the shard an int `reshard_after_forward`
-keeps for the backward's re-gather within a smaller group (runtime/param_group.py,
-`post_forward_reshard`) is rows of the gathered bucket, each rebuilt with `copy_in` from the
-gathered parameters; a traced step re-gathers from the whole shard group instead, and so does a
-group that fell back to the eager hooks ([Note: Fallback groups keep the traced order] in
-runtime/traced.py), so no traced rank ever meets that row.
+Where the traced path needs no copy it calls no op: a row of a single piece is that piece (padded
+with `F.pad` where it is narrower than its block), and a group of one frozen parameter is a view
+of its gathered rows ([Note: Traced unshard]). A traced group with frozen parameters copies its
+row in as two parts, the blocks the backward reduces and the frozen ones, which `AllGatherShards`
+(runtime/traced_ops.py) joins, so that its backward hands back only the reduced columns; the bytes
+are the layout's.
+
+The shard an int `reshard_after_forward` keeps for the backward's re-gather within a smaller group
+(runtime/param_group.py, `post_forward_reshard`) is rows of the gathered bucket in the same layout,
+each rebuilt with `copy_in` from the gathered parameters. Only eager ranks gather it: a traced step
+re-gathers from the whole shard group instead, and so does a group that fell back to the eager
+hooks ([Note: Fallback groups keep the traced order] in runtime/traced.py).
 
 The layout depends on each parameter's requires_grad, unsharded dtype and all-gather extensions,
 which may change between steps ([Note: Parameters changed after fully_shard] in runtime/param.py):
