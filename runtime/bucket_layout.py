@@ -183,8 +183,21 @@ def copy_in(shards: list[torch.Tensor], shard_numels: list[int]) -> torch.Tensor
     return row
 
 
-@torch.library.custom_op("fsdp_graph::copy_in.out", mutates_args=("out",))
-def _copy_in_out(shards: list[torch.Tensor], shard_numels: list[int], out: torch.Tensor) -> None:
+# The `.out` overloads are what the eager runtime calls at every gather and reduction, so they are
+# defined with torch.library's low-level API: one Python kernel per call, without the autograd and
+# version-counter wrappers `custom_op` puts around an op that mutates (the eager runtime calls them
+# under no_grad and keeps the version counters of the storage it refills itself).
+_OUT_OVERLOADS = torch.library.Library("fsdp_graph", "FRAGMENT")
+_OUT_OVERLOADS.define("copy_in.out(Tensor[] shards, SymInt[] shard_numels, *, Tensor(a!) out) -> ()")
+_OUT_OVERLOADS.define("copy_out.out(Tensor gathered, SymInt world, SymInt[] shard_numels, *, Tensor(a!)[] out) -> ()")
+_OUT_OVERLOADS.define(
+    "pack_grads.out(Tensor?[] grads, SymInt world, SymInt[] shard_numels, SymInt[] numels, SymInt flags_at, *, "
+    "Tensor(a!) out) -> ()"
+)
+
+
+@torch.library.impl(_OUT_OVERLOADS, "copy_in.out", "CompositeExplicitAutograd")
+def _copy_in_out(shards: list[torch.Tensor], shard_numels: list[int], *, out: torch.Tensor) -> None:
     """`copy_in` into `out` (of `sum(shard_numels)` elements), casting to its dtype and device."""
     offset = 0
     for shard, shard_numel in zip(shards, shard_numels):
@@ -229,8 +242,8 @@ def copy_out(
     return [t[:numel] for t, numel in zip(full, numels)]
 
 
-@torch.library.custom_op("fsdp_graph::copy_out.out", mutates_args=("out",))
-def _copy_out_out(gathered: torch.Tensor, world: int, shard_numels: list[int], out: list[torch.Tensor]) -> None:
+@torch.library.impl(_OUT_OVERLOADS, "copy_out.out", "CompositeExplicitAutograd")
+def _copy_out_out(gathered: torch.Tensor, world: int, shard_numels: list[int], *, out: list[torch.Tensor]) -> None:
     """`copy_out` into `out`: block i's columns of every row into `out[i]`, (world, shard_numels[i])."""
     torch.split_with_sizes_copy(gathered.view(world, -1), shard_numels, dim=1, out=out)
 
@@ -259,13 +272,14 @@ def pack_grads(
     return packed
 
 
-@torch.library.custom_op("fsdp_graph::pack_grads.out", mutates_args=("out",))
+@torch.library.impl(_OUT_OVERLOADS, "pack_grads.out", "CompositeExplicitAutograd")
 def _pack_grads_out(
     grads: list[Optional[torch.Tensor]],
     world: int,
     shard_numels: list[int],
     numels: list[int],
     flags_at: int,
+    *,
     out: torch.Tensor,
 ) -> None:
     """`pack_grads` into `out` (world * sum(shard_numels) elements), casting to its dtype. A
