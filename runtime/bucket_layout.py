@@ -175,25 +175,27 @@ class BucketLayout:
 # -- the registered ops: see [Note: One bucket layout for eager and traced steps] -------------------
 
 
-@torch.library.custom_op("fsdp_graph::copy_in", mutates_args=())
-def copy_in(shards: list[torch.Tensor], shard_numels: list[int]) -> torch.Tensor:
-    """This rank's row of the bucket: each flat shard, zero-padded to `shard_numels[i]`, in order."""
-    row = shards[0].new_empty(sum(shard_numels))
-    torch.ops.fsdp_graph.copy_in.out(shards, shard_numels, out=row)
-    return row
-
-
 # The `.out` overloads are what the eager runtime calls at every gather and reduction, so they are
 # defined with torch.library's low-level API: one Python kernel per call, without the autograd and
 # version-counter wrappers `custom_op` puts around an op that mutates (the eager runtime calls them
 # under no_grad and keeps the version counters of the storage it refills itself).
 _OUT_OVERLOADS = torch.library.Library("fsdp_graph", "FRAGMENT")
 _OUT_OVERLOADS.define("copy_in.out(Tensor[] shards, SymInt[] shard_numels, *, Tensor(a!) out) -> ()")
-_OUT_OVERLOADS.define("copy_out.out(Tensor gathered, SymInt world, SymInt[] shard_numels, *, Tensor(a!)[] out) -> ()")
+_OUT_OVERLOADS.define(
+    "copy_out.out(Tensor gathered, SymInt world, SymInt[] shard_numels, *, Tensor(a!)[] out) -> ()"
+)
 _OUT_OVERLOADS.define(
     "pack_grads.out(Tensor?[] grads, SymInt world, SymInt[] shard_numels, SymInt[] numels, SymInt flags_at, *, "
     "Tensor(a!) out) -> ()"
 )
+
+
+@torch.library.custom_op("fsdp_graph::copy_in", mutates_args=())
+def copy_in(shards: list[torch.Tensor], shard_numels: list[int]) -> torch.Tensor:
+    """This rank's row of the bucket: each flat shard, zero-padded to `shard_numels[i]`, in order."""
+    row = shards[0].new_empty(sum(shard_numels))
+    torch.ops.fsdp_graph.copy_in.out(shards, shard_numels, out=row)
+    return row
 
 
 @torch.library.impl(_OUT_OVERLOADS, "copy_in.out", "CompositeExplicitAutograd")

@@ -125,7 +125,12 @@ def _allocate(comm: Optional[Comm], numel: int, dtype: torch.dtype, device: torc
 
 
 def _copy_in(
-    layout: BucketLayout, params: list[ShardedParam], world: int, rank: int, buffers: Optional[Comm], device: torch.device
+    layout: BucketLayout,
+    params: list[ShardedParam],
+    world: int,
+    rank: int,
+    buffers: Optional[Comm],
+    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Allocate the all-gather output and copy (and cast) the shards into this rank's slot with
     `fsdp_graph::copy_in`; return the output, the slot and the blocks' widths.
@@ -437,7 +442,9 @@ def reduce_scatter(
         if comm is not None:
             work.handle = comm(output, packed, shard_group, dist.ReduceOp.SUM, async_op=True)
         else:
-            work.handle = dist.reduce_scatter_single(output, packed, op=dist.ReduceOp.SUM, group=shard_group, async_op=True)
+            work.handle = dist.reduce_scatter_single(
+                output, packed, op=dist.ReduceOp.SUM, group=shard_group, async_op=True
+            )
         if work.handle is None:  # a custom comm that ran synchronously
             work.reduce_across_replicas_and_divide()
         work.keep_alive = [packed]

@@ -110,7 +110,9 @@ class RouteGradients(torch.autograd.Function):
         )
         reduced = _reduce_scatter(packed, b.world, b.reduce_group, b.replicate_group or None, b.divide_factor)
         *shards, flags = reduced.split(b.shard_numels)
-        shard_grads = [shard[:valid_numel].to(dtype) for shard, valid_numel, dtype in zip(shards, b.valid_numels, b.shard_dtypes)]
+        shard_grads = [
+            shard[:valid_numel].to(dtype) for shard, valid_numel, dtype in zip(shards, b.valid_numels, b.shard_dtypes)
+        ]
         return (None, flags, *shard_grads, *([None] * num))
 
 

@@ -153,9 +153,10 @@ def _wire_bytes(rank, world_size):
     )
     grads = [params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in trainable]
     flags = torch.tensor([float(params[n].grad is not None) for n in trainable])
-    reduce_scatter = torch.cat([
-        torch.cat([_expected_rows(grads, world_size, r, [dims[n] for n in trainable]), flags]) for r in range(world_size)
-    ])
+    grad_dims = [dims[n] for n in trainable]
+    reduce_scatter = torch.cat(
+        [torch.cat([_expected_rows(grads, world_size, r, grad_dims), flags]) for r in range(world_size)]
+    )
     layout = eager._fsdp_state.group.layout
     return captured, all_gather, reduce_scatter, flags, (layout.blocks, layout.widths, layout.reduce_widths)
 
