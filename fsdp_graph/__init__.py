@@ -22,7 +22,7 @@ from .api import DataParallelMeshDims, FSDPModule, UnshardHandle, fully_shard, r
 from .api.stand_in import TorchFSDPReplaced, use_in_place_of_torch_fsdp
 from .compile.backend import BackendConfig, Compiler, backend
 from .compile.precompile import precompile
-from .runtime.comms import AllGather, ReduceScatter
+from .runtime.custom_comms import AllGather, ReduceScatter
 from .runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [

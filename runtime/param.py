@@ -15,8 +15,8 @@ contributes `shard_numel = padded_dim0 * prod(rest)` elements per parameter, pad
 For k > 0 the collectives still move whole rows of the moved layout: copy-in flattens
 `shard.movedim(k, 0)` (a copy), the gathered rows are the moved parameter, and copy-out copies them
 back with `movedim(0, k)` into a contiguous unsharded parameter, so the module computes on the same
-layout as the unsharded model; gradients are packed from `grad.movedim(k, 0)`. The DTensor shard is
-`Shard(k)`: rank r's slice of dim k, which is the same chunking moved back.
+layout as the unsharded model; gradients are packed from `grad.movedim(k, 0)` (`shard_dim_first`).
+The DTensor shard is `Shard(k)`: rank r's slice of dim k, which is the same chunking moved back.
 
 Beside it: the mesh it is sharded over (runtime/mesh_info.py), a tensor-parallel parameter's layout
 (runtime/tp_layout.py), the all-gather extensions a shard may bring (runtime/all_gather_extensions.py,
@@ -203,8 +203,12 @@ class ShardedParam(AllGatherExtensions):
 
     def flat_local_shard(self) -> torch.Tensor:
         """`local_shard` in the moved layout, flat: this rank's piece of the all-gather input."""
-        local = self.local_shard
-        return (local if self.shard_dim == 0 else local.movedim(self.shard_dim, 0)).reshape(-1)
+        return self.shard_dim_first(self.local_shard).reshape(-1)
+
+    def shard_dim_first(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, in the parameter's layout, with the shard dim moved first: the layout the collectives
+        move ([Note: Sharding on another dim])."""
+        return t if self.shard_dim == 0 else t.movedim(self.shard_dim, 0)
 
     # [Note: The sharded parameter is the one its module holds]
     # Users and frameworks change parameters after `fully_shard`: `load_state_dict(sd, assign=True)`
@@ -454,23 +458,6 @@ class ShardedParam(AllGatherExtensions):
             self._unsharded_local.untyped_storage().resize_(0)
         for t in (*self._gather_outputs, *self._to_free):
             t.untyped_storage().resize_(0)
-
-    def pack_grad(self, grad: torch.Tensor, dest: torch.Tensor) -> None:
-        """Write the unsharded `grad` into `dest` (world, shard_numel), casting, zero-padded.
-
-        Rank r's slot gets rows [r * padded_dim0, (r + 1) * padded_dim0) of the gradient.
-        """
-        world = dest.shape[0]
-        slots = dest.view(world, self.padded_dim0, self.row_numel)
-        rows = grad.movedim(self.shard_dim, 0).reshape(self.moved_size[0], self.row_numel)
-        num_full = self.moved_size[0] // self.padded_dim0 if self.padded_dim0 else 0
-        if num_full:
-            slots[:num_full].copy_(rows[: num_full * self.padded_dim0].view(num_full, self.padded_dim0, -1))
-        if num_full < world:
-            slots[num_full:].zero_()
-            remainder = self.moved_size[0] - num_full * self.padded_dim0
-            if remainder:
-                slots[num_full, :remainder].copy_(rows[num_full * self.padded_dim0 :])
 
     def accumulate_unreduced_grad(self, reduce_dtype: torch.dtype | None) -> None:
         """After a backward without sync: keep the unsharded gradient for a later reduction, in

@@ -117,14 +117,15 @@ def _install_compile_start_callback() -> None:
 def _follow_all_roots(*_args) -> None:
     """Before Dynamo traces a frame: every root takes the sharded parameters its modules hold now,
     so the graph reads them and their gradients are watched ([Note: The sharded parameter is the
-    one its module holds] in runtime/param.py). A replacement that cannot be a shard is left for
-    the traced root's check, which names every such parameter."""
+    one its module holds] in runtime/param.py), and its groups' bucket layouts follow them. A
+    replacement that cannot be a shard is left for the traced root's check, which names every such
+    parameter, and all-gather extensions that break FSDP2's contract for the trace's own gather."""
     for ctx in list(_roots):
         if ctx.root.ctx is not ctx:  # an inner root's context, claimed by an outer one since
             continue
         try:
             ctx.root.follow_registered_params()
-        except ValueError:
+        except (ValueError, TypeError):
             pass
 
 
@@ -292,7 +293,7 @@ class FSDPState:
             return False  # hooks of the user's, which the region would skip
         if nn.modules.module._global_forward_pre_hooks or nn.modules.module._global_forward_hooks:
             return False
-        if self.group.gathers_bytes or any(p.tp is not None for p in self.group.params):
+        if self.group.refresh_layout().as_bytes or any(p.tp is not None for p in self.group.params):
             return False  # tensor-parallel DTensors and extension subclasses: no region inputs (Dynamo fails)
         return all(getattr(m, "_fsdp_state", self) is self for m in module.modules())
 

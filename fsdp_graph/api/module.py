@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .scope import traced_scope
-from ..runtime.comms import AllGather, ReduceScatter
+from ..runtime.custom_comms import AllGather, ReduceScatter
 from ..runtime import traced
 from ..runtime.state import FSDPState
 
