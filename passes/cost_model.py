@@ -25,7 +25,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import Node
 
-from .nodes import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor, parallelism_of, region_body
+from .nodes import (
+    is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor, parallelism_of, region_body, size_hint, tensor_nbytes,
+)
 
 
 class CollectiveKind(Enum):
@@ -105,14 +107,8 @@ class OpFacts:
 
 
 def _val_bytes(val: Any) -> int:
-    total = 0
-    for leaf in pytree.tree_leaves(val):
-        if isinstance(leaf, torch.Tensor):
-            try:
-                total += int(leaf.numel()) * leaf.element_size()
-            except (TypeError, RuntimeError):  # symbolic sizes: count nothing rather than guess
-                pass
-    return total
+    """Bytes of the tensors in `val`, by their size hints ([Note: Plans from size hints])."""
+    return sum(tensor_nbytes(leaf) for leaf in pytree.tree_leaves(val))
 
 
 def is_view(node: Node) -> bool:
@@ -154,8 +150,8 @@ def _flops(node: Node) -> tuple[int, int]:
     kwargs = pytree.tree_map(to_val, node.kwargs)
     first = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
     try:
-        flops = int(formula(*args, out_val=out_val, **kwargs))
-    except Exception:  # a formula that cannot read these (symbolic) shapes: treat as memory-bound
+        flops = size_hint(formula(*args, out_val=out_val, **kwargs))  # [Note: Plans from size hints]
+    except Exception:  # a formula that cannot read these shapes: treat as memory-bound
         return 0, 4
     return flops, (first.element_size() if first is not None else 4)
 

@@ -38,7 +38,7 @@ from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .cost_model import CollectiveKind, CostModel, OpFacts, _val_bytes, is_view, op_facts
-from .nodes import backend_of, collective_label, is_collective, is_wait_tensor
+from .nodes import backend_of, collective_label, is_collective, is_wait_tensor, size_hint
 
 
 class OpKind(Enum):
@@ -152,8 +152,8 @@ def _storage_bytes(val) -> int:
     """Bytes of the storage under tensor `val`: more than its own where it is a view (a saved query
     slicing a fused query-key-value projection keeps the whole projection alive). 0 if unknown."""
     try:
-        return int(val.untyped_storage().nbytes()) if isinstance(val, torch.Tensor) else 0
-    except (TypeError, RuntimeError, NotImplementedError):  # symbolic sizes, tensor subclasses
+        return size_hint(val.untyped_storage().nbytes()) if isinstance(val, torch.Tensor) else 0
+    except (TypeError, RuntimeError, NotImplementedError):  # tensor subclasses
         return 0
 
 
