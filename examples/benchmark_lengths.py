@@ -100,7 +100,7 @@ def worker(args) -> None:
     stats = torch._dynamo.utils.counters["stats"]
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"row": args.worker, "graphs": stats["unique_graphs"], "frames_compiled": stats["calls_captured"],
+            json.dump({"row": args.worker, "graphs": stats["unique_graphs"], "ops_captured": stats["calls_captured"],
                        "first_pass_s": passes[0], "second_pass_s": passes[1], "losses": losses}, f)
     dist.destroy_process_group()
 
@@ -130,11 +130,11 @@ def main() -> None:
             rows.append(launch(args, row, cache_dir))
             print(json.dumps(rows[-1]), flush=True)
     reference = next((r for r in rows if r["row"] == "fsdp2-compile"), None)
-    header = ["row", "graphs", "frames compiled", "first pass s", "vs FSDP2 + compile", "second pass s"]
+    header = ["row", "graphs", "ops captured", "first pass s", "vs FSDP2 + compile", "second pass s"]
     table = []
     for r in rows:
         ratio = f"{r['first_pass_s'] / reference['first_pass_s']:.2f}" if reference else "n/a"
-        table.append([NAMES[r["row"]], str(r["graphs"]), str(r["frames_compiled"]), f"{r['first_pass_s']:.1f}", ratio,
+        table.append([NAMES[r["row"]], str(r["graphs"]), str(r["ops_captured"]), f"{r['first_pass_s']:.1f}", ratio,
                       f"{r['second_pass_s']:.1f}"])
     widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
     for line in [header, *table]:
