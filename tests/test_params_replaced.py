@@ -385,3 +385,61 @@ def test_meta_and_bad_replacements_are_named(compiler):
     assert "layers.1.attention.wq.weight" in names and "output.weight" in names, meta_error
     assert "layers.0" not in names, meta_error  # materialised
     assert "'layers.1.attention.wq.weight'" in replaced_error and "distribute_tensor" in replaced_error, replaced_error
+
+
+def _optimizer_of_replaced_parameters(rank, world_size):
+    """An optimizer built before `load_state_dict(assign=True)` holds the replaced shards: its step
+    is refused, naming one, instead of silently updating tensors no forward reads."""
+    torch.manual_seed(0)
+    reference = HiddenStatesLlama(_CFG)
+    model = _shard_like_torchtitan(copy.deepcopy(reference), fully_shard)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    values = reference.state_dict()
+    model.load_state_dict(
+        {n: nn.Parameter(distribute_tensor(values[n], p.device_mesh, p.placements)) for n, p in model.named_parameters()},
+        strict=False, assign=True,
+    )
+    _, _, x, y = batch_for_step(reference, 0, 8, rank, world_size)
+    loss_fn(model, model(x), y).backward()
+    try:
+        optimizer.step()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_optimizer_of_replaced_parameters_is_refused():
+    message = run_ranks(_optimizer_of_replaced_parameters, 2)
+    assert message is not None and "Build the optimizer after fully_shard" in message, message
+
+
+def _loaded_by_swapping(rank, world_size, compiler):
+    """`load_state_dict` under `torch.__future__.set_swap_module_params_on_conversion(True)` swaps
+    every shard's TensorImpl (as `to_empty` does); then train a few steps. Returns the losses."""
+    torch.manual_seed(0)
+    reference = HiddenStatesLlama(_CFG)
+    other = HiddenStatesLlama(_CFG).state_dict()
+    losses = {}
+    for name, fs in (("torch", torch_fully_shard), ("ours", fully_shard)):
+        model = _shard_like_torchtitan(copy.deepcopy(reference), fs)
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.load_state_dict({n: distribute_tensor(other[n], p.device_mesh, p.placements) for n, p in model.named_parameters()}, strict=False)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+        run = model if name == "torch" else torch.compile(model, backend=fsdp_graph.backend(compiler=compiler))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses[name] = []
+        for step in range(3):
+            _, _, x, y = batch_for_step(reference, step, 8, rank, world_size)
+            loss = loss_fn(model, run(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[name].append(loss.item())
+    return losses
+
+
+def test_state_dict_loaded_by_swapping_tensors():
+    losses = run_ranks(_loaded_by_swapping, 2, "aot_eager")
+    assert losses["ours"] == losses["torch"], losses
