@@ -325,12 +325,16 @@ def test_unused_parameter_keeps_its_gradient_after_meta_init(set_to_none):
     assert seen["torch"][4] is None if set_to_none else seen["torch"][4] is not None  # the test reads both cases
 
 
+def _reference_and_other_values():
+    """A seeded model, and the state dict of a second one (other values for the same names)."""
+    torch.manual_seed(0)
+    return HiddenStatesLlama(_CFG), HiddenStatesLlama(_CFG).state_dict()
+
+
 def _replaced_between_steps(rank, world_size, compiler):
     """Three steps; before the third, every parameter of the first block is replaced with
     `load_state_dict(assign=True)` by other values. Returns the losses."""
-    torch.manual_seed(0)
-    reference = HiddenStatesLlama(_CFG)
-    other = HiddenStatesLlama(_CFG).state_dict()
+    reference, other = _reference_and_other_values()
     losses = {}
     for name, fs in (("torch", torch_fully_shard), ("ours", fully_shard)):
         model = _shard_like_torchtitan(copy.deepcopy(reference), fs)
@@ -416,9 +420,7 @@ def test_optimizer_of_replaced_parameters_is_refused():
 def _loaded_by_swapping(rank, world_size, compiler):
     """`load_state_dict` under `torch.__future__.set_swap_module_params_on_conversion(True)` swaps
     every shard's TensorImpl (as `to_empty` does); then train a few steps. Returns the losses."""
-    torch.manual_seed(0)
-    reference = HiddenStatesLlama(_CFG)
-    other = HiddenStatesLlama(_CFG).state_dict()
+    reference, other = _reference_and_other_values()
     losses = {}
     for name, fs in (("torch", torch_fully_shard), ("ours", fully_shard)):
         model = _shard_like_torchtitan(copy.deepcopy(reference), fs)
