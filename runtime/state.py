@@ -63,7 +63,14 @@ class RootContext:
         self.fallbacks: dict[str, str] = {}
         # `backward_writes_param_grads`' answer for the current backward, None until asked.
         self._writes_param_grads: Optional[bool] = None
+        # Sharded parameters that modules registered anew (`module.w = nn.Parameter(...)`), counted:
+        # a compiled step guards the count, so a replacement recompiles ([Note: The sharded
+        # parameter is the one its module holds] in runtime/param.py).
+        self.parameters_replaced = 0
         _follow_before_compiling(self)
+
+    def note_parameter_replaced(self) -> None:
+        self.parameters_replaced += 1
 
     def backward_writes_param_grads(self) -> bool:
         """Whether the running backward accumulates into the `.grad` of any trainable parameter
@@ -262,6 +269,8 @@ class FSDPState:
                 state.group.comm = self.ctx.comm
                 state.group.on_all_grads_ready = self.ctx.reduce_ready_groups
                 state.group.backward_writes_param_grads = self.ctx.backward_writes_param_grads
+                for p in state.group.params:
+                    p.on_replaced = self.ctx.note_parameter_replaced
                 state.group.set_reshard_after_forward(state_raf)
         logger.debug("fsdp_graph::claim_root (%s) states=%d", self.name, len(states))
 
@@ -367,6 +376,8 @@ class FSDPState:
         a guard, and setting it a recompile), where `is_meta` is a constant of the graph inputs.
         """
         tracing = torch.compiler.is_compiling()
+        if tracing and self.ctx.parameters_replaced < 0:  # never; read so that the graph guards the count
+            raise ValueError("parameters_replaced went negative")
         if (not tracing and self.ctx.materialized) or (tracing and self.ctx.capturing):
             return
         params = [p for s in self.ctx.states if s.group is not None for p in s.group.params]
