@@ -67,6 +67,7 @@ class RootContext:
         # a compiled step guards the count, so a replacement recompiles ([Note: The sharded
         # parameter is the one its module holds] in runtime/param.py).
         self.parameters_replaced = 0
+        self.checks_lifted_for_compile = False  # [Note: Owner checks while compiling]
         _follow_before_compiling(self)
 
     def note_parameter_replaced(self) -> None:
@@ -119,6 +120,39 @@ def _follow_before_compiling(ctx: RootContext) -> None:
 @functools.lru_cache(maxsize=None)
 def _install_compile_start_callback() -> None:
     torch._dynamo.callback.on_compile_start(_follow_all_roots)
+    torch._dynamo.callback.on_compile_start(_lift_checks_for_compile)
+    torch._dynamo.callback.on_compile_end(_restore_checks_after_compile)
+
+
+# [Note: Owner checks while compiling]
+# Each submodule holding a group's parameters has a forward pre-hook, the call check
+# (`_check_called_through_group`), which never fires inside a group's call. A module with hooks
+# makes torch's `_call_impl` take its slow path, which Dynamo traces instruction by instruction:
+# about one instruction in eight of a traced HF Llama layer went to running checks that return at
+# once. So every root's checks are lifted while Dynamo compiles and put back when it is done
+# (Dynamo's callbacks run once for the outermost compile, the end one even when it fails). Dynamo
+# does not guard on module hooks (`skip_nnmodule_hook_guards`), so putting them back recompiles
+# nothing; a compiled step never runs them, as before.
+
+
+def _live_contexts() -> list[RootContext]:
+    """The root contexts alive, each once (a context an outer root claimed since is not)."""
+    return [ctx for ctx in list(_roots) if ctx.root.ctx is ctx]
+
+
+def _lift_checks_for_compile(*_args) -> None:
+    for ctx in _live_contexts():
+        for state in ctx.states:
+            state.lift_owner_checks()
+        ctx.checks_lifted_for_compile = True
+
+
+def _restore_checks_after_compile(*_args) -> None:
+    for ctx in _live_contexts():
+        if ctx.checks_lifted_for_compile:
+            ctx.checks_lifted_for_compile = False
+            for state in ctx.states:
+                state.restore_owner_checks()
 
 
 def _follow_all_roots(*_args) -> None:
@@ -127,9 +161,7 @@ def _follow_all_roots(*_args) -> None:
     one its module holds] in runtime/param.py), and its groups' bucket layouts follow them. A
     replacement that cannot be a shard is left for the traced root's check, which names every such
     parameter, and all-gather extensions that break FSDP2's contract for the trace's own gather."""
-    for ctx in list(_roots):
-        if ctx.root.ctx is not ctx:  # an inner root's context, claimed by an outer one since
-            continue
+    for ctx in _live_contexts():
         try:
             ctx.root.follow_registered_params()
         except (ValueError, TypeError):
@@ -239,7 +271,7 @@ class FSDPState:
             (owner, owner.register_forward_pre_hook(self._check_called_through_group))
             for owner in self._owners_inside_group()
         ]
-        self._owner_checks_lifted = False  # while a call of the group runs: `owner_checks_lifted`
+        self._owner_check_lifts = 0  # callers that lifted the checks and have not put them back yet
 
     # -- root --------------------------------------------------------------------------------
 
@@ -632,20 +664,27 @@ class FSDPState:
         embedding ran as a graph of its own under us and eagerly under FSDP2, each step (about 8%
         of a 4-layer HF Llama's step, measured in two pairs of runs, and 1-2 s of its cold start).
         So the group's call lifts the checks for its duration, and puts them back after."""
-        if self._owner_checks_lifted:  # a call of this group inside one: the outer call puts them back
-            yield
-            return
-        for _, handle in self._owner_checks:
-            handle.remove()
-        self._owner_checks_lifted = True
+        self.lift_owner_checks()
         try:
             yield
         finally:
+            self.restore_owner_checks()
+
+    def lift_owner_checks(self) -> None:
+        """Remove the call checks (`owner_checks_lifted`, and while Dynamo compiles: see [Note:
+        Owner checks while compiling]); counted, so nested lifts put them back once, at the last."""
+        self._owner_check_lifts += 1
+        if self._owner_check_lifts == 1:
+            for _, handle in self._owner_checks:
+                handle.remove()
+
+    def restore_owner_checks(self) -> None:
+        self._owner_check_lifts -= 1
+        if self._owner_check_lifts == 0:
             self._owner_checks = [
                 (owner, owner.register_forward_pre_hook(self._check_called_through_group))
                 for owner, _ in self._owner_checks
             ]
-            self._owner_checks_lifted = False
 
     def _check_called_through_group(self, module: nn.Module, _args) -> None:
         # A submodule whose parameters belong to this group, called on its own, would see DTensor
