@@ -68,6 +68,9 @@ class RootContext:
         # parameter is the one its module holds] in runtime/param.py).
         self.parameters_replaced = 0
         self.checks_lifted_for_compile = False  # [Note: Owner checks while compiling]
+        # What `check_materialized` found before the latest trace began, raised by the traced root:
+        # [Note: Tracing reads what was followed].
+        self.problem_before_trace: Optional[tuple[str, Any]] = None
         _follow_before_compiling(self)
 
     def note_parameter_replaced(self) -> None:
@@ -155,6 +158,20 @@ def _restore_checks_after_compile(*_args) -> None:
                 state.restore_owner_checks()
 
 
+# [Note: Tracing reads what was followed]
+# Dynamo traces every Python instruction of our hooks, and at a whole step's depth each one per
+# parameter counts (issue #46: our hooks were half of a traced layer). What does not change within
+# a trace is therefore settled before it, by the compile-start callback, in eager Python: every
+# parameter followed and every group's layout refreshed (`follow_registered_params`), and what the
+# root's meta and replacement check finds (`problem_before_trace`). The trace then reads the result
+# as it is: the followed shards (`ShardedParam.sharded_param`), `group.layout`, and the check's
+# outcome, which Dynamo guards like any attribute it reads (it changes only when a compile start
+# computes it anew). What changes a trace's inputs between steps still recompiles: requires_grad
+# and dtype through Dynamo's guards on the shards, a parameter assigned anew through
+# `parameters_replaced`; all-gather extensions set on a shard after its first trace are taken at
+# the next recompile (FSDP2 takes them at its lazy init only).
+
+
 def _follow_all_roots(*_args) -> None:
     """Before Dynamo traces a frame: every root takes the sharded parameters its modules hold now,
     so the graph reads them and their gradients are watched ([Note: The sharded parameter is the
@@ -166,6 +183,7 @@ def _follow_all_roots(*_args) -> None:
             ctx.root.follow_registered_params()
         except (ValueError, TypeError):
             pass
+        ctx.problem_before_trace = ctx.root.materialization_problem()
 
 
 class _InputGradsDone(torch.autograd.Function):
@@ -334,7 +352,7 @@ class FSDPState:
             return False  # hooks of the user's, which the region would skip
         if nn.modules.module._global_forward_pre_hooks or nn.modules.module._global_forward_hooks:
             return False
-        if self.group.refresh_layout().as_bytes or any(p.tp is not None for p in self.group.params):
+        if self.group.layout.as_bytes or any(p.tp is not None for p in self.group.params):
             return False  # tensor-parallel DTensors and extension subclasses: no region inputs (Dynamo fails)
         return all(getattr(m, "_fsdp_state", self) is self for m in module.modules())
 
@@ -404,14 +422,31 @@ class FSDPState:
         """Root only: raise once, naming every parameter under this root that is still on the meta
         device, or that was replaced by a tensor that cannot be its shard.
 
-        Eager roots check until a forward passed; traced roots check every trace (the flag would be
-        a guard, and setting it a recompile), where `is_meta` is a constant of the graph inputs.
+        Eager roots check until a forward passed. Traced roots raise what the check found before
+        the trace began ([Note: Tracing reads what was followed]): a check per parameter, traced,
+        cost every layer's share of tracing again.
         """
-        tracing = torch.compiler.is_compiling()
-        if tracing and self.ctx.parameters_replaced < 0:  # never; read so that the graph guards the count
-            raise ValueError("parameters_replaced went negative")
-        if (not tracing and self.ctx.materialized) or (tracing and self.ctx.capturing):
+        if torch.compiler.is_compiling():
+            if self.ctx.parameters_replaced < 0:  # never; read so that the graph guards the count
+                raise ValueError("parameters_replaced went negative")
+            problem = self.ctx.problem_before_trace
+            if problem is not None and not self.ctx.capturing:
+                kind, detail = problem
+                raise MetaParameterError(list(detail)) if kind == "meta" else ValueError(detail)
             return
+        if self.ctx.materialized:
+            return
+        problem = self.materialization_problem()
+        if problem is None:
+            self.ctx.materialized = True
+            return
+        kind, detail = problem
+        raise MetaParameterError(list(detail)) if kind == "meta" else ValueError(detail)
+
+    def materialization_problem(self) -> Optional[tuple[str, Any]]:
+        """Root only: ("replaced", the message) where parameters were replaced by tensors that cannot
+        be their shards, ("meta", their names) where parameters are still on the meta device, else
+        None."""
         params = [p for s in self.ctx.states if s.group is not None for p in s.group.params]
         replaced = [p for p in params if p.replacement() is not None]
         if replaced:
@@ -419,17 +454,15 @@ class FSDPState:
             problems = [p.replacement_problem(p.replacement(), name) for p, name in zip(replaced, names)]
             problems = [problem for problem in problems if problem is not None]
             if problems:
-                raise ValueError(
+                return "replaced", (
                     "Parameters replaced after fully_shard cannot be its shards:\n"
                     + "\n".join(f"  - {problem}" for problem in problems)
                 )
         on_meta = [p for p in params if p.sharded_param.is_meta]
         if not on_meta:
-            if not tracing:
-                self.ctx.materialized = True
-            return
+            return None
         order = self._parameter_order()
-        raise MetaParameterError(sorted(self._names_under_root(on_meta), key=lambda name: order.get(name, len(order))))
+        return "meta", tuple(sorted(self._names_under_root(on_meta), key=lambda name: order.get(name, len(order))))
 
     def _parameter_order(self) -> dict[str, int]:
         """Each parameter name under this root, with its place in `named_parameters()`."""
