@@ -464,3 +464,50 @@ def _loaded_by_swapping(rank, world_size, compiler):
 def test_state_dict_loaded_by_swapping_tensors():
     losses = run_ranks(_loaded_by_swapping, 2, "aot_eager")
     assert losses["ours"] == losses["torch"], losses
+
+
+class _WeightNormModel(nn.Module):
+    """torch's `test_reset_sharded_param_in_lazy_init` model: a root parameter computed, after
+    `fully_shard`, from the sharded blocks' parameters and assigned anew."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer1 = nn.Linear(3, 3, bias=False)
+        self.layer2 = nn.Linear(3, 3, bias=False)
+        self.weight_norm = nn.Parameter(torch.empty(3))
+
+    def init_weight_norm(self) -> None:
+        with torch.no_grad():
+            norm = torch.linalg.norm(self.layer1.weight, dim=1) + torch.linalg.norm(self.layer2.weight, dim=1)
+        self.weight_norm = nn.Parameter(norm)  # a DTensor: the norm of sharded weights
+
+    def forward(self, x):
+        return self.layer2(self.layer1(x)).sum() + self.weight_norm.sum()
+
+
+def _reset_sharded_param_in_lazy_init(rank, world_size):
+    results = {}
+    for name, fs in (("torch", torch_fully_shard), ("ours", fully_shard)):
+        with torch.device("meta"):
+            model = _WeightNormModel()
+        fs(model.layer1)
+        fs(model.layer2)
+        fs(model)
+        model.layer1.to_empty(device="cpu")
+        model.layer2.to_empty(device="cpu")
+        torch.manual_seed(0)
+        model.layer1.reset_parameters()
+        model.layer2.reset_parameters()
+        model.init_weight_norm()
+        x = torch.randn(3, 3, generator=torch.Generator().manual_seed(rank))
+        model(x).sum().backward()
+        results[name] = {n: (p.to_local().clone(), p.grad.to_local().clone()) for n, p in model.named_parameters()}
+    return results
+
+
+def test_torchs_reset_sharded_param_in_lazy_init():
+    """torch's own FSDP2 test, with both `fully_shard`s: it failed with fsdp_graph's meta check
+    ("Parameters [] are still on the meta device")."""
+    results = run_ranks(_reset_sharded_param_in_lazy_init, 2)
+    for name, (param, grad) in results["torch"].items():
+        assert torch.equal(results["ours"][name][0], param) and torch.equal(results["ours"][name][1], grad), name
