@@ -18,10 +18,11 @@ One subpackage per kind of reader; the names above are re-exported here:
                (`fsdp_graph.predict.fake_world`, `capture_graphs`, `schedule_graphs`, `predict_step`)
 """
 
-from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from .api import DataParallelMeshDims, FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from .api.stand_in import TorchFSDPReplaced, use_in_place_of_torch_fsdp
 from .compile.backend import BackendConfig, Compiler, backend
 from .compile.precompile import precompile
-from .runtime.comms import AllGather, ReduceScatter
+from .runtime.custom_comms import AllGather, ReduceScatter
 from .runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -29,14 +30,17 @@ __all__ = [
     "BackendConfig",
     "Compiler",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReduceScatter",
+    "TorchFSDPReplaced",
     "UnshardHandle",
     "backend",
     "fully_shard",
     "precompile",
     "register_fsdp_forward_method",
     "share_comm_ctx",
+    "use_in_place_of_torch_fsdp",
 ]

@@ -35,6 +35,7 @@ from .nodes import (
     is_all_gather,
     is_fsdp_collective,
     is_reduce_scatter,
+    size_hint,
     wait_of,
 )
 
@@ -75,10 +76,7 @@ def _flat_numel(node: Node) -> Optional[int]:
     val = node.args[0].meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 1:
         return None
-    try:
-        numel = int(val.numel())
-    except (TypeError, RuntimeError):  # symbolic size
-        return None
+    numel = size_hint(val.numel())  # [Note: Plans from size hints] in passes/nodes.py
     return numel if is_all_gather(node) else numel // int(node.args[2])
 
 

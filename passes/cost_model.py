@@ -25,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import Node
 
-from .nodes import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor, parallelism_of, region_body, value_bytes
+from .nodes import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor, parallelism_of, region_body, size_hint, value_bytes
 
 
 class CollectiveKind(Enum):
@@ -104,12 +104,6 @@ class OpFacts:
     parts: tuple["OpFacts", ...] = ()  # a compile region's call: the facts of each node of its body
 
 
-def known_bytes(val: Any) -> int:
-    """`value_bytes`, a symbolic size counted as 0: the cost model prices what it knows rather than
-    guess."""
-    return max(value_bytes(val), 0)
-
-
 def is_view(node: Node) -> bool:
     """True if `node`'s output aliases an input (per the op schema): it costs no time and no memory."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -149,8 +143,8 @@ def _flops(node: Node) -> tuple[int, int]:
     kwargs = pytree.tree_map(to_val, node.kwargs)
     first = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
     try:
-        flops = int(formula(*args, out_val=out_val, **kwargs))
-    except Exception:  # a formula that cannot read these (symbolic) shapes: treat as memory-bound
+        flops = size_hint(formula(*args, out_val=out_val, **kwargs))  # [Note: Plans from size hints]
+    except Exception:  # a formula that cannot read these shapes: treat as memory-bound
         return 0, 4
     return flops, (first.element_size() if first is not None else 4)
 
@@ -166,7 +160,7 @@ def op_facts(node: Node) -> OpFacts:
         else None
     )
     if kind is not None:
-        inp, out = known_bytes(node.args[0].meta.get("val")), known_bytes(node.meta.get("val"))
+        inp, out = value_bytes(node.args[0].meta.get("val")), value_bytes(node.meta.get("val"))
         if kind is CollectiveKind.ALL_GATHER:
             world = int(node.args[1])  # all_gather_into_tensor(input, group_size, group_name)
         elif kind is CollectiveKind.REDUCE_SCATTER:
@@ -178,7 +172,7 @@ def op_facts(node: Node) -> OpFacts:
     if body is not None:
         return OpFacts(parts=tuple(op_facts(n) for n in body.graph.nodes))
     flops, dtype_bytes = _flops(node)
-    moved = known_bytes(node.meta.get("val")) + sum(known_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    moved = value_bytes(node.meta.get("val")) + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     return OpFacts(flops=flops, bytes_moved=moved, matmul_dtype_bytes=dtype_bytes)
 
 

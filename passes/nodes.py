@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..runtime.meta import GROUP_KEY
 
@@ -164,25 +164,45 @@ def group_of(node: Node) -> Optional[str]:
     return fsdp_meta(node, GROUP_KEY)
 
 
-SYMBOLIC_BYTES = -1  # what `value_bytes` says of a tensor whose size is symbolic (a dynamic-shape graph)
+# [Note: Plans from size hints]
+# A graph compiled with dynamic shapes (automatic dynamic after a second sequence length, or
+# `torch.compile(dynamic=True)`) has symbolic sizes: `s0` where the static graph had 12. Turning one
+# into a Python int (`int(t.numel())`, `if size > cap`) asks the shape environment for a guard, and a
+# guard `Eq(2*s0, 24)` specialises the graph back to that one size: the next length recompiles. So
+# the passes plan with size hints instead (`optimization_hint`: the size this compile was traced at,
+# adding no guard): bucketing, the reordering's costs and the memory model see one concrete
+# instance of the graph, and what they decide (which collectives share a bucket, the order of
+# nodes) is valid for every size, since it changes no shape. What the hint does not bound is
+# memory at larger sizes: see [Note: A memory budget at other sizes] in passes/unshard_selection.py.
+
+# A symbolic size with no hint (data-dependent, an unbacked symbol) plans as this many elements.
+_NO_HINT = 4096
+
+
+def size_hint(value: Any) -> int:
+    """`value` (an int or a SymInt) as a plain int without a guard: [Note: Plans from size hints]."""
+    if isinstance(value, torch.SymInt):
+        return optimization_hint(value, fallback=_NO_HINT)
+    return int(value)
+
+
+def tensor_nbytes(val: Any) -> int:
+    """Bytes of a tensor's elements by its size hints ([Note: Plans from size hints]); 0 for anything
+    that is not a tensor."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return size_hint(val.numel()) * val.element_size()
 
 
 def value_bytes(val: Any) -> int:
     """Bytes of the tensors in a node's value (one tensor, or a tuple or list of them; 0 for
-    anything else), or `SYMBOLIC_BYTES` when a size is symbolic."""
-    total = 0
-    for leaf in torch.utils._pytree.tree_leaves(val):
-        if isinstance(leaf, torch.Tensor):
-            numel = leaf.numel()
-            if not is_concrete_int(numel):
-                return SYMBOLIC_BYTES
-            total += int(numel) * leaf.element_size()
-    return total
+    anything else), by their size hints."""
+    return sum(tensor_nbytes(leaf) for leaf in torch.utils._pytree.tree_leaves(val))
 
 
 def tensor_bytes(node: Node) -> int:
-    """`value_bytes` of `node`'s value."""
-    return value_bytes(node.meta.get("val"))
+    """Bytes of `node`'s tensor value, by its size hints; 0 when it is not a tensor."""
+    return tensor_nbytes(node.meta.get("val"))
 
 
 def gathered_from(node: Node) -> Optional[Node]:

@@ -37,8 +37,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .cost_model import CollectiveKind, CostModel, OpFacts, is_view, known_bytes, op_facts
-from .nodes import backend_of, collective_label, is_collective, is_tangent_name, is_wait_tensor
+from .cost_model import CollectiveKind, CostModel, OpFacts, is_view, op_facts
+from .nodes import backend_of, collective_label, is_collective, is_tangent_name, is_wait_tensor, size_hint, value_bytes
 
 
 class OpKind(Enum):
@@ -128,7 +128,7 @@ def _short(node: Node) -> str:
 def op_of(node: Node) -> Op:
     kind = _kind(node)
     facts = op_facts(node) if kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) else OpFacts()
-    out_bytes = 0 if kind is OpKind.OUTPUT else known_bytes(node.meta.get("val"))
+    out_bytes = 0 if kind is OpKind.OUTPUT else value_bytes(node.meta.get("val"))
     group = collective_label(node) if kind is OpKind.COLLECTIVE else None
     scratch = _gloo_scratch_bytes(node, facts, out_bytes) if kind is OpKind.COLLECTIVE else 0
     written = _written_input(node)
@@ -145,15 +145,15 @@ def _gloo_scratch_bytes(node: Node, facts: OpFacts, out_bytes: int) -> int:
         return 0
     if facts.collective is CollectiveKind.ALL_GATHER:
         return out_bytes
-    return known_bytes(node.args[0].meta.get("val")) + out_bytes
+    return value_bytes(node.args[0].meta.get("val")) + out_bytes
 
 
 def _storage_bytes(val) -> int:
     """Bytes of the storage under tensor `val`: more than its own where it is a view (a saved query
     slicing a fused query-key-value projection keeps the whole projection alive). 0 if unknown."""
     try:
-        return int(val.untyped_storage().nbytes()) if isinstance(val, torch.Tensor) else 0
-    except (TypeError, RuntimeError, NotImplementedError):  # symbolic sizes, tensor subclasses
+        return size_hint(val.untyped_storage().nbytes()) if isinstance(val, torch.Tensor) else 0
+    except (TypeError, RuntimeError, NotImplementedError):  # tensor subclasses
         return 0
 
 

@@ -35,11 +35,12 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx import Graph, GraphModule
 
 from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
-from .nodes import KEPT_UNSHARDED_META, fsdp_meta, is_all_gather, is_tangent, tensor_bytes
+from .nodes import KEPT_UNSHARDED_META, fsdp_meta, is_all_gather, is_tangent, size_hint, tensor_bytes
 from .reshard import depends_on_tangents, tag_reshard_after_forward
 from .simulator import memory_profile, program_of
 
@@ -66,7 +67,7 @@ def plan_unsharded(gm: GraphModule, memory_budget_bytes: int) -> list[UnshardCho
             continue
         if fsdp_meta(node, ROLE_KEY) == ROLE_UNSHARD and fsdp_meta(node, RESHARD_KEY):
             sizes[fsdp_meta(node, GROUP_KEY)] = tensor_bytes(node)
-    if not sizes or min(sizes.values()) < 0:  # nothing to choose, or symbolic sizes
+    if not sizes:
         return []
     none_kept = partitioned_peak(gm)
 
@@ -100,6 +101,29 @@ def partitioned_peak(gm: GraphModule) -> int:
     return max(memory_profile(program_of(forward)).peak_bytes, memory_profile(program_of(backward)).peak_bytes)
 
 
+# [Note: A memory budget at other sizes]
+# The passes plan a graph with symbolic sizes at its size hints ([Note: Plans from size hints] in
+# passes/nodes.py), and every other decision holds at any size. This one does not: a group kept
+# gathered fits the budget beside the activations of the traced sizes, and longer sequences have
+# larger activations. So when it keeps a group, the graph is guarded to sizes up to its hints
+# (`s0 <= 64`): a step at a size no larger reuses the graph, within the budget as planned (smaller
+# activations, the same kept bytes); a larger one recompiles and plans again at its own size. With
+# lengths rising step by step that is a graph per new longest length; without a budget, or with a
+# budget that keeps nothing, the graph holds for every size.
+
+
+def _bound_sizes_by_their_hints(gm: GraphModule) -> None:
+    """Guard every symbolic size of the graph's inputs to at most its hint (see the note above)."""
+    bounded = set()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        sizes = [val] if isinstance(val, torch.SymInt) else list(val.shape) if isinstance(val, torch.Tensor) else []
+        for size in sizes:
+            if isinstance(size, torch.SymInt) and str(size) not in bounded:
+                bounded.add(str(size))
+                bool(size <= size_hint(size))  # evaluating a symbolic comparison adds it as a guard
+
+
 def select_unsharded(gm: GraphModule, memory_budget_bytes: Optional[int]) -> GraphModule:
     """Keep unsharded until backward the groups `plan_unsharded` chooses.
 
@@ -119,6 +143,7 @@ def select_unsharded(gm: GraphModule, memory_budget_bytes: Optional[int]) -> Gra
                     c.unsharded_bytes, c.unsharded_bytes, c.peak_bytes, memory_budget_bytes)
     if not kept:
         return gm
+    _bound_sizes_by_their_hints(gm)
     backward = depends_on_tangents(gm)
     for node in gm.graph.nodes:
         if node in backward or fsdp_meta(node, ROLE_KEY) != ROLE_UNSHARD:

@@ -188,7 +188,8 @@ class AllGatherExtensions:
         return tensor[: self.orig_size[0]], tuple(result[1])
 
     def pre_all_gather(self) -> list[torch.Tensor]:
-        """The pre-hook's all-gather inputs for this rank, each flat as bytes ([Note: All-gather extensions])."""
+        """Eager runtime: the pre-hook's all-gather inputs for this rank, checked against the first
+        all-gather's, its metadata kept for the post-hook ([Note: All-gather extensions])."""
         local = self.local_shard.to(self.device)  # an offloaded shard is gathered from the device
         inputs, self._gather_metadata = self.call_pre_all_gather(local)
         world = self.mesh_info.shard_size
@@ -204,7 +205,7 @@ class AllGatherExtensions:
                 f"{[(tuple(t.shape), t.dtype) for t in inputs]}, which changed since the first all-gather "
                 f"(gathered: {expected}); return the same shapes and dtypes every time"
             )
-        return [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
+        return inputs
 
     def _hook_mesh(self) -> DeviceMesh | None:
         """The mesh the pre-hook is given: the shard axis' (FSDP2's `shard_mesh`), 1-D under HSDP too;

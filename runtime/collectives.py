@@ -22,9 +22,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from .comms import AllGather, Comm, ReduceScatter
+from .bucket_layout import FLAGS, BucketLayout
+from .custom_comms import AllGather, Comm, ReduceScatter
 from .mesh_info import MeshInfo
 from .param import ShardedParam
 
@@ -97,14 +97,15 @@ class CommContext:
 
 @dataclass
 class AllGatherWork:
-    """An issued all-gather: its output (world x sum of shard sizes) and how to wait for it."""
+    """An issued all-gather: its output (world rows of the bucket) and how to wait for it."""
 
     output: torch.Tensor
     input: torch.Tensor  # a view of `output`, or a post-forward shard kept until the gather ends
+    widths: list[int]  # each block's elements per rank, as `copy_out` splits the rows
+    layout: BucketLayout  # the layout the row was built in
     handle: Optional[dist.Work] = None  # CPU: the async work handle
     event: object = None  # CUDA: recorded on the all-gather stream after the collective
     done: bool = False
-    num_flags: int = 0  # the gradient-flags block after the first `num_flags` params: see `wire_order`
 
     @torch.no_grad()
     def wait(self, ctx: CommContext) -> None:
@@ -117,60 +118,35 @@ class AllGatherWork:
         self.done = True
 
 
-# [Note: One wire layout for eager and traced gathers]
-# Ranks may run one group on different paths in the same step: traced in a graph on one rank, on the
-# eager hooks on another (a recompile limit or a graph break reached on one rank only, see
-# [Note: Fallback to the eager hooks] in runtime/traced.py). Both paths therefore put the same
-# bytes on the wire. A row of a group's all-gather holds, in this order: the trainable parameters'
-# padded shards in group order, one zero per trainable parameter (the traced path's gradient flags,
-# [Note: Gradient flags in a graph], whose gradient the reduce-scatter sums), then the frozen
-# parameters' padded shards. A group with no trainable parameter has no flags. The reduce-scatter
-# row is the same on both paths too: trainable gradients, then the flags
-# ([Note: Every rank packs every parameter]).
-
-
-def wire_order(params: list[ShardedParam]) -> tuple[list[ShardedParam], int]:
-    """`params` in all-gather row order and the number of flags, which follow the first that many."""
-    trainable = [p for p in params if p.requires_grad]
-    if not trainable:
-        return list(params), 0
-    return trainable + [p for p in params if not p.requires_grad], len(trainable)
-
-
-def _block_numels(params: list[ShardedParam], num_flags: int) -> list[int]:
-    """The width of each block of an all-gather row: the params' padded shards and the flags."""
-    numels = [p.shard_numel for p in params]
-    return numels[:num_flags] + [num_flags] + numels[num_flags:] if num_flags else numels
-
-
-def _copy_in(params: list[ShardedParam], output: torch.Tensor, rank: int, num_flags: int) -> torch.Tensor:
-    """Copy (and cast) the shards into this rank's slot of the all-gather output; return that slot.
-
-    The all-gather runs in place (its input is a view of its output), so a bucket in flight costs
-    one buffer, not two.
-    """
-    total = sum(_block_numels(params, num_flags))
-    flat = output[rank * total : (rank + 1) * total]
-    blocks: list[Optional[ShardedParam]] = list(params)
-    if num_flags:
-        blocks.insert(num_flags, None)  # the flags: zeros
-    offset = 0
-    for p in blocks:
-        if p is None:
-            flat[offset : offset + num_flags].zero_()
-            offset += num_flags
-            continue
-        num_valid = p.num_valid_rows * p.row_numel
-        flat[offset : offset + num_valid].copy_(p.flat_local_shard())
-        flat[offset + num_valid : offset + p.shard_numel].zero_()
-        offset += p.shard_numel
-    return flat
-
-
 def _allocate(comm: Optional[Comm], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if comm is None:
         return torch.empty(numel, dtype=dtype, device=device)
     return comm.allocate((numel,), dtype=dtype, device=device)
+
+
+def _copy_in(
+    layout: BucketLayout,
+    params: list[ShardedParam],
+    world: int,
+    rank: int,
+    buffers: Optional[Comm],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Allocate the all-gather output and copy (and cast) the shards into this rank's slot with
+    `fsdp_graph::copy_in`; return the output, the slot and the blocks' widths.
+
+    The all-gather runs in place (its input is a view of its output), so a bucket in flight costs
+    one buffer, not two.
+    """
+    if layout.as_bytes:
+        pieces, widths = layout.byte_pieces(params, lambda i: params[i].pre_all_gather())
+    else:  # the flags' block gets an empty piece: zeros
+        pieces, widths = layout.shard_pieces(params, torch.empty(0, device=device)), list(layout.widths)
+    total = sum(widths)
+    output = _allocate(buffers, world * total, layout.dtype, device)
+    row = output[rank * total : (rank + 1) * total]
+    torch.ops.fsdp_graph.copy_in.out(pieces, widths, out=row)
+    return output, row, widths
 
 
 # [Note: One rank issues no collectives]
@@ -183,117 +159,80 @@ def _allocate(comm: Optional[Comm], numel: int, dtype: torch.dtype, device: torc
 
 @torch.no_grad()
 def all_gather(
+    layout: BucketLayout,
     params: list[ShardedParam],
     group: dist.ProcessGroup,
     world: int,
-    dtype: torch.dtype,
     ctx: CommContext,
     async_op: bool,
     input: Optional[torch.Tensor] = None,
     comm: Optional[AllGather] = None,
     allocator: Optional[Comm] = None,
-    num_flags: int = 0,
-    as_bytes: bool = False,
 ) -> AllGatherWork:
-    """Gather `params` as one bucket, in the order and with the flags of `wire_order`, of `dtype`
-    or, `as_bytes`, of bytes ([Note: Byte buckets]: group order, no flags). `input` replaces the
-    copy-in (a post-forward shard); `comm` replaces `all_gather_single` and its buffer
-    (`set_custom_all_gather`); `allocator` only the buffer (`ProcessGroupAllocator`)."""
+    """Gather `params` (the group's) as one bucket laid out by `layout`. `input` replaces the
+    copy-in (a post-forward shard, in the layout's blocks); `comm` replaces `all_gather_single` and
+    its buffer (`set_custom_all_gather`); `allocator` only the buffer (`ProcessGroupAllocator`)."""
     device = ctx.device
     buffers = comm if comm is not None else allocator
-    if input is None and as_bytes:
-        input, dtype, num_flags = _copy_in_bytes(params), torch.uint8, 0
-    total = input.numel() if input is not None else sum(_block_numels(params, num_flags))
+    rank = 0 if world == 1 else dist.get_rank(group)
+
+    def output_and_row() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        if input is None:
+            return _copy_in(layout, params, world, rank, buffers, device)
+        return _allocate(buffers, world * input.numel(), input.dtype, device), input, list(layout.widths)
+
     if world == 1:  # [Note: One rank issues no collectives]
         if ctx.uses_streams:
             ctx.release_retired()  # else the retired buffers would pile up: no stream waits here
-        if input is None:
-            input = _copy_in(params, _allocate(buffers, total, dtype, device), 0, num_flags)
-        return AllGatherWork(input, input, done=True, num_flags=num_flags)
-    rank = dist.get_rank(group)
+        _, row, widths = output_and_row()
+        return AllGatherWork(row, row, widths, layout, done=True)
     if not ctx.uses_streams:
-        output = _allocate(buffers, world * total, dtype, device)
-        if input is None:
-            input = _copy_in(params, output, rank, num_flags)
+        output, row, widths = output_and_row()
         if comm is not None:
-            handle = comm(output, input, group, async_op=async_op)
+            handle = comm(output, row, group, async_op=async_op)
         else:
-            handle = dist.all_gather_single(output, input, group=group, async_op=async_op)
-        return AllGatherWork(output, input, handle=handle, done=not async_op, num_flags=num_flags)
+            handle = dist.all_gather_single(output, row, group=group, async_op=async_op)
+        return AllGatherWork(output, row, widths, layout, handle=handle, done=not async_op)
 
     mod = ctx._device_module
     ctx.release_retired()
     ctx.copy_in_waits_for_optimizer()
     with mod.stream(ctx.copy_in_stream):
-        output = _allocate(buffers, world * total, dtype, device)
-        if input is None:
-            input = _copy_in(params, output, rank, num_flags)
+        output, row, widths = output_and_row()
     ctx.all_gather_stream.wait_stream(ctx.copy_in_stream)
     with mod.stream(ctx.all_gather_stream):
         if comm is not None:
-            comm(output, input, group)
+            comm(output, row, group)
         else:
-            dist.all_gather_single(output, input, group=group)
+            dist.all_gather_single(output, row, group=group)
         event = ctx.all_gather_stream.record_event()
-    work = AllGatherWork(output, input, event=event, num_flags=num_flags)
+    work = AllGatherWork(output, row, widths, layout, event=event)
     if not async_op:
         work.wait(ctx)
     return work
 
 
-# [Note: Byte buckets]
-# A group whose parameters are gathered in more than one dtype (a frozen float8 weight beside fp32
-# ones, no `param_dtype`), or that has a parameter with all-gather extensions, gathers one uint8
-# bucket: each parameter's piece is its padded shard in its own unsharded dtype (`param_dtype`, else
-# its dtype), or its pre-hook's inputs, viewed as bytes, in group order. Casting every shard to one
-# dtype instead would round fp32 weights to float8 where the float8 one comes first. FSDP2 gathers
-# such groups as bytes too. The traced unshard builds the same bytes (runtime/traced.py,
-# `_unshard_bytes`), so a compiled rank and an eager rank gather the same bucket.
-
-
-def _copy_in_bytes(params: list[ShardedParam]) -> torch.Tensor:
-    """This rank's row of a byte bucket ([Note: Byte buckets]): the pre-hooks' inputs of parameters
-    with all-gather extensions, the padded shards (in their unsharded dtype) of the others."""
-    pieces = []
-    for p in params:
-        if p.gather_hooks:
-            pieces += p.pre_all_gather()
-        else:
-            shard = p.flat_local_shard().to(p.unsharded_dtype)
-            pieces.append(F.pad(shard, (0, p.shard_numel - shard.numel())).view(torch.uint8))
-    return torch.cat(pieces)
-
-
 def copy_out(params: list[ShardedParam], work: AllGatherWork, world: int) -> None:
-    """Split the all-gather output (`params` in the order it was gathered in) into each parameter's
-    unsharded storage."""
-    if work.output.dtype == torch.uint8:  # a byte bucket, or uint8 parameters: either splits as bytes
-        _copy_out_bytes(params, work, world)
-        return
-    outputs = [p.alloc_unsharded(world) for p in params]
-    if work.num_flags:  # the flags' columns carry nothing for the eager runtime
-        outputs.insert(work.num_flags, work.output.new_empty(world, work.num_flags))
-    widths = _block_numels(params, work.num_flags)
+    """Split the all-gather output into each parameter's unsharded storage with
+    `fsdp_graph::copy_out`; a byte bucket's post-hooks then rebuild their parameters."""
+    layout = work.layout
+    outputs = []
+    for i in layout.blocks:
+        if i == FLAGS:  # the flags' columns carry nothing for the eager runtime
+            outputs.append(work.output.new_empty(world, layout.num_trainable))
+        elif layout.has_hooks(i):
+            outputs += params[i].alloc_gather_outputs(world)
+        elif layout.as_bytes:
+            outputs.append(params[i].alloc_unsharded(world).view(torch.uint8))
+        else:
+            outputs.append(params[i].alloc_unsharded(world))
     # Refilling storage autograd saved is not a modification it should see: the values are the
     # ones forward used. Keep the version counters so saved-tensor checks still pass.
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(
-        tuple(t for p in params for t in p.unsharded_tensors())
-    ):
-        torch.split_with_sizes_copy(work.output.view(world, -1), widths, dim=1, out=outputs)
-        for p in params:
-            p.finish_copy_out()
-
-
-def _copy_out_bytes(params: list[ShardedParam], work: AllGatherWork, world: int) -> None:
-    """`copy_out` of a byte bucket: then the post-hooks rebuild their parameters."""
-    outputs = []
-    for p in params:
-        outputs += p.alloc_gather_outputs(world) if p.gather_hooks else [p.alloc_unsharded(world).view(torch.uint8)]
     unsharded = tuple(t for p in params if p.unsharded_param is not None for t in p.unsharded_tensors())
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unsharded):
-        torch.split_with_sizes_copy(work.output.view(world, -1), [o.shape[1] for o in outputs], dim=1, out=outputs)
-        for p in params:
-            if p.gather_hooks:
+        torch.ops.fsdp_graph.copy_out.out(work.output, world, work.widths, out=outputs)
+        for i, p in enumerate(params):
+            if layout.has_hooks(i):
                 p.post_all_gather()
             else:
                 p.finish_copy_out()
@@ -341,12 +280,13 @@ class ReduceScatterWork:
     See [Note: Every rank packs every parameter] for the flags at the end of `output`.
     """
 
-    params: list[ShardedParam]
+    params: list[ShardedParam]  # the trainable parameters, in the order they were packed
     output: torch.Tensor  # this rank's reduced, divided shard of every param, flat, then one flag per param
     mesh_info: MeshInfo
     divide_factor: float  # the post-divide factor: see `divide_factors`
     had_grad: list[bool]  # per param: did this rank pack a gradient
     controls: "ReduceControls" = None
+    widths: tuple[int, ...] = ()  # the blocks of `output`: `BucketLayout.reduce_widths`
     handle: Optional[dist.Work] = None  # CPU: the async work handle
     event: object = None  # CUDA: recorded on the reduce-scatter stream after the division
     # CUDA: the packed input and the unsharded gradients, read on the reduce-scatter stream but
@@ -407,16 +347,15 @@ class ReduceScatterWork:
             self.controls.partial = self.output  # set_requires_all_reduce(False): no gradient yet
             self.keep_alive.clear()
             return
+        *shards, flags = self.output.split(self.widths)
         got_grad = self.had_grad
         if self.controls.zeros_for_unused:
             got_grad = [True] * len(self.params)
         elif not all(got_grad):  # read the summed flags only then: on CUDA reading waits for the stream
-            got_grad = [flag > 0 for flag in self.output[-len(self.params) :].tolist()]
-        offset = 0
-        for p, flag in zip(self.params, got_grad):
+            got_grad = [flag > 0 for flag in flags.tolist()]
+        for p, flag, shard in zip(self.params, got_grad, shards):
             if flag:
-                p.accumulate_sharded_grad(self.output[offset : offset + p.shard_numel])
-            offset += p.shard_numel
+                p.accumulate_sharded_grad(shard)
         self.keep_alive.clear()
 
 
@@ -436,26 +375,22 @@ class ReduceScatterWork:
 
 
 def _pack(
-    params: list[ShardedParam], grads: list[Optional[torch.Tensor]], world: int, dtype, device, comm=None
+    layout: BucketLayout, params: list[ShardedParam], grads: list[Optional[torch.Tensor]], dtype, device, comm=None
 ) -> torch.Tensor:
-    """The reduce-scatter input: rank r's row holds every parameter's slot r, cast to `dtype`, then
-    the flags of [Note: Every rank packs every parameter]."""
-    total = sum(p.shard_numel for p in params)
-    packed = _allocate(comm, world * (total + len(params)), dtype, device).view(world, -1)
-    offset = 0
-    for p, grad in zip(params, grads):
-        if grad is None:
-            packed[:, offset : offset + p.shard_numel].zero_()
-        else:
-            p.pack_grad(grad, packed[:, offset : offset + p.shard_numel])
-        offset += p.shard_numel
-    flags = torch.tensor([float(grad is not None) for grad in grads], dtype=dtype, device=device)
-    packed[:, total:].copy_(flags.expand(world, -1))
+    """The reduce-scatter input, from `fsdp_graph::pack_grads`: rank r's row holds every trainable
+    parameter's slot r, cast to `dtype`, then the flags of [Note: Every rank packs every parameter]."""
+    world = layout.world
+    packed = _allocate(comm, world * sum(layout.reduce_widths), dtype, device)
+    moved = [None if grad is None else params[i].shard_dim_first(grad) for i, grad in zip(layout.reduced, grads)]
+    torch.ops.fsdp_graph.pack_grads.out(
+        [*moved, None], world, layout.reduce_widths, layout.reduce_numels, layout.num_trainable, out=packed
+    )
     return packed
 
 
 @torch.no_grad()
 def reduce_scatter(
+    layout: BucketLayout,
     params: list[ShardedParam],
     mesh_info: MeshInfo,
     reduce_dtype: Optional[torch.dtype],
@@ -466,10 +401,11 @@ def reduce_scatter(
     comm: Optional[ReduceScatter] = None,
     allocator: Optional[Comm] = None,
 ) -> ReduceScatterWork:
-    """Reduce-scatter the unsharded gradients of `params` as one bucket and average them.
+    """Reduce-scatter the unsharded gradients of the group's trainable parameters (`layout.reduced`
+    of `params`) as one bucket and average them.
 
-    `params` are every trainable parameter of the group, with or without a gradient on this rank:
-    see [Note: Every rank packs every parameter].
+    Every trainable parameter is packed, with or without a gradient on this rank: see
+    [Note: Every rank packs every parameter].
 
     The sum is divided explicitly afterwards: gloo has no PREMUL_SUM, and one code path for every
     backend keeps eager and compiled numerics identical. A `comm_hook` replaces the
@@ -479,33 +415,35 @@ def reduce_scatter(
     """
     buffers = comm if comm is not None else allocator
     world = mesh_info.shard_size
-    dtype = reduce_dtype or params[0].unsharded_dtype
-    total = sum(p.shard_numel for p in params) + len(params)  # gradients, then one flag per parameter
-    grads = [p.take_unsharded_grad() for p in params]
-    # Allocated on the current stream, which later reads it for the optimizer.
-    output = _allocate(buffers, total, dtype, ctx.device)
+    trainable = [params[i] for i in layout.reduced]
+    dtype = reduce_dtype or trainable[0].unsharded_dtype
+    grads = [p.take_unsharded_grad() for p in trainable]
+    # This rank's shard of the packed row, allocated on the current stream, which later reads it for
+    # the optimizer.
+    output = _allocate(buffers, sum(layout.reduce_widths), dtype, ctx.device)
     pre, post = divide_factors(divide_factor, dtype)
     controls = controls or ReduceControls()
-    work = ReduceScatterWork(params, output, mesh_info, post, [grad is not None for grad in grads], controls)
+    had_grad = [grad is not None for grad in grads]
+    work = ReduceScatterWork(trainable, output, mesh_info, post, had_grad, controls, layout.reduce_widths)
     shard_group = controls.reduce_scatter_group or mesh_info.shard_group
 
     if not ctx.uses_streams:
-        packed = _pack(params, grads, world, dtype, ctx.device, buffers)
+        packed = _pack(layout, params, grads, dtype, ctx.device, buffers)
         if pre != 1:
             packed.div_(pre)
         if comm_hook is not None:
-            comm_hook(packed.view(-1), output, shard_group)
+            comm_hook(packed, output, shard_group)
             work.reduce_across_replicas_and_divide()
             return work
         if world == 1:  # [Note: One rank issues no collectives]
-            output.copy_(packed.view(-1))
+            output.copy_(packed)
             work.reduce_across_replicas_and_divide()
             return work
         if comm is not None:
-            work.handle = comm(output, packed.view(-1), shard_group, dist.ReduceOp.SUM, async_op=True)
+            work.handle = comm(output, packed, shard_group, dist.ReduceOp.SUM, async_op=True)
         else:
             work.handle = dist.reduce_scatter_single(
-                output, packed.view(-1), op=dist.ReduceOp.SUM, group=shard_group, async_op=True
+                output, packed, op=dist.ReduceOp.SUM, group=shard_group, async_op=True
             )
         if work.handle is None:  # a custom comm that ran synchronously
             work.reduce_across_replicas_and_divide()
@@ -515,17 +453,17 @@ def reduce_scatter(
     mod = ctx._device_module
     ctx.reduce_scatter_stream.wait_stream(ctx.current_stream())
     with mod.stream(ctx.reduce_scatter_stream):
-        packed = _pack(params, grads, world, dtype, ctx.device, buffers)
+        packed = _pack(layout, params, grads, dtype, ctx.device, buffers)
         if pre != 1:
             packed.div_(pre)
         if comm_hook is not None:
-            comm_hook(packed.view(-1), output, shard_group)
+            comm_hook(packed, output, shard_group)
         elif world == 1:  # [Note: One rank issues no collectives]
-            output.copy_(packed.view(-1))
+            output.copy_(packed)
         elif comm is not None:
-            comm(output, packed.view(-1), shard_group, dist.ReduceOp.SUM)
+            comm(output, packed, shard_group, dist.ReduceOp.SUM)
         else:
-            dist.reduce_scatter_single(output, packed.view(-1), op=dist.ReduceOp.SUM, group=shard_group)
+            dist.reduce_scatter_single(output, packed, op=dist.ReduceOp.SUM, group=shard_group)
         work.reduce_across_replicas_and_divide(ctx)
         work.event = ctx.reduce_scatter_stream.record_event()
     work.keep_alive = [packed, grads]

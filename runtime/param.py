@@ -15,8 +15,8 @@ contributes `shard_numel = padded_dim0 * prod(rest)` elements per parameter, pad
 For k > 0 the collectives still move whole rows of the moved layout: copy-in flattens
 `shard.movedim(k, 0)` (a copy), the gathered rows are the moved parameter, and copy-out copies them
 back with `movedim(0, k)` into a contiguous unsharded parameter, so the module computes on the same
-layout as the unsharded model; gradients are packed from `grad.movedim(k, 0)`. The DTensor shard is
-`Shard(k)`: rank r's slice of dim k, which is the same chunking moved back.
+layout as the unsharded model; gradients are packed from `grad.movedim(k, 0)` (`shard_dim_first`).
+The DTensor shard is `Shard(k)`: rank r's slice of dim k, which is the same chunking moved back.
 
 Beside it: the mesh it is sharded over (runtime/mesh_info.py), a tensor-parallel parameter's layout
 (runtime/tp_layout.py), the all-gather extensions a shard may bring (runtime/all_gather_extensions.py,
@@ -25,7 +25,9 @@ which `ShardedParam` inherits), and freeing and refilling storage (runtime/stora
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -81,6 +83,7 @@ class ShardedParam(AllGatherExtensions):
         param_dtype: torch.dtype | None,
         shard_dim: int = 0,
         mp_policy: MixedPrecisionPolicy | None = None,
+        spmd_axes: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
     ) -> None:
         self.owners = owners  # every (module, attribute) that holds this parameter (tied weights)
         self.fqn = fqn
@@ -93,8 +96,12 @@ class ShardedParam(AllGatherExtensions):
         self.param_dtype = param_dtype
 
         # See [Note: Sharding a tensor-parallel parameter] in runtime/tp_layout.py: below, `param` is the
-        # tp-local tensor.
-        self.tp = TensorParallelLayout(param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
+        # tp-local tensor. `spmd_axes`: the shard and replicate axes of `dp_mesh_dims` on the
+        # parameter's own mesh ([Note: Parameters on the whole SPMD mesh]).
+        self.tp = (
+            TensorParallelLayout(param.device_mesh, tuple(param.placements), *spmd_axes)
+            if isinstance(param, DTensor) else None
+        )
         if self.tp is not None:
             param = param.to_local()
         self.local_size = param.size()  # the shape the module computes with on this rank
@@ -129,6 +136,10 @@ class ShardedParam(AllGatherExtensions):
         self.grad_was_none = False
         self._watching_grad = False
         self._watch_handle = None  # our hook in the sharded parameter's hook dict
+        # Called when a module registers another parameter in this one's place (the root counts it):
+        # see `_note_parameter_registered`.
+        self.on_replaced: Callable[[], None] = lambda: None
+        _watch_parameter_registrations()
 
         # Unsharded storage, padded to world * padded_dim0 rows so the all-gather output copies out
         # in one `split_with_sizes_copy`; the parameter autograd sees is a view of its first dim0
@@ -198,8 +209,12 @@ class ShardedParam(AllGatherExtensions):
 
     def flat_local_shard(self) -> torch.Tensor:
         """`local_shard` in the moved layout, flat: this rank's piece of the all-gather input."""
-        local = self.local_shard
-        return (local if self.shard_dim == 0 else local.movedim(self.shard_dim, 0)).reshape(-1)
+        return self.shard_dim_first(self.local_shard).reshape(-1)
+
+    def shard_dim_first(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, in the parameter's layout, with the shard dim moved first: the layout the collectives
+        move ([Note: Sharding on another dim])."""
+        return t if self.shard_dim == 0 else t.movedim(self.shard_dim, 0)
 
     # [Note: The sharded parameter is the one its module holds]
     # Users and frameworks change parameters after `fully_shard`: `load_state_dict(sd, assign=True)`
@@ -209,9 +224,11 @@ class ShardedParam(AllGatherExtensions):
     # which keeps the Python object but gives it a new TensorImpl: the tensor's hooks and Python
     # attributes stay with the old one. So nothing here trusts an identity or a hook from
     # `fully_shard` time:
-    # - `sharded_param` is whatever the first owner module holds now (once installed), so eager and
-    #   traced steps read the new tensor even before anything followed it; Dynamo's guards on it then
-    #   see the new object too.
+    # - `sharded_param` is whatever the first owner module holds now (once installed), so eager steps
+    #   read the new tensor even before anything followed it. While Dynamo traces it is the followed
+    #   one (a lookup per access made tracing a quarter slower); a parameter assigned between
+    #   compiled steps is counted by a parameter registration hook, the traced root guards the
+    #   count, and the recompile follows it first.
     # - `follow_registered_param` checks a replacement, registers it on every owner (tied weights),
     #   and puts back what the tensor lost: our attribute and the gradient watch of [Note: Gradient
     #   flags in a graph]. It runs wherever the runtime gets control before parameters are read:
@@ -222,23 +239,35 @@ class ShardedParam(AllGatherExtensions):
 
     @property
     def sharded_param(self) -> nn.Parameter:
-        """The sharded parameter: the one the first owner module holds now, or the last followed
-        one while the module holds the unsharded parameter (or before `fully_shard` installed it)."""
-        if self._installed:
-            module, name = self.owners[0]
-            live = module._parameters.get(name)
-            if live is not None and live is not self._sharded_param and live is not self.unsharded_param:
-                return live
-        return self._sharded_param
+        """The sharded parameter: the DTensor the first owner module holds now, else (the module
+        holds the unsharded parameter, or full ones inside `summon_full_params`) the last one
+        followed. While Dynamo traces, the last one followed: the trace began by following every
+        parameter (see the note above)."""
+        if torch.compiler.is_compiling():
+            return self._sharded_param
+        replacement = self.replacement()
+        return replacement if isinstance(replacement, DTensor) else self._sharded_param
+
+    def replacement(self) -> torch.Tensor | None:
+        """What the first owner module holds in place of the sharded parameter, if anything else
+        than our sharded or unsharded parameter (None before `fully_shard` installed it)."""
+        if not self._installed:
+            return None
+        module, name = self.owners[0]
+        live = module._parameters.get(name)
+        if live is None or live is self._sharded_param or live is self.unsharded_param:
+            return None
+        return live
 
     def follow_registered_param(self) -> None:
         """Take the sharded parameter the module holds now, and give it back our attribute and
         gradient watch if it lost them. See [Note: The sharded parameter is the one its module holds]."""
-        current = self.sharded_param
-        if current is not self._sharded_param:
-            self._check_replacement(current)
-            self._sharded_param = current
+        replacement = self.replacement()
+        if replacement is not None:
+            self._check_replacement(replacement)
+            self._sharded_param = replacement
             self.install(sharded=True)  # every owner of a tied weight
+        current = self._sharded_param
         if self._followed != (id(current), current._cdata):
             self._followed = (id(current), current._cdata)
             setattr(current, OWNER_ATTR, self)
@@ -393,6 +422,11 @@ class ShardedParam(AllGatherExtensions):
     def tp_dtensor(self, local: torch.Tensor) -> DTensor:
         """The tp-local unsharded tensor `local` as the tp DTensor `parallelize_module` made. Its
         backward hands `local` the gradient on the tp placements (e.g. Partial summed to Replicate)."""
+        if self.tp.dp_axes:  # [Note: Parameters on the whole SPMD mesh]
+            return _OnWholeMesh.apply(
+                local, self.tp.mesh, self.tp.placements, tuple(sorted(self.tp.dp_axes)),
+                self.orig_size, contiguous_stride(self.orig_size),
+            )
         return DTensor.from_local(
             local, self.tp.mesh, self.tp.placements, run_check=False,
             shape=self.orig_size, stride=contiguous_stride(self.orig_size),
@@ -408,8 +442,9 @@ class ShardedParam(AllGatherExtensions):
         """A gradient of the unsharded parameter as the local tensor the reduce-scatter packs."""
         if not isinstance(grad, DTensor):
             return grad
-        if tuple(grad.placements) != self.tp.placements:  # e.g. Partial where the parameter is Replicate
-            grad = grad.redistribute(placements=self.tp.placements)
+        placements = self.tp.grad_placements(tuple(grad.placements))
+        if tuple(grad.placements) != placements:  # e.g. Partial where the parameter is Replicate
+            grad = grad.redistribute(placements=placements)
         return grad.to_local()
 
     def finish_copy_out(self) -> None:
@@ -434,23 +469,6 @@ class ShardedParam(AllGatherExtensions):
             self._unsharded_local.untyped_storage().resize_(0)
         for t in (*self._gather_outputs, *self._to_free):
             t.untyped_storage().resize_(0)
-
-    def pack_grad(self, grad: torch.Tensor, dest: torch.Tensor) -> None:
-        """Write the unsharded `grad` into `dest` (world, shard_numel), casting, zero-padded.
-
-        Rank r's slot gets rows [r * padded_dim0, (r + 1) * padded_dim0) of the gradient.
-        """
-        world = dest.shape[0]
-        slots = dest.view(world, self.padded_dim0, self.row_numel)
-        rows = grad.movedim(self.shard_dim, 0).reshape(self.moved_size[0], self.row_numel)
-        num_full = self.moved_size[0] // self.padded_dim0 if self.padded_dim0 else 0
-        if num_full:
-            slots[:num_full].copy_(rows[: num_full * self.padded_dim0].view(num_full, self.padded_dim0, -1))
-        if num_full < world:
-            slots[num_full:].zero_()
-            remainder = self.moved_size[0] - num_full * self.padded_dim0
-            if remainder:
-                slots[num_full, :remainder].copy_(rows[num_full * self.padded_dim0 :])
 
     def accumulate_unreduced_grad(self, reduce_dtype: torch.dtype | None) -> None:
         """After a backward without sync: keep the unsharded gradient for a later reduction, in
@@ -526,6 +544,49 @@ class ShardedParam(AllGatherExtensions):
         if self.host_copy_pending:
             torch.cuda.current_stream(self.device).synchronize()
             self.host_copy_pending = False
+
+
+@functools.lru_cache(maxsize=None)
+def _watch_parameter_registrations() -> None:
+    nn.modules.module.register_module_parameter_registration_hook(_note_parameter_registered)
+
+
+def _note_parameter_registered(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Every `module.<name> = nn.Parameter(...)` (and `load_state_dict(assign=True)`, which assigns):
+    where it replaces one of our sharded parameters, tell its `ShardedParam`. A compiled step reads
+    the count its root keeps, so the replacement recompiles it ([Note: The sharded parameter is the
+    one its module holds]); `install` writes `_parameters` directly and is not counted."""
+    old = module._parameters.get(name)
+    owner = getattr(old, OWNER_ATTR, None) if old is not None and old is not param else None
+    if owner is not None:
+        owner.on_replaced()
+
+
+class _OnWholeMesh(torch.autograd.Function):
+    """The unsharded local tensor as a DTensor on the whole SPMD mesh; its backward hands the
+    local tensor the gradient as FSDP2 takes it: moved to the parameter's placements on every axis
+    but the data-parallel ones, where it stays as it is ([Note: Parameters on the whole SPMD mesh]
+    in runtime/tp_layout.py). `DTensor.from_local` would move those too: a gradient labelled
+    `Replicate()` there (a `local_map` output, e.g. torchtitan's embedding) made `Partial()` is
+    divided by the axis size.
+
+    In the graph as one call (`allow_in_graph`): Dynamo would trace the backward once, for a
+    gradient placed as the forward's output, and keep that plan for the real gradient."""
+
+    @staticmethod
+    def forward(ctx, local, mesh, placements, dp_axes, size, stride):
+        ctx.placements, ctx.dp_axes = placements, dp_axes
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=size, stride=stride)
+
+    @staticmethod
+    def backward(ctx, grad):
+        placements = tuple(g if axis in ctx.dp_axes else p for axis, (g, p) in enumerate(zip(grad.placements, ctx.placements)))
+        if tuple(grad.placements) != placements:
+            grad = grad.redistribute(placements=placements)
+        return grad.to_local(), None, None, None, None, None
+
+
+torch._dynamo.allow_in_graph(_OnWholeMesh)
 
 
 def hook_even_if_frozen(param: torch.Tensor, register) -> None:

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from . import traced
-from .collectives import AllGatherWork, CommContext, CommHook, ReduceControls, all_gather, copy_out, reduce_scatter, wire_order
-from .comms import AllGather, ProcessGroupAllocator, ReduceScatter, has_own_allocator
+from .bucket_layout import FLAGS, BucketLayout
+from .collectives import AllGatherWork, CommContext, CommHook, ReduceControls, all_gather, copy_out, reduce_scatter
+from .custom_comms import AllGather, ProcessGroupAllocator, ReduceScatter, has_own_allocator
 from .mesh_info import MeshInfo
 from .param import ShardedParam, hook_even_if_frozen
 from .policies import MixedPrecisionPolicy
@@ -76,9 +77,11 @@ class ParamGroup:
         reshard_after_forward: Optional[Union[bool, int]],
     ) -> None:
         self.params = params
-        # Recounted at each pre-forward unshard: [Note: Parameters changed after fully_shard].
-        self.num_trainable = sum(p.requires_grad for p in params)
         self.mesh_info = mesh_info
+        # Where each parameter lies in the group's all-gather and reduce-scatter rows, for the eager
+        # collectives and the traced path alike; rebuilt by `refresh_layout` when the parameters
+        # change. See [Note: One bucket layout for eager and traced steps] in runtime/bucket_layout.py.
+        self.layout = BucketLayout.build(params, mesh_info.shard_size)
         self.device = device
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward  # None until the root is known
@@ -86,10 +89,8 @@ class ParamGroup:
         self.name = "<unnamed>"  # the module FQN(s), set when a root claims the group, for logs and profiler ranges
         self.comm: Optional[CommContext] = None  # the root's, set when a root claims the group
 
-
         self.state = ShardedState.SHARDED
         self._all_gather: Optional[AllGatherWork] = None  # issued, not yet copied out
-        self._gather_order: list[ShardedParam] = params  # the params in the issued all-gather's row order
         self._post_forward_shard: Optional[torch.Tensor] = None  # lives from forward to re-gather
 
         # User controls, as in FSDP2.
@@ -133,14 +134,19 @@ class ParamGroup:
         return self.mesh_info.shard_size
 
     @property
-    def gathers_bytes(self) -> bool:
-        """Whether the group gathers one byte bucket: see [Note: Byte buckets] in runtime/collectives.py.
-        Read at each gather: extensions set on a shard later, or `.to(dtype)`, change it."""
-        return any(p.has_gather_hooks() for p in self.params) or len({p.unsharded_dtype for p in self.params}) > 1
+    def num_trainable(self) -> int:
+        """The trainable parameters as of the last gather ([Note: Parameters changed after fully_shard])."""
+        return self.layout.num_trainable
 
-    @property
-    def all_gather_dtype(self) -> torch.dtype:
-        return self.mp_policy.param_dtype or self.params[0].orig_dtype
+    def refresh_layout(self) -> BucketLayout:
+        """The group's `BucketLayout`, rebuilt first where a parameter's requires_grad, dtype or
+        all-gather extensions changed since it was built ([Note: Parameters changed after
+        fully_shard] in runtime/param.py). Called where an eager gather of a sharded group begins,
+        and by `follow_registered_params` before every trace, which then reads `layout` as it is
+        ([Note: Tracing reads what was followed] in runtime/state.py)."""
+        if BucketLayout.inputs_of(self.params) != self.layout.built_from:
+            self.layout = BucketLayout.build(self.params, self.world)
+        return self.layout
 
     def set_reshard_after_forward(self, value: Union[bool, int]) -> None:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -162,9 +168,8 @@ class ParamGroup:
             logger.debug("fsdp_graph::all_gather (%s) async=%s", self.name, async_op)
             if self.state is ShardedState.SHARDED_POST_FORWARD:
                 mesh = self.post_forward_mesh
-                self._gather_order = self.params  # as `post_forward_reshard` cut the rows
                 self._all_gather = all_gather(
-                    self.params, mesh.group, mesh.size, self.all_gather_dtype, self.comm, async_op,
+                    self.layout, self.params, mesh.group, mesh.size, self.comm, async_op,
                     input=self._post_forward_shard, comm=self.custom_all_gather,
                     allocator=self._allocator(mesh.group),
                 )
@@ -173,15 +178,9 @@ class ParamGroup:
                     p.follow_registered_param()  # [Note: The sharded parameter is the one its module holds]
                     p.check_gatherable()
                     p.refresh_gather_hooks()  # [Note: Extensions found on the tensor instance]
-                self.num_trainable = sum(p.requires_grad for p in self.params)
-                # [Note: One wire layout for eager and traced gathers] in runtime/collectives.py
-                as_bytes = self.gathers_bytes  # byte buckets keep group order, without flags
-                self._gather_order, num_flags = (self.params, 0) if as_bytes else wire_order(self.params)
                 self._all_gather = all_gather(
-                    self._gather_order, self.mesh_info.shard_group, self.world, self.all_gather_dtype,
-                    self.comm, async_op, comm=self.custom_all_gather,
-                    allocator=self._allocator(self.mesh_info.shard_group), num_flags=num_flags,
-                    as_bytes=as_bytes,
+                    self.refresh_layout(), self.params, self.mesh_info.shard_group, self.world, self.comm,
+                    async_op, comm=self.custom_all_gather, allocator=self._allocator(self.mesh_info.shard_group),
                 )
 
     def follow_registered_params(self) -> None:
@@ -196,6 +195,8 @@ class ParamGroup:
             p.follow_registered_param()
         if self.grad_flags.device != self.params[0].local_shard.device:
             traced.new_flags_leaf(self)
+        if self.state is ShardedState.SHARDED:  # a post-forward shard keeps the layout it was cut in
+            self.refresh_layout()
 
     def wait_for_unshard(self) -> None:
         """Wait for the issued all-gather, copy out, and register the unsharded parameters."""
@@ -205,7 +206,7 @@ class ParamGroup:
         with torch.profiler.record_function(f"fsdp_graph::copy_out ({self.name})"):
             work.wait(self.comm)
             new_params = [p.unsharded_param is None for p in self.params]
-            copy_out(self._gather_order, work, self.world)
+            copy_out(self.params, work, self.world)
             self.comm.retire(work)
             self._all_gather = None
             self._post_forward_shard = None
@@ -238,16 +239,24 @@ class ParamGroup:
         `full`: an int reshards fully too, as a traced graph does."""
         if self.state is not ShardedState.UNSHARDED or self.reshard_after_forward is False:
             return
-        if self.reshard_after_forward is True or full or self.gathers_bytes:
+        if self.reshard_after_forward is True or full or self.layout.as_bytes:
             # A smaller group's re-gather reuses the gathered rows of one dtype; all-gather
             # extensions rebuild their parameters from the pre-hook's inputs instead, and mixed
             # dtypes have no one dtype, so byte buckets reshard fully.
             self.reshard()
             return
         mesh = self.post_forward_mesh
-        rows = slice(mesh.position * self.world // mesh.size, (mesh.position + 1) * self.world // mesh.size)
+        rows = range(mesh.position * self.world // mesh.size, (mesh.position + 1) * self.world // mesh.size)
+        layout = self.layout
+        # The all-gather rows this rank keeps, rebuilt from the gathered parameters: row r is what
+        # rank r's copy-in made, so each is `fsdp_graph::copy_in` of the parameters' slot r.
+        gathered = {i: self.params[i].gathered_rows(self.world) for i in layout.blocks if i != FLAGS}
+        shard = torch.empty(len(rows), sum(layout.widths), dtype=layout.dtype, device=self.device)
+        empty = shard.new_empty(0)  # the flags' columns: zeros
         with torch.no_grad():
-            shard = torch.cat([p.gathered_rows(self.world)[rows] for p in self.params], dim=1)
+            for j, r in enumerate(rows):
+                pieces = [empty if i == FLAGS else gathered[i][r] for i in layout.blocks]
+                torch.ops.fsdp_graph.copy_in.out(pieces, layout.widths, out=shard[j])
         self.reshard()
         self._post_forward_shard = shard.reshape(-1)
         self.state = ShardedState.SHARDED_POST_FORWARD
@@ -275,7 +284,7 @@ class ParamGroup:
         self.reduced_this_backward = True
         with torch.profiler.record_function(f"fsdp_graph::post_backward ({self.name})"):
             logger.debug("fsdp_graph::post_backward (%s)", self.name)
-            trainable = [p for p in self.params if p.requires_grad]
+            trainable = [self.params[i] for i in self.layout.reduced]
             if trainable and self.requires_gradient_sync and self._nothing_to_reduce(trainable):
                 logger.debug("fsdp_graph::post_backward (%s): this backward writes no parameter gradient", self.name)
             elif trainable and self.requires_gradient_sync:
@@ -284,8 +293,8 @@ class ParamGroup:
                 self.comm.finish_reduce_scatters()
                 factor = self.gradient_divide_factor or self.world * self.mesh_info.replicate_size
                 work = reduce_scatter(
-                    trainable, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm, self.comm_hook,
-                    self.reduce_controls, self.custom_reduce_scatter,
+                    self.layout, self.params, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm,
+                    self.comm_hook, self.reduce_controls, self.custom_reduce_scatter,
                     self._allocator(self.reduce_controls.reduce_scatter_group or self.mesh_info.shard_group),
                 )
                 self.comm.add_reduce_scatter(work)

@@ -63,7 +63,18 @@ class RootContext:
         self.fallbacks: dict[str, str] = {}
         # `backward_writes_param_grads`' answer for the current backward, None until asked.
         self._writes_param_grads: Optional[bool] = None
+        # Sharded parameters that modules registered anew (`module.w = nn.Parameter(...)`), counted:
+        # a compiled step guards the count, so a replacement recompiles ([Note: The sharded
+        # parameter is the one its module holds] in runtime/param.py).
+        self.parameters_replaced = 0
+        self.checks_lifted_for_compile = False  # [Note: Owner checks while compiling]
+        # What `check_materialized` found before the latest trace began, raised by the traced root:
+        # [Note: Tracing reads what was followed].
+        self.problem_before_trace: Optional[tuple[str, Any]] = None
         _follow_before_compiling(self)
+
+    def note_parameter_replaced(self) -> None:
+        self.parameters_replaced += 1
 
     def backward_writes_param_grads(self) -> bool:
         """Whether the running backward accumulates into the `.grad` of any trainable parameter
@@ -112,20 +123,67 @@ def _follow_before_compiling(ctx: RootContext) -> None:
 @functools.lru_cache(maxsize=None)
 def _install_compile_start_callback() -> None:
     torch._dynamo.callback.on_compile_start(_follow_all_roots)
+    torch._dynamo.callback.on_compile_start(_lift_checks_for_compile)
+    torch._dynamo.callback.on_compile_end(_restore_checks_after_compile)
+
+
+# [Note: Owner checks while compiling]
+# Each submodule holding a group's parameters has a forward pre-hook, the call check
+# (`_check_called_through_group`), which never fires inside a group's call. A module with hooks
+# makes torch's `_call_impl` take its slow path, which Dynamo traces instruction by instruction:
+# about one instruction in eight of a traced HF Llama layer went to running checks that return at
+# once. So every root's checks are lifted while Dynamo compiles and put back when it is done
+# (Dynamo's callbacks run once for the outermost compile, the end one even when it fails). Dynamo
+# does not guard on module hooks (`skip_nnmodule_hook_guards`), so putting them back recompiles
+# nothing; a compiled step never runs them, as before.
+
+
+def _live_contexts() -> list[RootContext]:
+    """The root contexts alive, each once (a context an outer root claimed since is not)."""
+    return [ctx for ctx in list(_roots) if ctx.root.ctx is ctx]
+
+
+def _lift_checks_for_compile(*_args) -> None:
+    for ctx in _live_contexts():
+        for state in ctx.states:
+            state.lift_owner_checks()
+        ctx.checks_lifted_for_compile = True
+
+
+def _restore_checks_after_compile(*_args) -> None:
+    for ctx in _live_contexts():
+        if ctx.checks_lifted_for_compile:
+            ctx.checks_lifted_for_compile = False
+            for state in ctx.states:
+                state.restore_owner_checks()
+
+
+# [Note: Tracing reads what was followed]
+# Dynamo traces every Python instruction of our hooks, and at a whole step's depth each one per
+# parameter counts (issue #46: our hooks were half of a traced layer). What does not change within
+# a trace is therefore settled before it, by the compile-start callback, in eager Python: every
+# parameter followed and every group's layout refreshed (`follow_registered_params`), and what the
+# root's meta and replacement check finds (`problem_before_trace`). The trace then reads the result
+# as it is: the followed shards (`ShardedParam.sharded_param`), `group.layout`, and the check's
+# outcome, which Dynamo guards like any attribute it reads (it changes only when a compile start
+# computes it anew). What changes a trace's inputs between steps still recompiles: requires_grad
+# and dtype through Dynamo's guards on the shards, a parameter assigned anew through
+# `parameters_replaced`; all-gather extensions set on a shard after its first trace are taken at
+# the next recompile (FSDP2 takes them at its lazy init only).
 
 
 def _follow_all_roots(*_args) -> None:
     """Before Dynamo traces a frame: every root takes the sharded parameters its modules hold now,
     so the graph reads them and their gradients are watched ([Note: The sharded parameter is the
-    one its module holds] in runtime/param.py). A replacement that cannot be a shard is left for
-    the traced root's check, which names every such parameter."""
-    for ctx in list(_roots):
-        if ctx.root.ctx is not ctx:  # an inner root's context, claimed by an outer one since
-            continue
+    one its module holds] in runtime/param.py), and its groups' bucket layouts follow them. A
+    replacement that cannot be a shard is left for the traced root's check, which names every such
+    parameter, and all-gather extensions that break FSDP2's contract for the trace's own gather."""
+    for ctx in _live_contexts():
         try:
             ctx.root.follow_registered_params()
-        except ValueError:
+        except (ValueError, TypeError):
             pass
+        ctx.problem_before_trace = ctx.root.materialization_problem()
 
 
 class _InputGradsDone(torch.autograd.Function):
@@ -216,6 +274,8 @@ class FSDPState:
         # The unwrapped forward, where the module's own forward is such a region: traced as one
         # inside the step's graph when `traces_as_region()` ([Note: Blocks as compile regions]).
         self.region_forward: Optional[Callable] = None
+        # Set by `FSDPModule.compile`: the module's compiled call is its whole `__call__`.
+        self.compiled_in_place = False
         traced.trace_hooks_inside_checkpoint()
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -229,7 +289,7 @@ class FSDPState:
             (owner, owner.register_forward_pre_hook(self._check_called_through_group))
             for owner in self._owners_inside_group()
         ]
-        self._owner_checks_lifted = False  # while a call of the group runs: `owner_checks_lifted`
+        self._owner_check_lifts = 0  # callers that lifted the checks and have not put them back yet
 
     # -- root --------------------------------------------------------------------------------
 
@@ -259,6 +319,8 @@ class FSDPState:
                 state.group.comm = self.ctx.comm
                 state.group.on_all_grads_ready = self.ctx.reduce_ready_groups
                 state.group.backward_writes_param_grads = self.ctx.backward_writes_param_grads
+                for p in state.group.params:
+                    p.on_replaced = self.ctx.note_parameter_replaced
                 state.group.set_reshard_after_forward(state_raf)
         logger.debug("fsdp_graph::claim_root (%s) states=%d", self.name, len(states))
 
@@ -291,7 +353,7 @@ class FSDPState:
             return False  # hooks of the user's, which the region would skip
         if nn.modules.module._global_forward_pre_hooks or nn.modules.module._global_forward_hooks:
             return False
-        if self.group.gathers_bytes or any(p.tp is not None for p in self.group.params):
+        if self.group.layout.as_bytes or any(p.tp is not None for p in self.group.params):
             return False  # tensor-parallel DTensors and extension subclasses: no region inputs (Dynamo fails)
         return all(getattr(m, "_fsdp_state", self) is self for m in module.modules())
 
@@ -361,38 +423,66 @@ class FSDPState:
         """Root only: raise once, naming every parameter under this root that is still on the meta
         device, or that was replaced by a tensor that cannot be its shard.
 
-        Eager roots check until a forward passed; traced roots check every trace (the flag would be
-        a guard, and setting it a recompile), where `is_meta` is a constant of the graph inputs.
+        Eager roots check until a forward passed. Traced roots raise what the check found before
+        the trace began ([Note: Tracing reads what was followed]): a check per parameter, traced,
+        cost every layer's share of tracing again.
         """
-        tracing = torch.compiler.is_compiling()
-        if (not tracing and self.ctx.materialized) or (tracing and self.ctx.capturing):
+        if torch.compiler.is_compiling():
+            if self.ctx.parameters_replaced < 0:  # never; read so that the graph guards the count
+                raise ValueError("parameters_replaced went negative")
+            problem = self.ctx.problem_before_trace
+            if problem is not None and not self.ctx.capturing:
+                kind, detail = problem
+                raise MetaParameterError(list(detail)) if kind == "meta" else ValueError(detail)
             return
+        if self.ctx.materialized:
+            return
+        problem = self.materialization_problem()
+        if problem is None:
+            self.ctx.materialized = True
+            return
+        kind, detail = problem
+        raise MetaParameterError(list(detail)) if kind == "meta" else ValueError(detail)
+
+    def materialization_problem(self) -> Optional[tuple[str, Any]]:
+        """Root only: ("replaced", the message) where parameters were replaced by tensors that cannot
+        be their shards, ("meta", their names) where parameters are still on the meta device, else
+        None."""
         params = [p for s in self.ctx.states if s.group is not None for p in s.group.params]
-        replaced = [p for p in params if p.sharded_param is not p._sharded_param]
+        replaced = [p for p in params if p.replacement() is not None]
         if replaced:
             names = self._names_under_root(replaced)
-            problems = [p.replacement_problem(p.sharded_param, name) for p, name in zip(replaced, names)]
+            problems = [p.replacement_problem(p.replacement(), name) for p, name in zip(replaced, names)]
             problems = [problem for problem in problems if problem is not None]
             if problems:
-                raise ValueError(
+                return "replaced", (
                     "Parameters replaced after fully_shard cannot be its shards:\n"
                     + "\n".join(f"  - {problem}" for problem in problems)
                 )
         on_meta = [p for p in params if p.sharded_param.is_meta]
         if not on_meta:
-            if not tracing:
-                self.ctx.materialized = True
-            return
-        raise MetaParameterError(self._names_under_root(on_meta))
+            return None
+        order = self._parameter_order()
+        return "meta", tuple(sorted(self._names_under_root(on_meta), key=lambda name: order.get(name, len(order))))
+
+    def _parameter_order(self) -> dict[str, int]:
+        """Each parameter name under this root, with its place in `named_parameters()`."""
+        names = {}
+        for index, module in enumerate(self.modules):
+            prefix = f"[{index}]." if len(self.modules) > 1 else ""
+            for name, _ in module.named_parameters():
+                names.setdefault(prefix + name, len(names))
+        return names
 
     def _names_under_root(self, params: list) -> list[str]:
-        """The names of `params` (ShardedParams), in order, as the root's `named_parameters` gives them."""
+        """The names of `params` (ShardedParams), in the order given, as the root's
+        `named_parameters` gives them."""
         names = {}
         for index, module in enumerate(self.modules):
             prefix = f"[{index}]." if len(self.modules) > 1 else ""
             for name, param in module.named_parameters():
                 names.setdefault(id(param), prefix + name)
-        return [names.get(id(p.sharded_param), p.fqn) for p in params]
+        return [names.get(id(p.replacement() if p.replacement() is not None else p.sharded_param), p.fqn) for p in params]
 
     def _root_pre_forward(self) -> None:
         self.check_materialized()
@@ -450,6 +540,8 @@ class FSDPState:
             if tensors:
                 register_multi_grad_hook(tensors, self._pre_backward, mode="any")
             if self._num_forwards_done >= len(self.modules):
+                if self.is_root:  # [Note: Groups whose forward ran partly in a graph] in runtime/traced.py
+                    traced.close_partly_run_groups(self)
                 if self.group is not None:
                     if tensors:
                         # A traced graph re-gathers from the whole shard group: so does a fallback.
@@ -606,20 +698,27 @@ class FSDPState:
         embedding ran as a graph of its own under us and eagerly under FSDP2, each step (a graph
         call per step and a compile at the cold start more than FSDP2; docs/benchmarks.md).
         So the group's call lifts the checks for its duration, and puts them back after."""
-        if self._owner_checks_lifted:  # a call of this group inside one: the outer call puts them back
-            yield
-            return
-        for _, handle in self._owner_checks:
-            handle.remove()
-        self._owner_checks_lifted = True
+        self.lift_owner_checks()
         try:
             yield
         finally:
+            self.restore_owner_checks()
+
+    def lift_owner_checks(self) -> None:
+        """Remove the call checks (`owner_checks_lifted`, and while Dynamo compiles: see [Note:
+        Owner checks while compiling]); counted, so nested lifts put them back once, at the last."""
+        self._owner_check_lifts += 1
+        if self._owner_check_lifts == 1:
+            for _, handle in self._owner_checks:
+                handle.remove()
+
+    def restore_owner_checks(self) -> None:
+        self._owner_check_lifts -= 1
+        if self._owner_check_lifts == 0:
             self._owner_checks = [
                 (owner, owner.register_forward_pre_hook(self._check_called_through_group))
                 for owner, _ in self._owner_checks
             ]
-            self._owner_checks_lifted = False
 
     def _check_called_through_group(self, module: nn.Module, _args) -> None:
         # A submodule whose parameters belong to this group, called on its own, would see DTensor

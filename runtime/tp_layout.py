@@ -12,6 +12,18 @@ placements (dp placements..., tp placement). When tp already splits the sharded 
 the dp shard is a chunk of a tp chunk, not a chunk of the global tensor: DTensor spells that
 `_StridedShard(dim, split_factor=n)` on the dp axis, and torch's `fully_shard` writes the same,
 so state dicts and checkpoints of both interoperate.
+
+[Note: Parameters on the whole SPMD mesh]
+With `dp_mesh_dims` (FSDP2's `DataParallelMeshDims`, torchtitan's `full_dtensor` backend) a parameter
+is already a DTensor on the whole mesh, data-parallel axes included, where it is `Replicate()`. It is
+sharded as above, its local tensor being what this rank computes with; what differs is where it
+lives: the sharded parameter is a DTensor on that same mesh, the shard axis's `Replicate()` replaced
+by the dp placement (`Shard(dim)`, or `_StridedShard(dim, split_factor=n)` where axes after it split
+the dim n ways; several shard axes are flattened into one), and the unsharded parameter is the
+original placements again. A gradient keeps whatever placement it has on the data-parallel axes
+(typically `Partial()`, from inputs sharded over the batch): its local tensor is what the
+reduce-scatter averages, as FSDP2 takes it; only the other axes are moved to the parameter's
+placements first.
 """
 
 from __future__ import annotations
@@ -30,12 +42,27 @@ class TensorParallelLayout:
     """How tensor parallelism split a parameter before `fully_shard` took it.
 
     Attributes:
-        mesh: the 1-D tensor-parallel mesh the parameter is a DTensor on.
+        mesh: the mesh the parameter is a DTensor on: the 1-D tensor-parallel mesh, or the whole
+            SPMD mesh ([Note: Parameters on the whole SPMD mesh]).
         placements: its placements there (`Shard(d)` or `Replicate()`).
+        shard_axes: the axes of `mesh` `fully_shard` shards on (whole SPMD mesh only), else ().
+        replicate_axes: the axes of `mesh` replicating the shards (HSDP on the whole SPMD mesh).
     """
 
     mesh: DeviceMesh
     placements: tuple
+    shard_axes: tuple[int, ...] = ()
+    replicate_axes: tuple[int, ...] = ()
+
+    @property
+    def dp_axes(self) -> frozenset[int]:
+        return frozenset(self.shard_axes + self.replicate_axes)
+
+    def grad_placements(self, grad_placements: tuple) -> tuple:
+        """Where a gradient must be before its local tensor is reduce-scattered: the parameter's
+        placements, except on data-parallel axes, where it stays as it is."""
+        dp = self.dp_axes
+        return tuple(g if axis in dp else p for axis, (g, p) in enumerate(zip(grad_placements, self.placements)))
 
     def num_shards(self, dim: int) -> int:
         """Into how many pieces tensor parallelism splits dim `dim`."""
@@ -50,7 +77,34 @@ def sharded_layout(
     """The mesh and placements of a sharded parameter. See [Note: Sharding a tensor-parallel parameter]."""
     if tp is None:
         return mesh_info.mesh, mesh_info.placements(shard_dim)
+    if tp.shard_axes:
+        return _spmd_sharded_layout(mesh_info, shard_dim, tp)
     split = tp.num_shards(shard_dim)
     dp_shard = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
     dp_placements = (Replicate(), dp_shard) if mesh_info.is_hsdp else (dp_shard,)
     return DeviceMesh._concatenate([mesh_info.mesh, tp.mesh]), (*dp_placements, *tp.placements)
+
+
+def _spmd_sharded_layout(mesh_info: MeshInfo, shard_dim: int, tp: TensorParallelLayout) -> tuple[DeviceMesh, tuple]:
+    """[Note: Parameters on the whole SPMD mesh]: the whole mesh with the shard axes' placement."""
+    last_shard_axis = tp.shard_axes[-1]
+    split = math.prod(
+        tp.mesh.size(axis) for axis, p in enumerate(tp.placements)
+        if axis > last_shard_axis and isinstance(p, Shard) and p.dim == shard_dim
+    )
+    dp_shard = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+    if len(tp.shard_axes) == 1:
+        placements = list(tp.placements)
+        placements[last_shard_axis] = dp_shard
+        return tp.mesh, tuple(placements)
+    # Several shard axes, flattened into the data-parallel mesh's shard axis: one axis in their place.
+    names = tp.mesh.mesh_dim_names
+    meshes, placements = [], []
+    for axis, placement in enumerate(tp.placements):
+        if axis == tp.shard_axes[0]:
+            meshes.append(mesh_info.mesh[mesh_info.mesh.mesh_dim_names[mesh_info.shard_axis]])
+            placements.append(dp_shard)
+        elif axis not in tp.shard_axes:
+            meshes.append(tp.mesh[names[axis]])
+            placements.append(placement)
+    return DeviceMesh._concatenate(meshes), tuple(placements)

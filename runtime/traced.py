@@ -5,20 +5,21 @@ the eager runtime's buffers or states: the group stays `ShardedState.SHARDED` th
 sharded DTensor parameters are the graph's inputs, and autograd writes their `.grad` directly.
 
 [Note: Traced unshard]
-Pre-forward builds the same bucket as the eager runtime (`collectives._copy_in` / `copy_out`):
+Pre-forward builds the bucket the group's `BucketLayout` describes, with the registered ops the
+eager runtime calls too ([Note: One bucket layout for eager and traced steps] in
+runtime/bucket_layout.py):
 
     flat   = fsdp_graph::copy_in(p.to_local().flatten() for p in group.params)  # zero-padded
     full   = wait(all_gather_into_tensor(flat))            # (world * sum shard_numel,)
     params = fsdp_graph::copy_out(full, ...)               # one op for the whole group, where each
     param  = full.view(world, -1)[:, offset:offset + shard_numel].reshape(world * padded_dim0, ...)[:dim0]
 
-`copy_in`, `copy_out` and its gradient, `pack_grads` (each parameter's gradient
-into its columns of the reduce-scatter input, zeros in the padding), are custom ops, so Inductor runs
-each as one ATen call. Written as slices and cats, every parameter's copy became a kernel of its own
-(or was fused into a neighbour) with the parameter's offset baked in, so each parameter of a block
-needed a different kernel: on CPU each is a C++ compile. With the ops, the example Llama's cold
-compile went from about 48 s to 37 s (35 generated kernels to 19), at the same step time. A group
-of one parameter needs no copy-out: its rows are the padded parameter, so it stays a view.
+`copy_in`, `copy_out` and its gradient, `pack_grads` (each parameter's gradient into its columns of
+the reduce-scatter input, zeros in the padding), are custom ops, so Inductor runs each as one ATen
+call. Written as slices and cats, every parameter's copy became a kernel of its own (or was fused
+into a neighbour) with the parameter's offset baked in, so each parameter of a block needed a
+different kernel: on CPU each is a C++ compile. A group of one parameter needs no copy-out: its
+rows are the padded parameter, so it stays a view.
 Pre-forward installs each unsharded tensor by shadowing: `owner.__dict__[name] = param`. `nn.Module`
 keeps parameters in `_parameters` and `__getattr__` is only a fallback, so the instance dict wins
 and the module's forward reads the gathered tensor, while `named_parameters()`, the optimizer and
@@ -47,7 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx.traceback import annotate
 
-from .collectives import ReduceControls, divide_factors, wire_order
+from .bucket_layout import FLAGS, BucketLayout
+from .collectives import ReduceControls, divide_factors
 from .meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
 from .mesh_info import MeshInfo
 from . import peer_log
@@ -60,9 +62,9 @@ from .trees import cast_floats
 # [Note: The traced path sits below the group and the state]
 # `ParamGroup` (param_group.py) and `FSDPState` (state.py) call into this module while Dynamo
 # traces, so this module may not import them: the runtime's imports run one way, state ->
-# param_group -> traced -> traced_ops (the runtime-layers contract in pyproject.toml). What it
-# reads and writes of them is written down here instead, as protocols; a change to either class
-# that breaks one of these names shows in this list.
+# param_group -> traced -> traced_ops -> bucket_layout (the runtime-layers contract in
+# pyproject.toml). What it reads and writes of them is written down here instead, as protocols; a
+# change to either class that breaks one of these names shows in this list.
 
 
 class TracedGroup(Protocol):
@@ -82,11 +84,7 @@ class TracedGroup(Protocol):
 
     def follow_registered_params(self) -> None: ...
 
-    @property
-    def gathers_bytes(self) -> bool: ...
-
-    @property
-    def all_gather_dtype(self) -> torch.dtype: ...
+    layout: BucketLayout
 
 
 class TracedState(Protocol):
@@ -144,10 +142,10 @@ def new_flags_leaf(group: TracedGroup) -> None:
     group.grad_flags.register_post_accumulate_grad_hook(flags_ready)
 
 
-def _trainable_flags(leaf: torch.Tensor, trainable: list[int]) -> torch.Tensor:
+def _trainable_flags(leaf: torch.Tensor, trainable: tuple[int, ...]) -> torch.Tensor:
     """The slots of the parameters `trainable` (indices into `group.params`) in the flags `leaf`,
     as one tensor whose gradient lands in those slots."""
-    return leaf if len(trainable) == leaf.numel() else leaf[trainable]
+    return leaf if len(trainable) == leaf.numel() else leaf[list(trainable)]
 
 
 def _restore_none_grads(group: TracedGroup) -> None:
@@ -185,8 +183,8 @@ def _reshards_after_forward(group: TracedGroup) -> bool:
 def unshard(group: TracedGroup) -> list[torch.Tensor]:
     """Trace the all-gather of `group`; returns one unsharded tensor per `group.params` entry, as
     the module computes with it. See [Note: Traced tensor-parallel parameters]."""
-    gather = _unshard_bytes if group.gathers_bytes else _unshard_plain  # hooks looked up at every trace, as eager does
-    unsharded = gather(group)
+    layout = group.layout  # refreshed before this trace began: see [Note: Tracing reads what was followed]
+    unsharded = (_unshard_bytes if layout.as_bytes else _unshard_plain)(group, layout)
     return [t if p.tp is None else p.tp_dtensor(t) for p, t in zip(group.params, unsharded)]
 
 
@@ -202,34 +200,30 @@ def unshard(group: TracedGroup) -> list[torch.Tensor]:
 # as fixed (passes/nodes.py, `is_fsdp_collective`).
 
 
-def _unshard_plain(group: TracedGroup) -> list[torch.Tensor]:
+def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tensor]:
     """`unshard` for a group without all-gather extensions: tp-local tensors."""
-    world = group.world
+    world = layout.world
     orig_dtypes = {p.orig_dtype for p in group.params}
-    flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else group.all_gather_dtype
+    flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else layout.dtype
     mesh_info = group.mesh_info
     replicate = _replicate_group_name(mesh_info)
     divide_factor = divide_factors(
         group.gradient_divide_factor or float(world * mesh_info.replicate_size),
-        group.mp_policy.reduce_dtype or group.all_gather_dtype,
+        group.mp_policy.reduce_dtype or layout.dtype,
     )
-    # Trainable parameters first, in group order, then the flags, then the frozen parameters: the
-    # eager runtime's all-gather row ([Note: One wire layout for eager and traced gathers]), and the
-    # columns the backward reduces are its reduce-scatter bucket, so gradients match it bit for bit.
-    order, num_flags = wire_order(group.params)
-    position = {id(p): i for i, p in enumerate(group.params)}
-    trainable = [position[id(p)] for p in order[:num_flags]]
-    frozen = [position[id(p)] for p in order[num_flags:]]
-    # [Note: Gradient flags in a graph]
-    flags = _trainable_flags(group.grad_flags, trainable).to(flat_dtype) if trainable else None
-    if not trainable:
-        trainable, frozen = frozen, []
+    # The row in the group's layout ([Note: One bucket layout for eager and traced steps]): the
+    # trainable parameters and the flags ([Note: Gradient flags in a graph]) are the blocks the
+    # backward reduces, the eager runtime's reduce-scatter row, so gradients match it bit for bit;
+    # the frozen parameters follow.
+    flags = _trainable_flags(group.grad_flags, layout.reduced).to(flat_dtype) if layout.reduced else None
+    num_reduced = layout.flags_at + 1 if flags is not None else len(layout.blocks)
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
     with annotate(annotation):
+        pieces = [piece.to(flat_dtype) for piece in layout.shard_pieces(group.params, flags)]
         gathered = AllGatherShards.apply(
-            _flat_shards([group.params[i] for i in trainable], flat_dtype, flags),
-            _flat_shards([group.params[i] for i in frozen], flat_dtype) if frozen else None,
-            group.all_gather_dtype,
+            _flat_row(pieces[:num_reduced], layout.widths[:num_reduced]),
+            _flat_row(pieces[num_reduced:], layout.widths[num_reduced:]) if num_reduced < len(pieces) else None,
+            layout.dtype,
             group.mp_policy.reduce_dtype,
             world,
             mesh_info.shard_group_name,
@@ -240,21 +234,11 @@ def _unshard_plain(group: TracedGroup) -> list[torch.Tensor]:
         if flags is None and len(group.params) == 1:  # the rows are the padded parameter: a view, no copy
             p = group.params[0]
             return [_to_param_layout(p, gathered.view(world * p.padded_dim0, *p.moved_size[1:])[: p.moved_size[0]])]
-        shard_numels = [group.params[i].shard_numel for i in trainable]
-        numels = [group.params[i].local_size.numel() for i in trainable]
-        flags_at = -1
-        if flags is not None:
-            flags_at = len(trainable)
-            shard_numels.append(flags.numel())
-            numels.append(0)
-        shard_numels += [group.params[i].shard_numel for i in frozen]
-        numels += [group.params[i].local_size.numel() for i in frozen]
-        pieces = torch.ops.fsdp_graph.copy_out(gathered, world, shard_numels, numels, flags_at)
-        if flags is not None:
-            pieces = pieces[:flags_at] + pieces[flags_at + 1 :]
+        outputs = torch.ops.fsdp_graph.copy_out(gathered, world, layout.widths, layout.numels, layout.flags_at)
         unsharded: list = [None] * len(group.params)
-        for i, piece in zip(trainable + frozen, pieces):
-            unsharded[i] = _to_param_layout(group.params[i], piece.view(group.params[i].moved_size))
+        for i, output in zip(layout.blocks, outputs):
+            if i != FLAGS:
+                unsharded[i] = _to_param_layout(group.params[i], output.view(group.params[i].moved_size))
     return unsharded
 
 
@@ -291,46 +275,43 @@ def _unshard_plain(group: TracedGroup) -> list[torch.Tensor]:
 # the post-hook again, as the eager runtime does.
 
 
-def _unshard_bytes(group: TracedGroup) -> list[torch.Tensor]:
+def _unshard_bytes(group: TracedGroup, layout: BucketLayout) -> list[torch.Tensor]:
     """`unshard` for a group gathered as bytes (all-gather extensions, or parameters of several
     dtypes): one uint8 all-gather of what the pre-hooks return and the other shards, the post-hooks,
     and the gradients routed to the shards. See [Note: Traced all-gather extensions] and
-    [Note: Byte buckets] in runtime/collectives.py (the eager runtime gathers the same bytes)."""
-    world = group.world
+    [Note: Byte buckets] in runtime/bucket_layout.py (the eager runtime gathers the same bytes)."""
+    world = layout.world
     mesh_info = group.mesh_info
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
     with annotate(annotation), torch.no_grad():
-        pieces, layouts = [], []  # layouts: per parameter, (metadata, [(dtype, shape)] per input)
-        for p in group.params:
-            if p.has_gather_hooks():
-                inputs, metadata = p.call_pre_all_gather(p.local_shard)
-                pieces += [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
-                layouts.append((metadata, [(t.dtype, (world * t.shape[0], *t.shape[1:])) for t in inputs]))
-            else:
-                shard = p.flat_local_shard().to(p.unsharded_dtype)
-                pieces.append(F.pad(shard, (0, p.shard_numel - shard.numel())).view(torch.uint8))
-                layouts.append(None)
-        widths = [piece.numel() for piece in pieces]
-        gathered = torch.cat(pieces)
+        hook_layouts = {}  # per parameter with extensions: (metadata, [(dtype, gathered shape)] per input)
+
+        def pre_all_gather(i: int) -> list[torch.Tensor]:
+            p = group.params[i]
+            inputs, metadata = p.call_pre_all_gather(p.local_shard)
+            hook_layouts[i] = (metadata, [(t.dtype, (world * t.shape[0], *t.shape[1:])) for t in inputs])
+            return inputs
+
+        pieces, widths = layout.byte_pieces(group.params, pre_all_gather)
+        gathered = torch.ops.fsdp_graph.copy_in(pieces, widths)
         if world > 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
             gathered = C10D.wait_tensor(C10D.all_gather_into_tensor(gathered, world, mesh_info.shard_group_name))
         outputs = iter(torch.ops.fsdp_graph.copy_out(gathered, world, widths, [world * w for w in widths], -1))
         rebuilt = []  # shard dim first, as the collectives move them
-        for p, layout in zip(group.params, layouts):
-            if layout is None:
+        for i, p in enumerate(group.params):
+            if not layout.has_hooks(i):
                 rebuilt.append(next(outputs).view(p.unsharded_dtype)[: p.local_size.numel()].view(p.moved_size))
                 continue
-            metadata, input_layouts = layout
+            metadata, input_layouts = hook_layouts[i]
             gathered_inputs = tuple(next(outputs).view(t_dtype).view(size) for t_dtype, size in input_layouts)
             rebuilt.append(p.call_post_all_gather(p.local_shard, gathered_inputs, metadata)[0])
-    trainable = [i for i, p in enumerate(group.params) if p.requires_grad]
-    if trainable:
-        params = [group.params[i] for i in trainable]
+    if layout.reduced:
+        params = [group.params[i] for i in layout.reduced]
         reduce_dtype = group.mp_policy.reduce_dtype or params[0].unsharded_dtype
         bucket = GradientBucket(
             world,
-            tuple(p.shard_numel for p in params),
-            tuple(p.local_size.numel() for p in params),
+            layout.reduce_widths,
+            layout.reduce_numels,
             tuple(p.num_valid_rows * p.row_numel for p in params),
             tuple(p.orig_dtype for p in params),
             reduce_dtype,
@@ -342,11 +323,11 @@ def _unshard_bytes(group: TracedGroup) -> list[torch.Tensor]:
         with annotate(annotation):
             routed = route_gradients(
                 bucket,
-                _trainable_flags(group.grad_flags, trainable).to(reduce_dtype),
+                _trainable_flags(group.grad_flags, layout.reduced).to(reduce_dtype),
                 *[p.flat_local_shard() for p in params],
-                *[rebuilt[i] for i in trainable],
+                *[rebuilt[i] for i in layout.reduced],
             )
-        for i, tensor in zip(trainable, routed):
+        for i, tensor in zip(layout.reduced, routed):
             rebuilt[i] = tensor
     return [_to_param_layout(p, tensor) for p, tensor in zip(group.params, rebuilt)]
 
@@ -368,18 +349,13 @@ def _to_param_layout(p, rows: torch.Tensor) -> torch.Tensor:
     return rows if p.shard_dim == 0 else rows.movedim(0, p.shard_dim).contiguous()
 
 
-def _flat_shards(params: list, dtype: torch.dtype, flags: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """This rank's shards of `params`, each padded to its full shard size, then `flags` if given,
-    as one flat tensor."""
-    pieces = [p.flat_local_shard().to(dtype) for p in params]
-    shard_numels = [p.shard_numel for p in params]
-    if flags is not None:
-        pieces.append(flags)
-        shard_numels.append(flags.numel())
+def _flat_row(pieces: list[torch.Tensor], widths: tuple[int, ...]) -> torch.Tensor:
+    """`pieces` zero-padded to `widths` and laid end to end with `fsdp_graph::copy_in`; a single
+    piece is padded in place of the op, or, already as wide, is the row itself (no copy)."""
     if len(pieces) > 1:
-        return torch.ops.fsdp_graph.copy_in(pieces, shard_numels)
-    (piece,), (shard_numel,) = pieces, shard_numels
-    return F.pad(piece, (0, shard_numel - piece.numel())) if piece.numel() < shard_numel else piece
+        return torch.ops.fsdp_graph.copy_in(pieces, list(widths))
+    (piece,), (width,) = pieces, widths
+    return F.pad(piece, (0, width - piece.numel())) if piece.numel() < width else piece
 
 
 def install(group: TracedGroup, unsharded: Optional[list[torch.Tensor]]) -> None:
@@ -461,13 +437,14 @@ def post_forward(state: TracedState, module: torch.nn.Module, output: Any) -> An
         if state.group is not None:
             install(state.group, None)
         if state.is_root:
-            _close_partly_run_groups(state)
+            close_partly_run_groups(state)
     return output
 
 
-def _close_partly_run_groups(root: TracedState) -> None:
+def close_partly_run_groups(root: TracedState) -> None:
     """At the root's post-forward: drop the shadows of every `fully_shard([a, b])` group whose
     forward ran only some of its modules (a chunked loss runs the head after the model's call).
+    The root's eager post-forward calls it too, for a body traced without the root's hooks.
 
     [Note: Groups whose forward ran partly in a graph]
     Such a group was gathered in the graph, but its last post-forward never came, so its shadows
@@ -523,8 +500,8 @@ def trace_hooks_inside_checkpoint() -> None:
 # Whether a module call is traced or falls back is decided by Dynamo on each rank: one rank can reach
 # `recompile_limit` for an expert's frame, or break a graph on its data, while the other runs the
 # traced graph of the same group. The two paths then must issue the same collectives in the same
-# order. The bytes are the same ([Note: One wire layout for eager and traced gathers] in
-# runtime/collectives.py); and a group whose forward fell back does what its graph would do, in the
+# order. The bytes are the same ([Note: One bucket layout for eager and traced steps] in
+# runtime/bucket_layout.py); and a group whose forward fell back does what its graph would do, in the
 # same place: it prefetches nothing (the graph's gather of the next group is in that group's own
 # graph), and an int `reshard_after_forward` reshards fully, so backward re-gathers from the whole
 # shard group as the graph does. Its reduce-scatter runs when its gradients are ready, where the

@@ -691,7 +691,7 @@ def test_all_reduce_hook_runs_on_its_stream():
 def test_process_group_allocator_uses_the_backends_allocator_where_it_has_one():
     """FSDP2's `set_allocate_memory_from_process_group_for_comm`: a backend that allocates (NCCL)
     gives the buffers; one that cannot (gloo, here a stand-in) leaves them to the caching allocator."""
-    from fsdp_graph.runtime.comms import ProcessGroupAllocator
+    from fsdp_graph.runtime.custom_comms import ProcessGroupAllocator
 
     calls = []
 

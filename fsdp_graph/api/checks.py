@@ -105,8 +105,9 @@ def _check_devices(owners) -> None:
         )
 
 
-def _check_shardable(owners, mesh: DeviceMesh) -> None:
-    """Every parameter can be sharded on dim 0 over `mesh`; raise once listing those that cannot."""
+def _check_shardable(owners, mesh: DeviceMesh, spmd: bool = False) -> None:
+    """Every parameter can be sharded on dim 0 over `mesh`; raise once listing those that cannot.
+    `spmd`: the parameters are on a whole SPMD mesh, checked by `_check_spmd_params`."""
     problems = []
     for param, _, fqn in owners:
         if param.dim() == 0:
@@ -114,12 +115,37 @@ def _check_shardable(owners, mesh: DeviceMesh) -> None:
                 f"'{fqn}' is a 0-dim (scalar) parameter and has no dim 0 to shard; keep it replicated "
                 f"with ignored_params={{...}} or give it shape (1,)"
             )
-        elif isinstance(param, DTensor):
+        elif isinstance(param, DTensor) and not spmd:
             problem = _tensor_parallel_problem(param, mesh)
             if problem is not None:
                 problems.append(f"'{fqn}' {problem}")
     if problems:
         raise ValueError("fully_shard cannot shard these parameters:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _check_spmd_params(owners, spmd_mesh: DeviceMesh, spmd_axes) -> None:
+    """With `dp_mesh_dims`: every parameter is a DTensor on `spmd_mesh`, `Replicate()` on the
+    data-parallel axes and `Shard`/`Replicate` elsewhere ([Note: Parameters on the whole SPMD mesh]
+    in runtime/tp_layout.py). Raise once, listing every parameter that is not."""
+    dp_axes = {axis for axes in spmd_axes for axis in axes}
+    names = spmd_mesh.mesh_dim_names
+    problems = []
+    for param, _, fqn in owners:
+        if not isinstance(param, DTensor):
+            problems.append(
+                f"'{fqn}' is a plain {type(param).__name__}: with dp_mesh_dims every parameter must be a "
+                f"DTensor on the whole mesh (e.g. distribute_module(module, mesh) first)"
+            )
+        elif param.device_mesh != spmd_mesh:
+            problems.append(f"'{fqn}' is a DTensor on {param.device_mesh}, not on fully_shard's mesh {spmd_mesh}")
+        else:
+            for axis, placement in enumerate(param.placements):
+                if axis in dp_axes and not isinstance(placement, Replicate):
+                    problems.append(f"'{fqn}' is {placement} on the data-parallel axis '{names[axis]}'; expected Replicate()")
+                elif not (type(placement) is Shard or isinstance(placement, Replicate)):
+                    problems.append(f"'{fqn}' is {placement} on axis '{names[axis]}'; expected Shard(dim) or Replicate()")
+    if problems:
+        raise ValueError("fully_shard(..., dp_mesh_dims=...) cannot shard these parameters:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def _tensor_parallel_problem(param: DTensor, mesh: DeviceMesh) -> Optional[str]:

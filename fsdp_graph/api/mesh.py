@@ -1,17 +1,20 @@
 """The mesh `fully_shard` shards over: the one it was given, checked, or one default mesh over the
-default process group (initialised from torchrun's environment when there is none)."""
+default process group (initialised from torchrun's environment when there is none); with
+`dp_mesh_dims`, the data-parallel axes of a whole SPMD mesh (`DataParallelMeshDims`)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
-def _check_mesh(mesh: Optional[DeviceMesh]) -> DeviceMesh:
+def _check_mesh(mesh: Optional[DeviceMesh], any_ndim: bool = False) -> DeviceMesh:
+    """The mesh to shard over, checked; `any_ndim`: a whole SPMD mesh (`dp_mesh_dims`) of any rank."""
     if not dist.is_available():
         raise ValueError("fully_shard needs torch.distributed, which this torch build lacks")
     if not dist.is_initialized():
@@ -37,7 +40,7 @@ def _check_mesh(mesh: Optional[DeviceMesh]) -> DeviceMesh:
             f"mesh must be a DeviceMesh, got {type(mesh).__name__}; build one with "
             f"torch.distributed.device_mesh.init_device_mesh(device_type, (world_size,))"
         )
-    if mesh.ndim not in (1, 2):
+    if mesh.ndim not in (1, 2) and not any_ndim:
         raise ValueError(
             f"mesh must be 1-D (FSDP) or 2-D (HSDP: replicate on axis 0, shard on axis 1), got a "
             f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; slice it, e.g. mesh['dp']"
@@ -74,3 +77,88 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which named axes of a whole SPMD mesh are data parallel, for parameters that are already
+    DTensors on that mesh (torchtitan's `full_dtensor` backend); FSDP2's `dp_mesh_dims`.
+
+    Attributes:
+        shard: the axis name (or names, flattened into one axis) `fully_shard` shards on.
+        replicate: the axis name(s) replicating the shards (HSDP), or None.
+    """
+
+    shard: Optional[Union[str, tuple[str, ...]]] = None
+    replicate: Optional[Union[str, tuple[str, ...]]] = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims needs shard or replicate set, e.g. DataParallelMeshDims(shard='dp')")
+        for field_name in ("shard", "replicate"):
+            value = getattr(self, field_name)
+            if value is not None and not isinstance(value, str) and not (
+                isinstance(value, tuple) and value and all(isinstance(v, str) for v in value)
+            ):
+                raise TypeError(
+                    f"DataParallelMeshDims.{field_name} must be a mesh axis name, a tuple of names or None, "
+                    f"got {value!r}"
+                )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value) -> tuple[str, ...]:
+    return () if value is None else (value,) if isinstance(value, str) else tuple(value)
+
+
+def _dp_mesh(spmd_mesh: DeviceMesh, dims) -> tuple[DeviceMesh, tuple[int, ...], tuple[int, ...]]:
+    """The data-parallel mesh of `spmd_mesh` that `dims` names (1-D, or 2-D for HSDP: replicate,
+    shard), and the indices of its shard and replicate axes in `spmd_mesh`.
+
+    `dims` is a `DataParallelMeshDims`, ours or torch's (the same fields): code that built torch's
+    before `fsdp_graph.use_in_place_of_torch_fsdp()` passes it on unchanged."""
+    if not hasattr(dims, "shard_names") or not hasattr(dims, "replicate_names"):
+        raise TypeError(
+            f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}; pass "
+            f"fsdp_graph.DataParallelMeshDims(shard='dp_shard')"
+        )
+    names = spmd_mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            "dp_mesh_dims needs a mesh with axis names; build it with "
+            "init_device_mesh(device_type, shape, mesh_dim_names=(...))"
+        )
+    shard_names, replicate_names = tuple(dims.shard_names), tuple(dims.replicate_names)
+    unknown = [n for n in (*shard_names, *replicate_names) if n not in names]
+    if unknown:
+        raise ValueError(f"dp_mesh_dims names {unknown}, which are not axes of the mesh {names}")
+    if not shard_names:
+        raise ValueError(
+            f"dp_mesh_dims={dims!r} names no shard axis: fully_shard shards parameters; name the "
+            f"axis to shard on, e.g. DataParallelMeshDims(shard='dp_shard', replicate={dims.replicate!r})"
+        )
+    shard_axes = tuple(names.index(n) for n in shard_names)
+    replicate_axes = tuple(names.index(n) for n in replicate_names)
+    for kind, axes in (("shard", shard_axes), ("replicate", replicate_axes)):
+        if axes and list(axes) != list(range(axes[0], axes[0] + len(axes))):
+            raise ValueError(
+                f"dp_mesh_dims' {kind} axes {[names[a] for a in axes]} must be neighbouring axes of the "
+                f"mesh {names}, in mesh order, to be flattened into one"
+            )
+
+    def submesh(axis_names: tuple[str, ...]) -> DeviceMesh:
+        if len(axis_names) == 1:
+            return spmd_mesh[axis_names[0]]
+        return spmd_mesh[axis_names]._flatten("_".join(axis_names))
+
+    shard_mesh = submesh(shard_names)
+    if not replicate_names:
+        return shard_mesh, shard_axes, replicate_axes
+    return DeviceMesh._concatenate([submesh(replicate_names), shard_mesh]), shard_axes, replicate_axes

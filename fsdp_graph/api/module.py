@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .scope import traced_scope
-from ..runtime.comms import AllGather, ReduceScatter
+from ..runtime.custom_comms import AllGather, ReduceScatter
 from ..runtime import traced
 from ..runtime.state import FSDPState
 
@@ -34,17 +34,19 @@ class FSDPModule:
         # own and the root group's all-gather would be split from the forward graph. Defined here,
         # in a file Dynamo traces, the whole call (hooks and forward) becomes one frame, without
         # changing torch's `wrap_top_frame` config. In eager this is one plain Python call more.
-        # Each FSDP class gets its own copy of this code object: see `_own_call`.
+        # Each FSDP class gets its own copy of this code object: see `_own_call`. `compile()` below
+        # gives `module.compile()` the same frame.
         if torch.compiler.is_compiling():
-            if traced_scope() == "block":
-                return _call_in_block_scope(self, args, kwargs)  # [Note: Compile scope] in fsdp_graph/api/scope.py
-            if self._fsdp_state.eager_only_reason() is not None:
-                return _call_on_eager_hooks(self, args, kwargs)  # [Note: Groups that stay on the eager hooks]
-            if self._fsdp_state.hooks_around_compiled_body is not None:
-                if self._fsdp_state.traces_as_region():
-                    return _call_as_region(self, args, kwargs)  # [Note: Blocks as compile regions]
-                return _call_around_compiled_body(self, args, kwargs)  # [Note: Compile regions under fully_shard]
+            return _traced_call(self, args, kwargs)
         return super().__call__(*args, **kwargs)
+
+    def compile(self, *args, **kwargs) -> None:
+        """`nn.Module.compile` (compile this module's calls in place, as torchtitan and Lightning
+        do), with the module's hooks in the compiled frame as under `torch.compile(module)`:
+        [Note: One frame for the root's hooks]. torch's own compiles `nn.Module._call_impl`, a
+        frame whose hooks Dynamo runs one by one outside the graph."""
+        self._compiled_call_impl = torch.compile(self.__call__, *args, **kwargs)  # its own code object: `_own_call`
+        self._fsdp_state.compiled_in_place = True  # see `_call_hooks_and_forward`
 
     def __new__(cls, *args, **kwargs):
         """Build the original class: `nn.Sequential` slicing calls `self.__class__(...)` on the
@@ -328,9 +330,31 @@ def _new_for_unpickling(cls: type, *args):
     return super(FSDPModule, cls).__new__(cls, *args)
 
 
+def _traced_call(module: nn.Module, args: tuple, kwargs: dict):
+    """A module call while Dynamo traces: inside the step's graph, or one of the ways out of it."""
+    if traced_scope() == "block":
+        return _call_in_block_scope(module, args, kwargs)  # [Note: Compile scope] in fsdp_graph/api/scope.py
+    if module._fsdp_state.eager_only_reason() is not None:
+        return _call_on_eager_hooks(module, args, kwargs)  # [Note: Groups that stay on the eager hooks]
+    if module._fsdp_state.hooks_around_compiled_body is not None:
+        if module._fsdp_state.traces_as_region():
+            return _call_as_region(module, args, kwargs)  # [Note: Blocks as compile regions]
+        return _call_around_compiled_body(module, args, kwargs)  # [Note: Compile regions under fully_shard]
+    return _call_hooks_and_forward(module, args, kwargs)
+
+
+def _call_hooks_and_forward(module: nn.Module, args: tuple, kwargs: dict):
+    """`nn.Module.__call__`, except that the compiled call `FSDPModule.compile` installed is not
+    entered again: it is what runs now, or what the eager helpers below step out of. Those that
+    leave the rest of the call to Dynamo (`recursive=False`) spell the same line out: a call
+    through this function would be a frame of ours, which Dynamo would trace."""
+    call = nn.Module._call_impl if module._fsdp_state.compiled_in_place else nn.Module.__call__
+    return call(module, *args, **kwargs)
+
+
 @torch._dynamo.disable
 def _call_on_eager_hooks(module: nn.Module, args: tuple, kwargs: dict):
-    return nn.Module.__call__(module, *args, **kwargs)
+    return _call_hooks_and_forward(module, args, kwargs)
 
 
 # [Note: Compile regions under fully_shard]
@@ -348,7 +372,8 @@ def _call_on_eager_hooks(module: nn.Module, args: tuple, kwargs: dict):
 # compile regions] in runtime/traced.py (`FSDPState.traces_as_region`).
 @functools.partial(torch._dynamo.disable, recursive=False)
 def _call_around_compiled_body(module: nn.Module, args: tuple, kwargs: dict):
-    return nn.Module.__call__(module, *args, **kwargs)
+    call = nn.Module._call_impl if module._fsdp_state.compiled_in_place else nn.Module.__call__
+    return call(module, *args, **kwargs)
 
 
 @functools.partial(torch._dynamo.disable, recursive=False)
@@ -357,7 +382,8 @@ def _call_in_block_scope(module: nn.Module, args: tuple, kwargs: dict):
     state.calling_in_block_scope = True  # its eager hooks are the plan, not a fallback
     try:
         with state.owner_checks_lifted():  # [Note: Owner checks in block scope] in runtime/state.py
-            return nn.Module.__call__(module, *args, **kwargs)
+            call = nn.Module._call_impl if state.compiled_in_place else nn.Module.__call__
+            return call(module, *args, **kwargs)
     finally:
         state.calling_in_block_scope = False
 

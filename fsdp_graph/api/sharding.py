@@ -3,6 +3,7 @@ makes its class `FSDP<Cls>`; also `register_fsdp_forward_method` and `share_comm
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import OrderedDict
 from typing import Callable, Optional, Union
@@ -21,13 +22,14 @@ from ..runtime.state import FSDPState
 from .module import FSDPModule, _fsdp_class
 from .checks import (
     _check_devices,
+    _check_spmd_params,
     _check_ignored_params,
     _check_modules,
     _check_reshard_after_forward,
     _check_shardable,
     _check_taken,
 )
-from .mesh import _check_mesh, _mesh_device
+from .mesh import DataParallelMeshDims, _check_mesh, _dp_mesh, _mesh_device
 from .optimizer_check import _install_optimizer_check
 
 
@@ -40,19 +42,32 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
+    dp_mesh_dims: Optional[DataParallelMeshDims] = None,
 ):
     """Shard `module`'s parameters (those not already in a nested group) as one communication group.
 
     Parameters become DTensors sharded on dim 0 over `mesh` (1-D, or 2-D for HSDP: replicate on
     axis 0, shard on axis 1), under unchanged names. Parameters tensor parallelism already made
     DTensors (on the tp axis of the same mesh) become DTensors over (dp, tp); see docs/composition.md,
-    Tensor parallel. The module's class becomes `FSDP<Cls>`. Call it bottom-up: blocks first, then the root.
+    Tensor parallel. With `dp_mesh_dims`, `mesh` is a whole SPMD mesh on which every parameter is
+    already a DTensor, `Replicate()` on the data-parallel axes `dp_mesh_dims` names (torchtitan's
+    `full_dtensor`). The module's class becomes `FSDP<Cls>`. Call it bottom-up: blocks first, then the root.
     """
     modules = _check_modules(module)
+    spmd_axes = ((), ())
+    if dp_mesh_dims is not None:
+        spmd_mesh = _check_mesh(mesh, any_ndim=True)
+        mesh, *spmd_axes = _dp_mesh(spmd_mesh, dp_mesh_dims)
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(  # FSDP2's type and rule
+                f"reshard_after_forward={reshard_after_forward} (an int) is not supported with dp_mesh_dims; "
+                f"pass True or False"
+            )
     mesh = _check_mesh(mesh)
     _install_optimizer_check()
     mesh_info = MeshInfo(mesh)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh_info)
+    mp_policy, offload_policy = _ours(mp_policy), _ours(offload_policy)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}; "
@@ -78,14 +93,16 @@ def fully_shard(
         )
     owners = _collect_params(modules, ignored)
     _check_devices(owners)
-    _check_shardable(owners, mesh)
+    if dp_mesh_dims is not None:
+        _check_spmd_params(owners, spmd_mesh, spmd_axes)
+    _check_shardable(owners, mesh, spmd=dp_mesh_dims is not None)
     params = []
     for param, param_owners, fqn in owners:
         shard_dim = _shard_dim(shard_placement_fn, param, fqn)
         params.append(
             ShardedParam(
                 param, param_owners, fqn, modules, mesh_info, device, shard_device, mp_policy.param_dtype, shard_dim,
-                mp_policy=mp_policy,
+                mp_policy=mp_policy, spmd_axes=tuple(spmd_axes),
             )
         )
     group = ParamGroup(params, mesh_info, device, mp_policy, reshard_after_forward) if params else None
@@ -110,6 +127,18 @@ def fully_shard(
         for method_name in m.__dict__.pop(_PENDING_FORWARD_METHODS, ()):
             register_fsdp_forward_method(m, method_name)
     return module
+
+
+_POLICIES = {cls.__name__: cls for cls in (MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy)}
+
+
+def _ours(policy):
+    """torch's FSDP2 policy as ours (the same fields): frameworks may build torch's before
+    `fsdp_graph.use_in_place_of_torch_fsdp()` puts ours in its place. Anything else unchanged."""
+    ours = _POLICIES.get(type(policy).__name__)
+    if ours is None or isinstance(policy, ours) or not type(policy).__module__.startswith("torch.distributed."):
+        return policy
+    return ours(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(ours)})
 
 
 def _compile_region_reading(modules: tuple[nn.Module, ...], owners) -> Optional[str]:

@@ -1,4 +1,6 @@
-"""The custom communication interfaces of `set_custom_all_gather` / `set_custom_reduce_scatter`.
+"""The custom communication interfaces of `set_custom_all_gather` / `set_custom_reduce_scatter`:
+what a user implements to replace a collective. The eager runtime's own bucketed collectives, which
+call these where set, are runtime/collectives.py.
 
 The same shape as FSDP2's `AllGather` / `ReduceScatter`: `allocate` makes the buffer the collective
 uses (so a comm can hand out memory its backend registered), `__call__` runs it. Objects written

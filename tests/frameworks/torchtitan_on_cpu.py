@@ -1,0 +1,109 @@
+"""What torchtitan 0.3.0 needs to train on a CPU with gloo, as a user meets it (docs/frameworks/torchtitan.md).
+
+Each function works around one thing; `prepare()` applies all of them before torchtitan is imported.
+None of them touches fsdp_graph, and the reference runs with torch's `fully_shard` get the same ones.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+_EP_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+_EP_KERNEL_NAMES = (
+    "copy_full_counts_to_peers_kernel", "copy_rows_to_peers_kernel", "expand_topk_grad_kernel",
+    "fill_combine_metadata_kernel", "fill_dispatch_metadata_kernel", "invert_flat_indices_kernel",
+    "reduce_topk_slots_kernel", "topk_scores_grad_kernel",
+)
+_WORDS = [f"w{i}" for i in range(200)]
+
+
+def placeholder_ep_kernels() -> None:
+    """`import torchtitan.models.llama3` imports the expert-parallel kernels, which `import triton`
+    (a GPU package), dense models too: stand in for that one module where triton is missing."""
+    if importlib.util.find_spec("triton") is not None or _EP_KERNELS in sys.modules:
+        return
+    module = types.ModuleType(_EP_KERNELS)
+
+    def needs_triton(*_args, **_kwargs):
+        raise NotImplementedError("torchtitan's expert-parallel kernels need triton and a GPU")
+
+    for name in _EP_KERNEL_NAMES:
+        setattr(module, name, needs_triton)
+    sys.modules[_EP_KERNELS] = module
+
+
+def cpu_as_the_device() -> None:
+    """torchtitan takes "cuda" when no accelerator is found, and calls `torch.cuda`-style device
+    functions (memory statistics, device name) that `torch.cpu` lacks."""
+    import torchtitan.tools.utils as utils
+
+    utils.device_type = "cpu"
+    utils.device_module = types.SimpleNamespace(
+        set_device=lambda *_: None, current_device=lambda: 0, device_count=lambda: 1,
+        get_device_name=lambda *_: "cpu",
+        get_device_properties=lambda *_: types.SimpleNamespace(total_memory=1 << 34),
+        memory_stats=lambda *_: {}, reset_peak_memory_stats=lambda *_: None, empty_cache=lambda: None,
+        synchronize=lambda *_: None, memory=types.SimpleNamespace(), manual_seed=torch.manual_seed,
+    )
+
+
+def dense_flex_attention() -> None:
+    """FlexAttention has no backward on the CPU: the same mask, made dense, through SDPA."""
+    from torch.nn.attention.flex_attention import AuxOutput, create_mask
+    from torchtitan.models.common.attention import FlexAttention
+
+    def attention(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None, kernel_options=None):
+        if score_mod is not None or (return_aux is not None and return_aux.lse):
+            raise NotImplementedError("the CPU stand-in for FlexAttention takes a block mask only")
+        mask = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        return out, AuxOutput()
+
+    FlexAttention._compiled_flex_attn = staticmethod(attention)
+
+
+def keep_timeouts() -> None:
+    """After the first step torchtitan shortens the collectives' timeouts with
+    `torch.distributed.set_timeout`, which torch 2.13 does not have."""
+    import torchtitan.distributed.utils as dist_utils
+
+    dist_utils.set_pg_timeouts = lambda **_: None
+
+
+def write_assets(root: str) -> tuple[str, str]:
+    """A word-level tokenizer and a small text dataset in `root` (torchtitan's own test assets are
+    not in its wheel): returns (tokenizer folder, dataset folder)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer_dir, data_dir = os.path.join(root, "tokenizer"), os.path.join(root, "data")
+    os.makedirs(tokenizer_dir, exist_ok=True)
+    os.makedirs(data_dir, exist_ok=True)
+    vocab = {"<unk>": 0, "<|begin_of_text|>": 1, "<|end_of_text|>": 2}
+    vocab.update({w: i + 3 for i, w in enumerate(_WORDS)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
+    tokenizer.save(os.path.join(tokenizer_dir, "tokenizer.json"))
+    with open(os.path.join(tokenizer_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": True, "add_eos_token": True}, f)
+    rng = random.Random(0)
+    with open(os.path.join(data_dir, "train.jsonl"), "w") as f:
+        for _ in range(400):
+            f.write(json.dumps({"text": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(20, 200)))}) + "\n")
+    return tokenizer_dir, data_dir
+
+
+def prepare() -> None:
+    """Every stand-in above that is needed before torchtitan's models are imported and built."""
+    placeholder_ep_kernels()
+    cpu_as_the_device()
+    dense_flex_attention()
+    keep_timeouts()

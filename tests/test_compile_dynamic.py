@@ -1,0 +1,78 @@
+"""Compiled steps over changing sequence lengths (issue #46, shapes): the whole-step graph goes
+dynamic as torch's `fully_shard` + `torch.compile` does, instead of one graph per length, and trains
+the same numbers. See [Note: Plans from size hints] in passes/nodes.py and [Note: A memory budget at
+other sizes] in passes/unshard_selection.py. 2 gloo ranks, aot_eager."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import fsdp_graph
+from _harness import run_ranks
+from _models import shard_llama, tiny_llama
+from fsdp_graph import fully_shard
+
+
+def _train(rank, world_size, lengths, impl, dynamic=None, mark_dynamic=False, backend_options=None):
+    """One AdamW step per length; (graphs Dynamo compiled, losses, the last step's sharded gradients)."""
+    torch.manual_seed(0)
+    model = shard_llama(tiny_llama(2), torch_fully_shard if impl != "ours" else fully_shard)
+    if impl == "torch-eager":
+        run = model
+    elif impl == "torch":
+        run = torch.compile(model, backend="aot_eager", dynamic=dynamic)
+    else:
+        run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", **(backend_options or {})), dynamic=dynamic)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch._dynamo.utils.counters.clear()
+    losses = []
+    for step, length in enumerate(lengths):
+        tokens = torch.randint(0, 64, (2, length + 1), generator=torch.Generator().manual_seed(10 * step + rank))
+        inputs = tokens[:, :-1]
+        if mark_dynamic:
+            torch._dynamo.mark_dynamic(inputs, 1)
+        loss = F.cross_entropy(run(inputs).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss.item())
+        if step < len(lengths) - 1:
+            optimizer.step()
+            optimizer.zero_grad()
+    if impl == "ours":
+        assert model._fsdp_state.ctx.fallbacks == {}, model._fsdp_state.ctx.fallbacks
+    grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"], losses, grads
+
+
+_LENGTHS = [8, 12, 16, 20, 11, 24]
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic=True"])
+def test_new_lengths_do_not_recompile_the_whole_step(dynamic):
+    """Each length compiled a graph of its own: a pass turned the symbolic length into an int, which
+    guarded the graph to that length (`Eq(2*s50, 24)`)."""
+    ours_graphs, ours_losses, ours_grads = run_ranks(_train, 2, _LENGTHS, "ours", dynamic)
+    torch_graphs, _, _ = run_ranks(_train, 2, _LENGTHS, "torch", dynamic)
+    _, losses, grads = run_ranks(_train, 2, _LENGTHS, "torch-eager")
+    assert ours_graphs <= min(torch_graphs, 2), (ours_graphs, torch_graphs)
+    assert ours_losses == losses  # bit for bit: aot_eager against torch's fully_shard, eager
+    for name, grad in grads.items():
+        assert torch.equal(ours_grads[name], grad), name
+
+
+def test_marked_dynamic_dim_compiles_once():
+    graphs, losses, _ = run_ranks(_train, 2, _LENGTHS, "ours", None, True)
+    assert graphs == 1
+    assert losses == run_ranks(_train, 2, _LENGTHS, "torch-eager")[1]
+
+
+def test_a_memory_budget_recompiles_only_for_a_longer_length():
+    """With a budget that keeps groups gathered, the graph holds for sizes up to the ones it was
+    planned at: [16, 12, 8] compile a static graph and a dynamic one (planned at 12, used at 8); 20
+    is longer and compiles once more. Without the budget the dynamic graph serves all four."""
+    lengths = [16, 12, 8, 20]
+    with_budget = run_ranks(_train, 2, lengths, "ours", None, False, {"memory_budget_bytes": 1 << 40})
+    without = run_ranks(_train, 2, lengths, "ours")
+    assert (with_budget[0], without[0]) == (3, 2)
+    reference = run_ranks(_train, 2, lengths, "torch-eager")[1]
+    assert with_budget[1] == reference and without[1] == reference
