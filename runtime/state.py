@@ -67,7 +67,8 @@ class RootContext:
         # a compiled step guards the count, so a replacement recompiles ([Note: The sharded
         # parameter is the one its module holds] in runtime/param.py).
         self.parameters_replaced = 0
-        self.checks_lifted_for_compile = False  # [Note: Owner checks while compiling]
+        # The call checks lifted while Dynamo compiles: [Note: Owner checks while compiling].
+        self.checks_lifted_for_compile: list[_OwnerCheck] = []
         # What `check_materialized` found before the latest trace began, raised by the traced root:
         # [Note: Tracing reads what was followed].
         self.problem_before_trace: Optional[tuple[str, Any]] = None
@@ -132,10 +133,12 @@ def _install_compile_start_callback() -> None:
 # (`_check_called_through_group`), which never fires inside a group's call. A module with hooks
 # makes torch's `_call_impl` take its slow path, which Dynamo traces instruction by instruction:
 # about one instruction in eight of a traced HF Llama layer went to running checks that return at
-# once. So every root's checks are lifted while Dynamo compiles and put back when it is done
-# (Dynamo's callbacks run once for the outermost compile, the end one even when it fails). Dynamo
-# does not guard on module hooks (`skip_nnmodule_hook_guards`), so putting them back recompiles
-# nothing; a compiled step never runs them, as before.
+# once. So the checks are lifted while Dynamo compiles and put back when it is done (Dynamo's
+# callbacks run once for the outermost compile, the end one even when it fails); a compiled step
+# never runs them, as before. Only a check that is its module's one hook is lifted: Dynamo guards
+# no empty hook dict (`skip_nnmodule_hook_guards`), so putting it back recompiles nothing, but it
+# guards the length of one that is not empty, and a module with other hooks (TP's input and
+# output hooks) takes the slow path anyway: there, lifting the check recompiled every step.
 
 
 def _live_contexts() -> list[RootContext]:
@@ -146,16 +149,14 @@ def _live_contexts() -> list[RootContext]:
 def _lift_checks_for_compile(*_args) -> None:
     for ctx in _live_contexts():
         for state in ctx.states:
-            state.lift_owner_checks()
-        ctx.checks_lifted_for_compile = True
+            ctx.checks_lifted_for_compile += state.lift_owner_checks(sole_hooks_only=True)
 
 
 def _restore_checks_after_compile(*_args) -> None:
     for ctx in _live_contexts():
-        if ctx.checks_lifted_for_compile:
-            ctx.checks_lifted_for_compile = False
-            for state in ctx.states:
-                state.restore_owner_checks()
+        lifted, ctx.checks_lifted_for_compile = ctx.checks_lifted_for_compile, []
+        for check in lifted:
+            check.restore()
 
 
 # [Note: Tracing reads what was followed]
@@ -285,11 +286,7 @@ class FSDPState:
             module.register_load_state_dict_post_hook(self._follow_loaded_params)
         # Each submodule holding this group's parameters, with its call check's handle: see
         # `_check_called_through_group` and `owner_checks_lifted`.
-        self._owner_checks: list[tuple[nn.Module, Any]] = [
-            (owner, owner.register_forward_pre_hook(self._check_called_through_group))
-            for owner in self._owners_inside_group()
-        ]
-        self._owner_check_lifts = 0  # callers that lifted the checks and have not put them back yet
+        self._owner_checks = [_OwnerCheck(owner, self._check_called_through_group) for owner in self._owners_inside_group()]
 
     # -- root --------------------------------------------------------------------------------
 
@@ -698,27 +695,21 @@ class FSDPState:
         embedding ran as a graph of its own under us and eagerly under FSDP2, each step (a graph
         call per step and a compile at the cold start more than FSDP2; docs/benchmarks.md).
         So the group's call lifts the checks for its duration, and puts them back after."""
-        self.lift_owner_checks()
+        lifted = self.lift_owner_checks()
         try:
             yield
         finally:
-            self.restore_owner_checks()
+            for check in lifted:
+                check.restore()
 
-    def lift_owner_checks(self) -> None:
-        """Remove the call checks (`owner_checks_lifted`, and while Dynamo compiles: see [Note:
-        Owner checks while compiling]); counted, so nested lifts put them back once, at the last."""
-        self._owner_check_lifts += 1
-        if self._owner_check_lifts == 1:
-            for _, handle in self._owner_checks:
-                handle.remove()
-
-    def restore_owner_checks(self) -> None:
-        self._owner_check_lifts -= 1
-        if self._owner_check_lifts == 0:
-            self._owner_checks = [
-                (owner, owner.register_forward_pre_hook(self._check_called_through_group))
-                for owner, _ in self._owner_checks
-            ]
+    def lift_owner_checks(self, sole_hooks_only: bool = False) -> list["_OwnerCheck"]:
+        """Remove the call checks (`owner_checks_lifted`; while Dynamo compiles, only those that are
+        their module's one hook: [Note: Owner checks while compiling]) and return them, for the
+        caller to restore."""
+        lifted = [check for check in self._owner_checks if not sole_hooks_only or check.is_only_hook()]
+        for check in lifted:
+            check.lift()
+        return lifted
 
     def _check_called_through_group(self, module: nn.Module, _args) -> None:
         # A submodule whose parameters belong to this group, called on its own, would see DTensor
@@ -735,6 +726,33 @@ class FSDPState:
             f"in the fully_shard group of '{self.name}'; call '{self.name}' instead, gather first with "
             f"unshard(), or give it a group of its own: fully_shard(submodule) before fully_shard(parent)"
         )
+
+
+class _OwnerCheck:
+    """The call check (`FSDPState._check_called_through_group`) on one submodule, which callers
+    may lift for a while; lifts are counted, so nested ones put the check back once, at the last."""
+
+    _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+    def __init__(self, owner: nn.Module, check: Callable) -> None:
+        self.owner, self.check = owner, check
+        self.handle = owner.register_forward_pre_hook(check)
+        self.lifts = 0
+
+    def is_only_hook(self) -> bool:
+        """Whether the module has no hook but this check (which may be lifted already)."""
+        hooks = sum(len(getattr(self.owner, name)) for name in self._HOOK_DICTS)
+        return hooks == (1 if self.lifts == 0 else 0)
+
+    def lift(self) -> None:
+        self.lifts += 1
+        if self.lifts == 1:
+            self.handle.remove()
+
+    def restore(self) -> None:
+        self.lifts -= 1
+        if self.lifts == 0:
+            self.handle = self.owner.register_forward_pre_hook(self.check)
 
 
 # Dynamo inlines these hooks when it traces a module call, and runs them eagerly (the fallback) when
