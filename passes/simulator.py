@@ -412,9 +412,11 @@ class OrderCost:
     number of blocks, as does the program: a full `simulate` per candidate made the pass quadratic in
     depth. Everything that does not depend on the order is found
     once here: each node's duration, its stream, which storage it allocates and which storages it
-    reads (a view reads its base's; see [Note: Simulator model]). A candidate then costs one pass over
-    its nodes for the clocks and the collectives in flight and one sweep for live memory, with the same
-    arithmetic in the same order as `simulate`, so the decisions are the same.
+    reads (a view reads its base's; see [Note: Simulator model]). A whole order then costs one pass
+    over its nodes for the clocks and the collectives in flight and one sweep for live memory, with the
+    same arithmetic in the same order as `simulate`, so the decisions are the same. The scheduler
+    measures a move from the order it has measured, mostly over the positions the move changes:
+    [Note: Measuring a move] in passes/measured_order.py.
     tests/test_passes_schedule.py checks every order the scheduler measures against `simulate`.
 
     Assumes the orders are topological (every node after its inputs), as the scheduler's are.
