@@ -5,47 +5,50 @@ about the window's length to measure, not the graph's.
 The reorder pass tries moves: a few nodes taken from their places and put back together before
 another node. The candidate order is the current one outside the positions between the first
 and the last place a node left or entered (the window), and a permutation of the same nodes
-inside it. A full measure (`OrderCost.measure`) of every candidate made the pass quadratic in
-depth: the moves grow with the number of blocks, and so does each measure. `MeasuredOrder` keeps,
-for the current order, the state of every quantity `OrderCost.measure` tracks after each position,
-and measures a candidate from the state before its window:
-- memory (integer bytes) and collectives in flight: after the window, the same nodes have been
-  allocated, issued and waited on, and a storage whose last reader lies after the window keeps
-  it, so the live bytes and the collectives in flight are the current order's from there on. The
-  candidate's peak is the largest of the current order's peak before the window, the window's,
-  and the current order's after it (range maxima over the positions, `_MaxTree`).
-- time (float seconds): the clocks can differ after the window, by a stall that moved or by the
-  rounding of the same durations added in another order. The candidate's clocks run on past the
-  window until its state is the current order's bit for bit: the compute clock, every stream's
-  free time, and every collective in flight finishing when it does in the current order. From
-  there on every float the candidate computes is the current order's, so its exposed time is its
-  own sum so far plus the current order's stalls after that point, added one by one in order.
-So a candidate gets the numbers `OrderCost.measure` gives it, bit for bit (the same float
-operations in the same order), and the reorder pass makes the same decisions.
-tests/test_passes_schedule.py checks moves against `simulate`.
+inside it. A whole measure (`OrderCost.measure`) of every candidate made the pass quadratic in
+depth: the moves grow with the number of blocks, and so does each measure. `MeasuredOrder` keeps
+what the current order's measure found at every position and measures a candidate from the state
+before its window, over the window only:
+- memory and collectives in flight (integer bytes and counts): after the window, the same nodes
+  have been allocated, issued and waited on, and a storage whose last reader lies after the window
+  keeps it, so the live bytes and the collectives in flight are the current order's from there on.
+  The candidate's peak is the largest of the current order's peak before the window, the window's,
+  and the current order's after it (range maxima over positions, `_MaxTree`).
+- time: the clocks after the window differ, by as much as the move hides or exposes. But the rest
+  of the order is the same, and each of its steps is a sum or a maximum: the compute clock at the
+  end is max(clock + A, each stream's free time + A_s, each collective in flight's end + A_k),
+  where the As are the longest compute-and-communication paths from that point of the current
+  order to its end (the max-plus form of the simulator's recurrence). The current order's As at
+  every position come from one backward pass over it. With exact arithmetic ([Note: Exact simulated
+  time] in passes/simulator.py) that is the clock a whole simulation reaches, and the exposed time
+  is that clock less the compute time, which no order changes.
+The clocks before a window (forward) and the As after it (backward) are found lazily: accepting a
+move invalidates the clocks from its window on and the As up to its window's end, and the passes
+walk the graph in order, so the next windows need little of them again.
+tests/test_reorder_scaling.py checks moves against `simulate`, and that the positions simulated
+grow linearly with depth.
 
 Assumes topological orders (every node after its inputs) and at most one wait per collective;
-with several, every measure is a full one.
+with several, every measure is a whole one.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from typing import Optional
 
-from .simulator import OpKind, OrderCost
+from .simulator import OpKind, OrderCost, seconds
+
+_NEVER = float("-inf")  # no path from here to the end of the compute stream
 
 
 class _MaxTree:
     """Largest value over a range of positions, with whole ranges reassigned; values start at 0."""
 
-    def __init__(self, values: list[int]) -> None:
+    def __init__(self, size: int) -> None:
         self.size = 1
-        while self.size < max(len(values), 1):
+        while self.size < max(size, 1):
             self.size *= 2
         self.tree = [0] * (2 * self.size)
-        self.assign(0, values)
 
     def assign(self, lo: int, values: list[int]) -> None:
         """Positions lo, lo+1, ... take `values`."""
@@ -77,22 +80,21 @@ class _MaxTree:
 
 @dataclass
 class _Run:
-    """A measure of positions lo..hi-1 (and the clocks on to `stop`) of an order that differs from
-    the current one only there: its numbers, and what `MeasuredOrder.accept` keeps of it."""
+    """A measure of an order that is the current one but for positions lo..hi-1 (`window`): its
+    numbers, and what `MeasuredOrder.accept` keeps of it (each list has one entry per position)."""
 
     window: list
     lo: int
     hi: int
-    stop: int  # the last position whose clocks were computed (>= hi - 1)
-    clocks: list[float]  # lo..stop: compute clock after the node
-    free: list[tuple]  # lo..stop: each stream's free time after the node
-    stalls: list[float]  # lo..stop: the compute stream's wait at the node (0.0: none)
-    ends: dict  # collectives issued at lo..stop -> when they finish
-    live: list[int]  # lo..hi-1: live bytes after the node
-    peaks: list[int]  # lo..hi-1: live bytes once the node allocated (0: it allocates nothing)
-    pending: list[tuple[int, int, int]]  # lo..hi-1: (bytes, collectives, all-gathers) in flight after it
-    issued: list[tuple[int, int, int]]  # lo..hi-1: those at a collective's issue, (0, 0, 0) elsewhere
-    last_use: dict  # storages the window uses -> their last reader's position
+    clocks: list[int]  # compute clock after the node (ticks)
+    free: list[tuple]  # each stream's free time after the node
+    in_flight: list[tuple]  # collectives issued and not yet waited on after the node
+    ends: dict  # collectives issued in the window -> when they finish
+    live: list[int]  # live bytes after the node
+    peaks: list[int]  # live bytes once the node allocated (0: it allocates nothing)
+    pending: list[tuple[int, int, int]]  # (bytes, collectives, all-gathers) in flight after the node
+    issued: list[tuple[int, int, int]]  # those at a collective's issue, (0, 0, 0) elsewhere
+    last_use: dict  # storages whose last use is in the window -> its position
     peak: int
     exposed: float
     flight: tuple[int, int, int]
@@ -104,36 +106,45 @@ class MeasuredOrder:
     one. See [Note: Measuring a move].
 
     Attributes: order (the current order), peak, exposed, flight (what `OrderCost.measure` gives
-    for it), num_simulated (positions simulated so far, the full first measure included: what the
-    reorder pass's cost grows with).
+    for it), num_simulated (node positions simulated so far, forward or backward, the first whole
+    measure included: what the reorder pass's time grows with).
     """
 
     def __init__(self, cost: OrderCost, order: list) -> None:
         self._cost = cost
-        self._facts = cost._facts
+        facts = self._facts = cost._facts
         self.order = list(order)
         self.num_simulated = 0
-        self._streams = sorted({f[2] for f in self._facts.values() if f[0] is OpKind.COLLECTIVE})
-        self._stream_index = {s: i for i, s in enumerate(self._streams)}
-        # A collective waited on more than once keeps its inputs until its last wait: measured whole.
-        waits: dict = {}
-        for f in self._facts.values():
-            if f[0] is OpKind.WAIT and f[7] is not None:
-                waits[f[7]] = waits.get(f[7], 0) + 1
-        self._whole = any(count > 1 for count in waits.values())
-        self._collective = {key for key, f in self._facts.items() if f[0] is OpKind.COLLECTIVE}
         n = len(self.order)
-        self._clock: list[float] = [0.0] * n
-        self._free: list[tuple] = [()] * n
-        self._stall: list[float] = [0.0] * n
-        self._stall_at: list[int] = []  # positions with a stall, ascending
-        self._exposed_through: list[float] = []  # exposed seconds through each of those
-        self._end: dict = {}
-        self._live: list[int] = [0] * n
+        self._stream_index = {s: i for i, s in enumerate(sorted({f[2] for f in facts.values() if f[0] is OpKind.COLLECTIVE}))}
+        self._collectives = {key for key, f in facts.items() if f[0] is OpKind.COLLECTIVE}
+        self._wait_of: dict = {}  # collective -> its wait
+        waits: dict = {}
+        for key, f in facts.items():
+            if f[0] is OpKind.WAIT and f[7] in self._collectives:
+                self._wait_of[f[7]] = key
+                waits[f[7]] = waits.get(f[7], 0) + 1
+        # A collective waited on more than once keeps its inputs until its last wait: measured whole.
+        self._whole = any(count > 1 for count in waits.values())
+        self._compute_ticks = sum(f[1] for f in facts.values() if f[0] is OpKind.COMPUTE)
+        self._position = {key: i for i, key in enumerate(self.order)}
+        # Memory and collectives in flight, after each position: always up to date.
+        self._live = [0] * n
         self._pending: list[tuple[int, int, int]] = [(0, 0, 0)] * n
-        self._last_use: dict = {}
-        self._peaks = _MaxTree([0] * n)
-        self._issued = [_MaxTree([0] * n) for _ in range(3)]
+        self._last_use: dict = {}  # storage -> the position of its last use
+        self._peaks = _MaxTree(n)
+        self._issued = [_MaxTree(n) for _ in range(3)]
+        # Clocks after each position, up to date before position `_forward`.
+        self._clock = [0] * n
+        self._free: list[tuple] = [()] * n
+        self._in_flight: list[tuple] = [()] * n
+        self._end: dict = {}  # collective -> when it finishes (of those before `_forward`)
+        self._forward = 0
+        # The As of [Note: Measuring a move] for the state before each position (n: the end), up to
+        # date from position `_backward` on: (A of the compute clock, A of each stream's free time).
+        self._to_end: list[tuple[int, tuple]] = [(0, ())] * (n + 1)
+        self._to_end[n] = (0, (_NEVER,) * len(self._stream_index))
+        self._backward = n
         if self._whole:
             self.num_simulated += n
             self.peak, self.exposed, self.flight = cost.measure(self.order)
@@ -158,34 +169,29 @@ class MeasuredOrder:
             return
         self._keep(self._run(window, lo, hi))
 
-    def _exposed_before(self, position: int) -> float:
-        """Exposed seconds through position-1 of the current order, summed as `OrderCost` sums them."""
-        k = bisect_left(self._stall_at, position)
-        return self._exposed_through[k - 1] if k else 0.0
-
     def _run(self, window: list, lo: int, hi: int) -> _Run:
-        """Measure the order that is `window` at positions lo..hi-1 and the current order elsewhere.
-        The arithmetic is `OrderCost.measure`'s, in the same order."""
-        facts, stream_index, base_end, collective_keys = self._facts, self._stream_index, self._end, self._collective
+        """Measure the order that is `window` at positions lo..hi-1 and the current order elsewhere,
+        with `OrderCost.measure`'s arithmetic over the window."""
+        facts, stream_index, base_end, collectives = self._facts, self._stream_index, self._end, self._collectives
         compute, collective, wait, output = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.WAIT, OpKind.OUTPUT
         n = len(self.order)
+        self._run_forward(lo)
+        self._run_backward(hi)
         if lo == 0:
-            clock = exposed = 0.0
-            free = [0.0] * len(self._streams)
+            clock, free, in_flight = 0, [0] * len(stream_index), {}
             pending_bytes = pending_count = pending_gathers = live = 0
         else:
-            clock, free, exposed = self._clock[lo - 1], list(self._free[lo - 1]), self._exposed_before(lo)
+            clock, free, in_flight = self._clock[lo - 1], list(self._free[lo - 1]), dict.fromkeys(self._in_flight[lo - 1])
             pending_bytes, pending_count, pending_gathers = self._pending[lo - 1]
             live = self._live[lo - 1]
         ends: dict = {}
-        diverged: set = set()  # issued here, finishing at another time than in the current order, not yet waited on
         uses: dict = {}  # storage -> its last use in the window
         scratch_at: dict[int, int] = {}  # position -> scratch bytes taken (+) or given back (-)
-        clocks, frees, stalls, pendings, issued = [], [], [], [], []
+        clocks, frees, flights, pendings, issued = [], [], [], [], []
+        flight_now, free_now = tuple(in_flight), tuple(free)
         for i in range(lo, hi):
             key = window[i - lo]
             kind, duration, stream, num_bytes, is_all_gather, allocates, reads, waited, scratch = facts[key]
-            stall = 0.0
             at_issue = (0, 0, 0)
             if allocates >= 0 and key not in uses:
                 uses[key] = i
@@ -193,10 +199,10 @@ class MeasuredOrder:
                 clock += duration
             elif kind is collective:
                 s = stream_index[stream]
-                start = max(clock, free[s])
-                end = free[s] = ends[key] = start + duration
-                if end != base_end.get(key):
-                    diverged.add(key)
+                end = free[s] = ends[key] = max(clock, free[s]) + duration
+                free_now = tuple(free)
+                in_flight[key] = None
+                flight_now = tuple(in_flight)
                 pending_bytes += num_bytes
                 pending_count += 1
                 if is_all_gather:
@@ -204,13 +210,10 @@ class MeasuredOrder:
                 at_issue = (pending_bytes, pending_count, pending_gathers if is_all_gather else 0)
                 if scratch:
                     scratch_at[i] = scratch
-            elif kind is wait and waited in collective_keys:
-                finish = ends[waited] if waited in ends else base_end[waited]
-                if finish > clock:
-                    stall = finish - clock
-                    exposed += stall
-                    clock = finish
-                diverged.discard(waited)
+            elif kind is wait and waited in collectives:
+                clock = max(clock, ends[waited] if waited in ends else base_end[waited])
+                in_flight.pop(waited, None)
+                flight_now = tuple(in_flight)
                 waited_facts = facts[waited]
                 pending_bytes -= waited_facts[3]
                 pending_count -= 1
@@ -226,15 +229,15 @@ class MeasuredOrder:
                 if uses.get(owner, -1) < until:
                     uses[owner] = until
             clocks.append(clock)
-            frees.append(tuple(free))
-            stalls.append(stall)
+            frees.append(free_now)
+            flights.append(flight_now)
             pendings.append((pending_bytes, pending_count, pending_gathers))
             issued.append(at_issue)
+        self.num_simulated += hi - lo
         # Memory: a storage whose last use is after the window keeps it; the others die in it.
         base_last, freed, last_use = self._last_use, {}, {}
         for owner, i in uses.items():
-            last = base_last.get(owner, -1)
-            if last >= hi:
+            if base_last.get(owner, -1) >= hi:
                 continue
             last_use[owner] = i
             freed[i] = freed.get(i, 0) + facts[owner][5]
@@ -252,69 +255,96 @@ class MeasuredOrder:
             live -= freed.get(i, 0) - min(scratch, 0)
             lives.append(live)
             peaks.append(at_peak)
-        # Time: run on with the current order's nodes until the state is the current order's.
-        stop = hi - 1
-        if hi < n and not (stop >= lo and self._same_state(stop, clock, free, diverged)):
-            for i in range(hi, n):
-                stop = i
-                kind, duration, stream, _, _, _, _, waited, _ = facts[self.order[i]]
-                stall = 0.0
-                if kind is compute:
-                    clock += duration
-                elif kind is collective:
-                    key = self.order[i]
-                    s = stream_index[stream]
-                    start = max(clock, free[s])
-                    end = free[s] = ends[key] = start + duration
-                    if end != base_end[key]:
-                        diverged.add(key)
-                elif kind is wait and waited in collective_keys:
-                    finish = ends[waited] if waited in ends else base_end[waited]
-                    if finish > clock:
-                        stall = finish - clock
-                        exposed += stall
-                        clock = finish
-                    diverged.discard(waited)
-                clocks.append(clock)
-                frees.append(tuple(free))
-                stalls.append(stall)
-                if self._same_state(i, clock, free, diverged):
-                    break
-        for k in range(bisect_right(self._stall_at, stop), len(self._stall_at)):
-            exposed += self._stall[self._stall_at[k]]
-        self.num_simulated += stop + 1 - lo
+        # Time: the compute clock at the end, from the state after the window and the As there.
+        to_end, position, wait_of = self._to_end, self._position, self._wait_of
+        clock_to_end, free_to_end = to_end[hi]
+        final = clock + clock_to_end
+        for s, a in enumerate(free_to_end):
+            final = max(final, free[s] + a)
+        for key in in_flight:  # waited on after the window
+            if key in wait_of:
+                final = max(final, (ends[key] if key in ends else base_end[key]) + to_end[position[wait_of[key]] + 1][0])
         peak = max(self._peaks.max(0, lo), window_peak, self._peaks.max(hi, n))
         flight = tuple(
             max(tree.max(0, lo), max((x[c] for x in issued), default=0), tree.max(hi, n))
             for c, tree in enumerate(self._issued)
         )
-        return _Run(list(window), lo, hi, stop, clocks, frees, stalls, ends, lives, peaks, pendings, issued,
-                    last_use, peak, exposed, flight)
+        return _Run(list(window), lo, hi, clocks, frees, flights, ends, lives, peaks, pendings, issued, last_use, peak,
+                    seconds(final - self._compute_ticks), flight)
 
-    def _same_state(self, i: int, clock: float, free: list[float], diverged: set) -> bool:
-        """Whether the clocks after position i are the current order's, bit for bit."""
-        return clock == self._clock[i] and not diverged and tuple(free) == self._free[i]
+    def _run_forward(self, stop: int) -> None:
+        """Bring the clocks after positions `_forward`..stop-1 up to date."""
+        if stop <= self._forward:
+            return
+        facts, stream_index, ends, collectives = self._facts, self._stream_index, self._end, self._collectives
+        compute, collective, wait = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.WAIT
+        i = self._forward
+        if i == 0:
+            clock, free, in_flight = 0, [0] * len(stream_index), {}
+        else:
+            clock, free, in_flight = self._clock[i - 1], list(self._free[i - 1]), dict.fromkeys(self._in_flight[i - 1])
+        free_now, flight_now = tuple(free), tuple(in_flight)
+        for i in range(self._forward, stop):
+            key = self.order[i]
+            kind, duration, stream, _, _, _, _, waited, _ = facts[key]
+            if kind is compute:
+                clock += duration
+            elif kind is collective:
+                s = stream_index[stream]
+                free[s] = ends[key] = max(clock, free[s]) + duration
+                free_now = tuple(free)
+                in_flight[key] = None
+                flight_now = tuple(in_flight)
+            elif kind is wait and waited in collectives:
+                clock = max(clock, ends[waited])
+                in_flight.pop(waited, None)
+                flight_now = tuple(in_flight)
+            self._clock[i], self._free[i], self._in_flight[i] = clock, free_now, flight_now
+        self.num_simulated += stop - self._forward
+        self._forward = stop
+
+    def _run_backward(self, start: int) -> None:
+        """Bring the As before positions start..`_backward`-1 up to date, from the end backwards:
+        a compute node adds its duration to the clock's A; a collective's issue makes its end, which
+        its stream's later collectives and its wait (through the clock's A after the wait) take up;
+        a wait passes the clock's A on to its collective's end."""
+        if start >= self._backward:
+            return
+        facts, stream_index, to_end, position, wait_of = self._facts, self._stream_index, self._to_end, self._position, self._wait_of
+        compute, collective = OpKind.COMPUTE, OpKind.COLLECTIVE
+        for p in range(self._backward - 1, start - 1, -1):
+            key = self.order[p]
+            kind, duration, stream = facts[key][:3]
+            clock_to_end, free_to_end = to_end[p + 1]
+            if kind is compute:
+                to_end[p] = (clock_to_end + duration, free_to_end)
+            elif kind is collective:
+                s = stream_index[stream]
+                end_to_end = free_to_end[s]
+                if key in wait_of:
+                    end_to_end = max(end_to_end, to_end[position[wait_of[key]] + 1][0])
+                through = duration + end_to_end
+                to_end[p] = (max(clock_to_end, through), free_to_end[:s] + (through,) + free_to_end[s + 1 :])
+            else:
+                to_end[p] = (clock_to_end, free_to_end)
+        self.num_simulated += self._backward - start
+        self._backward = start
 
     def _keep(self, run: _Run) -> None:
-        lo, hi, stop = run.lo, run.hi, run.stop
+        lo, hi = run.lo, run.hi
         self.order[lo:hi] = run.window
-        self._clock[lo : stop + 1] = run.clocks
-        self._free[lo : stop + 1] = run.free
-        self._stall[lo : stop + 1] = run.stalls
+        for i in range(lo, hi):
+            self._position[self.order[i]] = i
+        self._clock[lo:hi] = run.clocks
+        self._free[lo:hi] = run.free
+        self._in_flight[lo:hi] = run.in_flight
         self._end.update(run.ends)
+        self._forward = hi  # the clocks after the window moved with it
+        self._backward = max(self._backward, hi)  # the As before its end changed with it
         self._live[lo:hi] = run.live
         self._pending[lo:hi] = run.pending
         self._last_use.update(run.last_use)
         self._peaks.assign(lo, run.peaks)
         for c, tree in enumerate(self._issued):
             tree.assign(lo, [x[c] for x in run.issued])
-        # The stalls from lo on, and the exposed seconds through each, summed in order.
-        k = bisect_left(self._stall_at, lo)
-        kept = [p for p in self._stall_at[k:] if p > stop]
-        self._stall_at[k:] = [p for p in range(lo, stop + 1) if self._stall[p]] + kept
-        del self._exposed_through[k:]
-        exposed = self._exposed_through[-1] if k else 0.0
-        for p in self._stall_at[k:]:
-            exposed += self._stall[p]
-            self._exposed_through.append(exposed)
         self.peak, self.exposed, self.flight = run.peak, run.exposed, run.flight
