@@ -25,8 +25,11 @@ before its window, over the window only:
 The clocks before a window (forward) and the As after it (backward) are found lazily: accepting a
 move invalidates the clocks from its window on and the As up to its window's end, and the passes
 walk the graph in order, so the next windows need little of them again.
-tests/test_reorder_scaling.py checks moves against `simulate`, and that the positions simulated
-grow linearly with depth.
+So a measure costs its window. Most windows span a block or two (a prefetch, a wait sunk to the
+next reduce-scatters); the one kind that grows with depth is a reduce-scatter's wait tried at the
+graph's end, whose window runs from the wait to the end: one per reduce-scatter, a term in depth
+squared that remains, at a small cost per position.
+tests/test_reorder_scaling.py checks moves against `simulate`, and the counts' growth with depth.
 
 Assumes topological orders (every node after its inputs) and at most one wait per collective;
 with several, every measure is a whole one.

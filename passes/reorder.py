@@ -37,6 +37,7 @@ reason and recorded in `gm.meta[SCHEDULE_META]`.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -516,15 +517,32 @@ def reorder_for_overlap(
     return gm
 
 
-def _ancestors(node: Node) -> set[Node]:
+def _last_compute_not_feeding(node: Node, nodes: list[Node], compute: list[int], k: int,
+                               index: dict[Node, int]) -> Optional[Node]:
+    """The last compute node of `nodes` at positions compute[:k] (before `node`) that `node` does not
+    depend on, or None. A node on a path into `node` lies between the two, so the search back from
+    `node` goes only as far as the compute node it has reached: usually the one just before (a
+    bucket's copy-in), not the whole graph before `node`."""
     seen: set[Node] = set()
-    stack = list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
+    deferred: list[tuple[int, int, Node]] = []  # inputs not searched yet, latest first (a heap)
+
+    def defer(n: Node) -> None:
+        heapq.heappush(deferred, (-index.get(n, -1), id(n), n))  # placeholders (-1) are never searched
+
+    for n in node.all_input_nodes:
+        defer(n)
+    for j in range(k - 1, -1, -1):
+        candidate = nodes[compute[j]]
+        while deferred and -deferred[0][0] >= compute[j]:
+            n = heapq.heappop(deferred)[2]
+            if n not in seen:
+                seen.add(n)
+                for i in n.all_input_nodes:
+                    if i not in seen:
+                        defer(i)
+        if candidate not in seen:
+            return candidate
+    return None
 
 
 def _anchor(node: Node) -> Optional[Node]:
@@ -543,7 +561,8 @@ def _anchor(node: Node) -> Optional[Node]:
 def _first_compute_not_reading(nodes: list[Node], i: int) -> Optional[Node]:
     """The first compute node after `nodes[i]` that reads nothing computed from it, or None."""
     reading = {nodes[i]}
-    for node in nodes[i + 1 :]:
+    for j in range(i + 1, len(nodes)):
+        node = nodes[j]
         if any(a in reading for a in node.all_input_nodes):
             reading.add(node)
         elif _kind(node) is OpKind.COMPUTE:
@@ -569,6 +588,7 @@ def pin_order(gm: GraphModule) -> GraphModule:
     if not any(is_collective(n) for n in nodes):
         return gm
     compute = [i for i, n in enumerate(nodes) if _kind(n) is OpKind.COMPUTE]
+    index = {n: i for i, n in enumerate(nodes)}
     issued = [i for i, n in enumerate(nodes) if is_collective(n)]
     deps: dict[Node, OrderedSet[Node]] = {}
     import bisect
@@ -583,12 +603,9 @@ def pin_order(gm: GraphModule) -> GraphModule:
             # The compute before it that is not its own input (copy-in): Inductor may fuse the
             # copy-ins of several buckets into one kernel, which frees the later collectives to
             # move up to it.
-            ancestors = _ancestors(node)
-            j = k - 1
-            while j >= 0 and nodes[compute[j]] in ancestors:
-                j -= 1
-            if j >= 0:
-                deps.setdefault(node, OrderedSet()).add(nodes[compute[j]])
+            before = _last_compute_not_feeding(node, nodes, compute, k, index)
+            if before is not None:
+                deps.setdefault(node, OrderedSet()).add(before)
         elif is_wait_tensor(node) and collective_of(node) is not None:
             k = bisect.bisect_left(compute, i) - 1
             if k >= 0:

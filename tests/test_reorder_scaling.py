@@ -74,3 +74,35 @@ class MeasuredOrderTest(unittest.TestCase):
                         if rng.random() < 0.3:
                             measured.accept(window, lo, hi)
                             self.assertEqual((measured.peak, measured.exposed, measured.flight), expected, where)
+
+
+class ScalingTest(unittest.TestCase):
+    """Counts, not timings: the candidates the pass measures and the node positions it simulates
+    to measure them, for stacks of 4, 8 and 16 blocks."""
+
+    def setUp(self) -> None:
+        self._pg = fake_process_group(8)
+        self._pg.__enter__()
+
+    def tearDown(self) -> None:
+        self._pg.__exit__(None, None, None)
+
+    def reports(self, num_blocks: int) -> dict:
+        torch.manual_seed(0)
+        model = Stack(num_blocks=num_blocks)
+        shard_blocks_then_root(model)
+        graphs = capture_graphs(model, torch.randn(4, 16))
+        return {kind: reorder_for_overlap(bucket_by_group(gm), FIXED).meta[SCHEDULE_META] for kind, gm in graphs.items()}
+
+    def test_measures_and_simulated_positions_grow_linearly(self):
+        reports = {n: self.reports(n) for n in (4, 8, 16)}
+        for kind in ("forward", "backward"):
+            measured = [reports[n][kind].num_measured for n in (4, 8, 16)]
+            simulated = [reports[n][kind].num_simulated for n in (4, 8, 16)]
+            # A whole simulation per candidate (and per accepted move) grew 4x per doubling.
+            for fewer, more in ((0, 1), (1, 2)):
+                self.assertLessEqual(measured[more], 2.1 * measured[fewer], (kind, measured))
+                # The backward's wait of each reduce-scatter is also tried at the graph's end: a window
+                # from the wait to the end, the one part that still grows with depth squared.
+                bound = 2.2 if kind == "forward" else 2.8
+                self.assertLessEqual(simulated[more], bound * simulated[fewer], (kind, simulated))
