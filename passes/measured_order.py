@@ -119,7 +119,8 @@ class MeasuredOrder:
         self.order = list(order)
         self.num_simulated = 0
         n = len(self.order)
-        self._stream_index = {s: i for i, s in enumerate(sorted({f[2] for f in facts.values() if f[0] is OpKind.COLLECTIVE}))}
+        streams = sorted({f[2] for f in facts.values() if f[0] is OpKind.COLLECTIVE})
+        self._stream_index = {s: i for i, s in enumerate(streams)}
         self._collectives = {key for key, f in facts.items() if f[0] is OpKind.COLLECTIVE}
         self._wait_of: dict = {}  # collective -> its wait
         waits: dict = {}
@@ -184,7 +185,8 @@ class MeasuredOrder:
             clock, free, in_flight = 0, [0] * len(stream_index), {}
             pending_bytes = pending_count = pending_gathers = live = 0
         else:
-            clock, free, in_flight = self._clock[lo - 1], list(self._free[lo - 1]), dict.fromkeys(self._in_flight[lo - 1])
+            clock, free = self._clock[lo - 1], list(self._free[lo - 1])
+            in_flight = dict.fromkeys(self._in_flight[lo - 1])
             pending_bytes, pending_count, pending_gathers = self._pending[lo - 1]
             live = self._live[lo - 1]
         ends: dict = {}
@@ -266,7 +268,8 @@ class MeasuredOrder:
             final = max(final, free[s] + a)
         for key in in_flight:  # waited on after the window
             if key in wait_of:
-                final = max(final, (ends[key] if key in ends else base_end[key]) + to_end[position[wait_of[key]] + 1][0])
+                end = ends[key] if key in ends else base_end[key]
+                final = max(final, end + to_end[position[wait_of[key]] + 1][0])
         peak = max(self._peaks.max(0, lo), window_peak, self._peaks.max(hi, n))
         flight = tuple(
             max(tree.max(0, lo), max((x[c] for x in issued), default=0), tree.max(hi, n))
@@ -285,7 +288,8 @@ class MeasuredOrder:
         if i == 0:
             clock, free, in_flight = 0, [0] * len(stream_index), {}
         else:
-            clock, free, in_flight = self._clock[i - 1], list(self._free[i - 1]), dict.fromkeys(self._in_flight[i - 1])
+            clock, free = self._clock[i - 1], list(self._free[i - 1])
+            in_flight = dict.fromkeys(self._in_flight[i - 1])
         free_now, flight_now = tuple(free), tuple(in_flight)
         for i in range(self._forward, stop):
             key = self.order[i]
@@ -313,7 +317,8 @@ class MeasuredOrder:
         a wait passes the clock's A on to its collective's end."""
         if start >= self._backward:
             return
-        facts, stream_index, to_end, position, wait_of = self._facts, self._stream_index, self._to_end, self._position, self._wait_of
+        facts, stream_index, to_end = self._facts, self._stream_index, self._to_end
+        position, wait_of = self._position, self._wait_of
         compute, collective = OpKind.COMPUTE, OpKind.COLLECTIVE
         for p in range(self._backward - 1, start - 1, -1):
             key = self.order[p]

@@ -306,7 +306,9 @@ def memory_profile(program: Program) -> MemoryProfile:
 class CollectiveSpan:
     """One collective on its communication stream. Attributes: name, kind, group, num_bytes,
     issue_index / wait_index (positions in the program), prefetch_distance (compute nodes between
-    issue and wait: what can hide it), issue_s / start_s / end_s, exposed_s (the stall at its wait)."""
+    issue and wait: what can hide it), issue_s / start_s / end_s, exposed_s (the stall at its wait),
+    busy_s (its time on the stream: end_s - start_s, rounded once, so that a wholly exposed collective
+    has busy_s == exposed_s)."""
 
     name: str
     kind: str
@@ -320,6 +322,7 @@ class CollectiveSpan:
     end_s: float
     exposed_s: float = 0.0
     parallelism: str = "fsdp"  # its stream: see [Note: Simulator model]
+    busy_s: float = 0.0
 
 
 @dataclass
@@ -370,7 +373,8 @@ def simulate(program: "Program | GraphModule", cost_model: CostModel) -> Simulat
             end = ends[op.name] = comm_free[op.facts.parallelism] = start + duration
             comm += duration
             span = CollectiveSpan(op.name, op.facts.collective.value, op.group, op.facts.collective_bytes,
-                                  i, -1, 0, seconds(clock), seconds(start), seconds(end), parallelism=op.facts.parallelism)
+                                  i, -1, 0, seconds(clock), seconds(start), seconds(end),
+                                  parallelism=op.facts.parallelism, busy_s=seconds(duration))
             by_name[op.name] = span
             compute_seen[op.name] = num_compute
             collectives.append(span)

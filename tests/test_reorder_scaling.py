@@ -50,8 +50,8 @@ class MeasuredOrderTest(unittest.TestCase):
         """Random windows of unscheduled and scheduled graphs, shuffled, measured and sometimes
         accepted: each measure is what `simulate`, `in_flight` and `all_gathers_in_flight` give for
         the whole program, with and without gloo's scratch copies."""
-        graphs = {**capture_graphs(sharded_stack(), torch.randn(4, 16)),
-                  **{f"embed {k}": g for k, g in capture_graphs(sharded_embed_stack(), torch.randint(0, 256, (4, 8))).items()}}
+        embed = capture_graphs(sharded_embed_stack(), torch.randint(0, 256, (4, 8)))
+        graphs = {**capture_graphs(sharded_stack(), torch.randn(4, 16)), **{f"embed {k}": g for k, g in embed.items()}}
         for name, gm in graphs.items():
             for scheduled in (False, True):
                 graph = bucket_by_group(copy.deepcopy(gm))
@@ -92,7 +92,8 @@ class ScalingTest(unittest.TestCase):
         model = Stack(num_blocks=num_blocks)
         shard_blocks_then_root(model)
         graphs = capture_graphs(model, torch.randn(4, 16))
-        return {kind: reorder_for_overlap(bucket_by_group(gm), FIXED).meta[SCHEDULE_META] for kind, gm in graphs.items()}
+        scheduled = {kind: reorder_for_overlap(bucket_by_group(gm), FIXED) for kind, gm in graphs.items()}
+        return {kind: gm.meta[SCHEDULE_META] for kind, gm in scheduled.items()}
 
     def test_measures_and_simulated_positions_grow_linearly(self):
         reports = {n: self.reports(n) for n in (4, 8, 16)}
