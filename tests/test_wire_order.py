@@ -66,3 +66,20 @@ def test_an_order_the_data_forbids_leaves_the_graph_as_it_was():
     assert not order_collectives_as(program, impossible)
     assert [n.name for n in program.graph.nodes] == before
     assert not order_collectives_as(program, order[:-1])  # other collectives: refused too
+
+
+def test_another_model_with_the_same_names_records_its_own_order(caplog):
+    """Records are kept per root and backend options: a second model whose frame Dynamo numbers
+    as the first's (after `torch._dynamo.reset()`) and whose groups have the same names is a first
+    compile, not a recompile of the first model's frame (in the suite, an earlier test's order was
+    imposed on test_passes_inductor's graph)."""
+    import logging
+
+    import fsdp_graph
+
+    with fake_process_group(8), caplog.at_level(logging.INFO, logger="fsdp_graph.compile.agreement"):
+        for options in ({"disabled_passes": {"reorder_for_overlap"}}, {}):
+            torch._dynamo.reset()
+            compiled = torch.compile(sharded_stack(), backend=fsdp_graph.backend(compiler="aot_eager", **options))
+            compiled(torch.randn(4, 16)).sum().backward()
+    assert not [r for r in caplog.records if "recompiles a frame" in r.getMessage()]

@@ -38,7 +38,10 @@ sized by parameters, which shapes do not change). So the first graph of a frame,
 other ranks as above, records its wire order for each of its forward and backward graphs
 (passes/wire_order.py), and a later graph of the same frame and groups is scheduled as usual and
 then issues its collectives in the recorded order (`order_collectives_as`, which keeps the
-schedule where that order allows). With Inductor the recorded order joins the compile-cache key.
+schedule where that order allows). The records are kept per root (a model gone takes its own along)
+and per backend options, so another model or backend never takes them, even where Dynamo numbers its
+frame as an earlier one's (after `torch._dynamo.reset()`). With Inductor the recorded order joins
+the compile-cache key.
 A frame whose first graph came from the compile caches recorded nothing (no pass ran): its next
 graph is agreed as a first one.
 Graphs of one group wait for nobody: their collectives cannot be reordered across groups (an MoE
@@ -49,7 +52,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence
+import weakref
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,26 +85,31 @@ class GraphAgreement:
 
     def __init__(self) -> None:
         self._diverged: set[tuple[int, ...]] = set()
-        self._frames: dict[tuple, FrameWireOrder] = {}
+        # Per root (the root context of the graph's first sharded parameter, held weakly: a model
+        # gone takes its records along), per frame, groups, grad mode and backend options.
+        self._frames: "weakref.WeakKeyDictionary[Any, dict[tuple, FrameWireOrder]]" = weakref.WeakKeyDictionary()
 
     def frame_order(
-        self, gm: GraphModule, example_inputs: Sequence, ranks: Sequence[int]
+        self, gm: GraphModule, example_inputs: Sequence, ranks: Sequence[int], root: Any, options: str
     ) -> tuple["FrameWireOrder", bool]:
         """The wire order `gm`'s graphs keep ([Note: One wire order per frame]), and whether `gm`
         must keep every group's collectives in program order (`diverged`, asked only of the first
-        graph of a frame)."""
+        graph of a frame). `root`: the root context the graph's parameters belong to (None: none);
+        `options`: the backend's options, as its cache key spells them."""
         compile_id = torch._guards.CompileContext.current_compile_id()
-        key = (None if compile_id is None else compile_id.frame_id, tuple(graph_groups(gm)), torch.is_grad_enabled())
-        known = self._frames.get(key)
-        if compile_id is not None and known is not None and "forward" in known.orders:
+        frames = self._frames.setdefault(root, {}) if compile_id is not None and root is not None else None
+        key = (None if compile_id is None else compile_id.frame_id, tuple(graph_groups(gm)), torch.is_grad_enabled(),
+               options)
+        known = None if frames is None else frames.get(key)
+        if known is not None and "forward" in known.orders:
             logger.info("fsdp_graph: graph %s recompiles a frame: its collectives keep the order of the frame's first "
                         "graph ([Note: One wire order per frame])", compile_id)
             known.cache_key = repr(sorted(known.orders.items()))
             return known, known.program_order
         program_order = self.diverged(gm, example_inputs, ranks)
         order = FrameWireOrder(program_order)
-        if compile_id is not None:
-            self._frames[key] = order
+        if frames is not None:
+            frames[key] = order
         return order, program_order
 
     def diverged(self, gm: GraphModule, example_inputs: Sequence, ranks: Sequence[int],

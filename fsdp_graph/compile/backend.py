@@ -234,7 +234,10 @@ class FSDPGraphBackend:
         if self.config.rank_divergent_graphs:
             return self._compile(gm, example_inputs, owners, None)
         # [Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py
-        order, program_order = AGREEMENT.frame_order(gm, example_inputs, _ranks_of(owners))
+        root = owners[0].group_modules[0]._fsdp_state.ctx if owners else None
+        resolved = self.config.resolved_options()
+        options = f"{self.config.compiler.value}:{self.config.cache_key((Stage.SCHEDULE,), resolved)}"
+        order, program_order = AGREEMENT.frame_order(gm, example_inputs, _ranks_of(owners), root, options)
         backend = FSDPGraphBackend(replace(self.config, rank_divergent_graphs=True)) if program_order else self
         return backend._compile(gm, example_inputs, owners, order)
 
