@@ -4,11 +4,18 @@ from __future__ import annotations
 from _models import shard_blocks_then_root
 
 
+import copy
+import dataclasses
+
 import torch
 import torch.nn as nn
 
 from fsdp_graph import fully_shard
+from fsdp_graph.passes.bucketing import bucket_by_group
 from fsdp_graph.passes.cost_model import CostModel, HardwareProfile
+from fsdp_graph.passes.nodes import is_collective
+from fsdp_graph.passes.reorder import reorder_for_overlap
+from fsdp_graph.passes.simulator import op_of
 from fsdp_graph.predict import capture_graphs  # noqa: F401 (the pass tests import it from here)
 
 # A fixed machine for the pass tests: 1 GFLOP/s, 1 GB/s memory, 10 us + 1 B/ns collectives.
@@ -104,3 +111,19 @@ def schedule_lines(gm: torch.fx.GraphModule) -> str:
         elif node.op == "call_function" and node.target is torch.ops.aten.mm.default:
             lines.append("mm")
     return "\n".join(lines)
+
+
+def cost_cases(graphs: dict):
+    """For each captured graph, unscheduled and scheduled (bucketed per group, then reordered with
+    FIXED), its ops without and with gloo's scratch copies (each collective holds a copy of its
+    output until its wait): yields (what, graph, {node: Op})."""
+    for name, gm in graphs.items():
+        for scheduled in (False, True):
+            graph = bucket_by_group(copy.deepcopy(gm))
+            if scheduled:
+                graph = reorder_for_overlap(graph, FIXED)
+            ops = {n: op_of(n) for n in graph.graph.nodes}
+            gloo_like = {n: dataclasses.replace(op, scratch_bytes=op.out_bytes) if is_collective(n) else op
+                         for n, op in ops.items()}
+            for with_scratch, graph_ops in ((False, ops), (True, gloo_like)):
+                yield f"{name}, scheduled={scheduled}, scratch={with_scratch}", graph, graph_ops

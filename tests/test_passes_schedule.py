@@ -11,7 +11,8 @@ import torch
 
 from _harness import fake_process_group
 from _schedule_helpers import (
-    FIXED, LATENCY_BOUND, capture_graphs, schedule_lines, sharded_embed_stack, sharded_stack, tensor_parallel_stack,
+    FIXED, LATENCY_BOUND, capture_graphs, cost_cases, schedule_lines, sharded_embed_stack, sharded_stack,
+    tensor_parallel_stack,
 )
 from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group, buckets
 from fsdp_graph.passes.cost_model import CollectiveKind, CostModel, Profile
@@ -20,7 +21,7 @@ from fsdp_graph.passes.reorder import SCHEDULE_META, reorder_for_overlap
 
 UNLIMITED = 1 << 50  # a memory budget nothing reaches: the schedule overlap alone decides
 from fsdp_graph.passes.simulator import (
-    Op, OpKind, OrderCost, all_gathers_in_flight, in_flight, in_flight_bytes, memory_profile, op_of, program_of,
+    Op, OpKind, OrderCost, all_gathers_in_flight, in_flight, in_flight_bytes, memory_profile, program_of,
     saved_inputs, simulate,
 )
 
@@ -264,24 +265,14 @@ wait RS blocks.0""")
         topological orders of unscheduled and scheduled graphs (so the schedule is the one full
         simulations would pick); see [Note: Measuring candidate orders]."""
         graphs = {**self.graphs(), **{f"embed {k}": g for k, g in capture_graphs(sharded_embed_stack(), torch.randint(0, 256, (4, 8))).items()}}
-        for name, gm in graphs.items():
-            for scheduled in (False, True):
-                graph = bucket_by_group(copy.deepcopy(gm))
-                if scheduled:
-                    graph = reorder_for_overlap(graph, FIXED)
-                ops = {n: op_of(n) for n in graph.graph.nodes}
-                # As on gloo: each collective holds a copy of its output until its wait.
-                gloo_like = {n: dataclasses.replace(op, scratch_bytes=op.out_bytes) if is_collective(n) else op
-                             for n, op in ops.items()}
-                for with_scratch, graph_ops in ((False, ops), (True, gloo_like)):
-                    cost = OrderCost(graph_ops, FIXED)
-                    for seed in range(20):
-                        order = _random_topological_order(list(graph.graph.nodes), seed)
-                        program = [graph_ops[n] for n in order]
-                        sim = simulate(program, FIXED)
-                        expected = (sim.memory.peak_bytes, sim.exposed_comm_s, (*in_flight(program), all_gathers_in_flight(program)))
-                        self.assertEqual(cost.measure(order), expected,
-                                         f"{name}, scheduled={scheduled}, scratch={with_scratch}, seed {seed}")
+        for what, graph, graph_ops in cost_cases(graphs):
+            cost = OrderCost(graph_ops, FIXED)
+            for seed in range(20):
+                order = _random_topological_order(list(graph.graph.nodes), seed)
+                program = [graph_ops[n] for n in order]
+                sim = simulate(program, FIXED)
+                expected = (sim.memory.peak_bytes, sim.exposed_comm_s, (*in_flight(program), all_gathers_in_flight(program)))
+                self.assertEqual(cost.measure(order), expected, f"{what}, seed {seed}")
 
     def test_memory_model(self):
         """What [Note: Simulator model] says a step holds: a backward's saved activations until their

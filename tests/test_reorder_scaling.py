@@ -3,8 +3,6 @@
 that grows linearly with depth. One process, a fake process group, a fixed cost model.
 """
 
-import copy
-import dataclasses
 import random
 import unittest
 
@@ -12,12 +10,11 @@ import torch
 
 from _harness import fake_process_group
 from _models import shard_blocks_then_root
-from _schedule_helpers import FIXED, Stack, capture_graphs, sharded_embed_stack, sharded_stack
+from _schedule_helpers import FIXED, Stack, capture_graphs, cost_cases, sharded_embed_stack, sharded_stack
 from fsdp_graph.passes.bucketing import bucket_by_group
 from fsdp_graph.passes.measured_order import MeasuredOrder
-from fsdp_graph.passes.nodes import is_collective
 from fsdp_graph.passes.reorder import SCHEDULE_META, reorder_for_overlap
-from fsdp_graph.passes.simulator import OrderCost, all_gathers_in_flight, in_flight, op_of, simulate
+from fsdp_graph.passes.simulator import OrderCost, all_gathers_in_flight, in_flight, simulate
 
 
 def _shuffled_window(order: list, lo: int, hi: int, rng: random.Random) -> list:
@@ -52,28 +49,20 @@ class MeasuredOrderTest(unittest.TestCase):
         the whole program, with and without gloo's scratch copies."""
         embed = capture_graphs(sharded_embed_stack(), torch.randint(0, 256, (4, 8)))
         graphs = {**capture_graphs(sharded_stack(), torch.randn(4, 16)), **{f"embed {k}": g for k, g in embed.items()}}
-        for name, gm in graphs.items():
-            for scheduled in (False, True):
-                graph = bucket_by_group(copy.deepcopy(gm))
-                if scheduled:
-                    graph = reorder_for_overlap(graph, FIXED)
-                ops = {n: op_of(n) for n in graph.graph.nodes}
-                gloo_like = {n: dataclasses.replace(op, scratch_bytes=op.out_bytes) if is_collective(n) else op
-                             for n, op in ops.items()}
-                for with_scratch, graph_ops in ((False, ops), (True, gloo_like)):
-                    rng = random.Random(0)
-                    measured = MeasuredOrder(OrderCost(graph_ops, FIXED), list(graph.graph.nodes))
-                    n = len(measured.order)
-                    for step in range(60):
-                        lo = rng.randrange(1, n - 1)
-                        hi = min(n - 1, lo + rng.choice([2, 8, 40, n]))
-                        window = _shuffled_window(measured.order, lo, hi, rng)
-                        expected = _whole_simulation(graph_ops, measured.order[:lo] + window + measured.order[hi:])
-                        where = f"{name}, scheduled={scheduled}, scratch={with_scratch}, step {step}"
-                        self.assertEqual(measured.measure(window, lo, hi), expected, where)
-                        if rng.random() < 0.3:
-                            measured.accept(window, lo, hi)
-                            self.assertEqual((measured.peak, measured.exposed, measured.flight), expected, where)
+        for what, graph, graph_ops in cost_cases(graphs):
+            rng = random.Random(0)
+            measured = MeasuredOrder(OrderCost(graph_ops, FIXED), list(graph.graph.nodes))
+            n = len(measured.order)
+            for step in range(60):
+                lo = rng.randrange(1, n - 1)
+                hi = min(n - 1, lo + rng.choice([2, 8, 40, n]))
+                window = _shuffled_window(measured.order, lo, hi, rng)
+                expected = _whole_simulation(graph_ops, measured.order[:lo] + window + measured.order[hi:])
+                where = f"{what}, step {step}"
+                self.assertEqual(measured.measure(window, lo, hi), expected, where)
+                if rng.random() < 0.3:
+                    measured.accept(window, lo, hi)
+                    self.assertEqual((measured.peak, measured.exposed, measured.flight), expected, where)
 
 
 class ScalingTest(unittest.TestCase):
