@@ -22,11 +22,12 @@ from .nodes import collective_label, is_collective
 def wire_order(gm: GraphModule) -> tuple[str, ...]:
     """The collectives of `gm` in graph order, each as its op and the groups or parallelism it
     serves (`collective_label`): what another rank's graph must issue in the same order."""
-    return tuple(f"{_op_name(n)} {collective_label(n)}" for n in gm.graph.nodes if is_collective(n))
+    return tuple(_wire_label(n) for n in gm.graph.nodes if is_collective(n))
 
 
-def _op_name(node: Node) -> str:
-    return getattr(node.target, "__name__", str(node.target))
+def _wire_label(node: Node) -> str:
+    """One collective as `wire_order` spells it."""
+    return f"{getattr(node.target, '__name__', str(node.target))} {collective_label(node)}"
 
 
 def _mutates(node: Node) -> bool:
@@ -43,7 +44,7 @@ def order_collectives_as(gm: GraphModule, order: tuple[str, ...]) -> bool:
     `order`); a node that mutates an input is a barrier no node crosses. Returns False, leaving
     `gm` as it was, when its collectives are not those of `order` or cannot come in that order."""
     nodes = list(gm.graph.nodes)
-    labels = {n: f"{_op_name(n)} {collective_label(n)}" for n in nodes if is_collective(n)}
+    labels = {n: _wire_label(n) for n in nodes if is_collective(n)}
     if sorted(labels.values()) != sorted(order):
         return False
     if tuple(labels.values()) == tuple(order):

@@ -104,7 +104,6 @@ class GraphAgreement:
         if known is not None and "forward" in known.orders:
             logger.info("fsdp_graph: graph %s recompiles a frame: its collectives keep the order of the frame's first "
                         "graph ([Note: One wire order per frame])", compile_id)
-            known.cache_key = repr(sorted(known.orders.items()))
             return known, known.program_order
         program_order = self.diverged(gm, example_inputs, ranks)
         order = FrameWireOrder(program_order)
@@ -209,13 +208,15 @@ class FrameWireOrder:
     Attributes:
         program_order: the frame's first graph kept every group's collectives in program order.
         orders: per kind of graph ("forward", "backward"), the wire order of its first one.
-        cache_key: the orders as they were when this compile began, for the compile caches.
     """
 
     def __init__(self, program_order: bool) -> None:
         self.program_order = program_order
         self.orders: dict[str, tuple[str, ...]] = {}
-        self.cache_key = ""
+
+    def cache_key(self) -> str:
+        """The orders recorded so far, for the compile caches ("" before any)."""
+        return repr(sorted(self.orders.items())) if self.orders else ""
 
     def keep(self, kind: str, gm: GraphModule) -> None:
         """Record `gm`'s wire order if it is the frame's first graph of its kind, else make it

@@ -197,6 +197,11 @@ def _sharded_param_of(t: Any):
     return None
 
 
+def _root_of(owner) -> Any:
+    """The root context of a sharded parameter (`_sharded_param_of`'s answer)."""
+    return owner.group_modules[0]._fsdp_state.ctx
+
+
 def _check_sharded(gm: GraphModule, example_inputs: list) -> list:
     """Raise if the graph reads parameters but none of them is fsdp_graph's; return the owners."""
     owners = [o for o in map(_sharded_param_of, example_inputs) if o is not None]
@@ -234,7 +239,7 @@ class FSDPGraphBackend:
         if self.config.rank_divergent_graphs:
             return self._compile(gm, example_inputs, owners, None)
         # [Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py
-        root = owners[0].group_modules[0]._fsdp_state.ctx if owners else None
+        root = _root_of(owners[0]) if owners else None
         resolved = self.config.resolved_options()
         options = f"{self.config.compiler.value}:{self.config.cache_key((Stage.SCHEDULE,), resolved)}"
         order, program_order = AGREEMENT.frame_order(gm, example_inputs, _ranks_of(owners), root, options)
@@ -306,8 +311,8 @@ class FSDPGraphBackend:
         # The local shard shapes, in the joint pass's key: see [Note: Rank-independent cache keys].
         joint_key = f"fsdp_graph.joint:{digest}:{self.config.cache_key((Stage.JOINT,), resolved)}:{local_shapes(example_inputs)}"
         schedule_key = f"fsdp_graph.schedule:{digest}:{self.config.cache_key((Stage.SCHEDULE, Stage.LOWER), resolved)}"
-        if order is not None and order.cache_key:
-            schedule_key += f":{hashlib.sha256(order.cache_key.encode()).hexdigest()[:16]}"
+        if order is not None and order.cache_key():
+            schedule_key += f":{hashlib.sha256(order.cache_key().encode()).hexdigest()[:16]}"
         patches: dict[str, Any] = {
             "joint_custom_pre_pass": _InductorJointPass(joint, graph_id, None if dump is not None else joint_key),
             "custom_partitioner_fn": InductorPartitioner(),
@@ -414,7 +419,7 @@ class _RecordFallbacks:
         self.dump = dump
         self.roots = []
         for owner in owners:
-            ctx = owner.group_modules[0]._fsdp_state.ctx
+            ctx = _root_of(owner)
             if all(ctx is not r for r in self.roots):
                 self.roots.append(ctx)
         self._num_written = -1
