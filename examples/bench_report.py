@@ -25,6 +25,15 @@ def init_cpu_ranks() -> tuple[int, int]:
     return rank, world_size
 
 
+def parse_rows(parser, rows: str, names) -> list[str]:
+    """The comma-separated `rows` of a benchmark's `--rows`, each one of `names` (else a parser error)."""
+    chosen = [r.strip() for r in rows.split(",") if r.strip()]
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        parser.error(f"--rows names {unknown}; rows: {','.join(names)}")
+    return chosen
+
+
 def machine() -> str:
     """The machine in one line: OS and CPU, cores, accelerator, torch, and the ranks of this run."""
     parts = [platform.platform(), platform.processor() or platform.machine(), f"{os.cpu_count()} CPU cores"]

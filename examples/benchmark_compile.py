@@ -507,15 +507,13 @@ def exposed_at(sim) -> str:
 
 
 def predict_8b(args) -> None:
-    from fsdp_graph.predict import capture_graphs, fake_world
+    from fsdp_graph.predict import capture_graphs, fake_world, schedule_graphs
     import unittest.mock
 
     from torch._inductor.fx_passes import overlap_scheduling
     from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
 
-    from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group
     from fsdp_graph.passes.cost_model import CostModel, op_facts
-    from fsdp_graph.passes.reorder import reorder_for_overlap
     from fsdp_graph.inspect.chrome_trace import write_trace
     from fsdp_graph.passes.nodes import is_all_gather, tensor_bytes
     from fsdp_graph.passes.simulator import program_of, simulate
@@ -540,10 +538,8 @@ def predict_8b(args) -> None:
               f"({', '.join(f'{k} {v / 2**30:.2f}' for k, v in gathered.items())}); "
               f"selective unsharding budget: {args.budget_gib if budget else 'none'} GiB")
 
-        def ours(gm):
-            gm = bucket_by_group(gm)
-            gm = auto_bucket(gm, cost_model, 1 << 30)
-            return reorder_for_overlap(gm, cost_model)
+        def ours(gm):  # the backend's scheduling passes with its default options
+            return schedule_graphs({"graph": gm}, hardware_profile=cost_model)["graph"]
 
         def estimate_ms(node, override_size):
             facts = op_facts(node)

@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_report import write_markdown  # noqa: E402
+from bench_report import parse_rows, write_markdown  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = {"blocks": "ours, blocks compiled one by one", "fsdp2-blocks": "FSDP2, blocks compiled one by one",
@@ -49,10 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown, with date, machine and command")
     args = parser.parse_args()
     args.layers = [int(x) for x in args.layers.split(",")]
-    args.rows = [r for r in args.rows.split(",") if r]
-    unknown = sorted(set(args.rows) - set(NAMES))
-    if unknown:
-        parser.error(f"--rows names {unknown}; rows: {','.join(NAMES)}")
+    args.rows = parse_rows(parser, args.rows, NAMES)
     return args
 
 

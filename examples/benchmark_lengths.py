@@ -26,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_report import write_markdown  # noqa: E402
+from bench_report import parse_rows, write_markdown  # noqa: E402
 
 NAMES = {"fsdp2-compile": "FSDP2, torch.compile(model)", "scheduled": "ours, whole step (fsdp_graph backend)"}
 
@@ -47,10 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
-    args.rows = [r for r in args.rows.split(",") if r]
-    unknown = sorted(set(args.rows) - set(NAMES))
-    if unknown:
-        parser.error(f"--rows names {unknown}; rows: {','.join(NAMES)}")
+    args.rows = parse_rows(parser, args.rows, NAMES)
     return args
 
 

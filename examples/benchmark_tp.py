@@ -160,11 +160,9 @@ def predict_70b(args) -> None:
     import copy
     import time
 
-    from fsdp_graph.predict import capture_graphs, fake_world, predict_step
+    from fsdp_graph.predict import capture_graphs, fake_world, predict_step, schedule_graphs
 
     from fsdp_graph.passes.cost_model import CostModel
-    from fsdp_graph.passes.pipeline import PassPipeline
-    from fsdp_graph.passes.scheduling import scheduling_passes
 
     cost_model = CostModel("h100-infiniband", links={"tp": "h100-nvlink"})
     cfg = LlamaConfig(vocab_size=128256, dim=8192, num_layers=args.predict_layers, num_heads=64, num_kv_heads=8,
@@ -190,9 +188,8 @@ def predict_70b(args) -> None:
         print(f"{setup}; traced in {time.perf_counter() - start:.0f} s")
 
         def scheduled(disabled):
-            passes = scheduling_passes(cost_model, 1 << 30, None, None, None, args.predict_chunks)
-            pipeline = PassPipeline("schedule", passes, frozenset(disabled), None)
-            return {kind: pipeline(copy.deepcopy(gm), kind) for kind, gm in graphs.items()}
+            return schedule_graphs(graphs, hardware_profile=cost_model, disabled_passes=disabled,
+                                   async_tp_chunks=args.predict_chunks)
 
         rows = (("unscheduled", lambda: graphs),
                 ("fsdp_graph, async TP off", lambda: scheduled({"async_tp", "overlap_tp_all_reduces"})),

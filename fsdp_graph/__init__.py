@@ -10,12 +10,12 @@
 One subpackage per kind of reader; the names above are re-exported here:
 
     api/       `fully_shard`, `FSDPModule` and their checks; `PipelineStage` (api/pipelining.py)
-    compile/   the `fsdp_graph` torch.compile backend, `precompile`, cache keys, the partitioner,
-               `predict` (a step's graphs captured at any world size)
+    compile/   the `fsdp_graph` torch.compile backend, `precompile`, cache keys, the partitioner
     inspect/   graph dumps, `python -m fsdp_graph.inspect DIR`, the predicted timeline, Chrome traces
     fsdp1/     FSDP1's conveniences above `fully_shard`: `wrap`, `full_params`, `comm_hooks`
     optim/     `fsdp_graph.optim.Muon` and `WholeMatrixOptimizer`: matrix optimizers on sharded parameters
-    predict.py the documented path of `compile/predict.py` (`fsdp_graph.predict.fake_world`, ...)
+    predict.py a step's graphs captured at any world size and predicted on a hardware profile
+               (`fsdp_graph.predict.fake_world`, `capture_graphs`, `schedule_graphs`, `predict_step`)
 """
 
 from .api import DataParallelMeshDims, FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx

@@ -1,1 +1,2 @@
-"""Graph passes over the graphs the `fsdp_graph` backend compiles. See pipeline.py for the runner."""
+"""Graph passes over the graphs the `fsdp_graph` backend compiles: table.py lists them in order
+with their options, pipeline.py runs them, nodes.py holds the predicates and meta keys they share."""

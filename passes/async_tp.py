@@ -42,12 +42,11 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from .nodes import ASYNC_TP_META, PASS_META, is_all_reduce, is_fsdp_collective, wait_of
+from .nodes import ASYNC_TP_META, C10D, PASS_META, is_all_reduce, is_fsdp_collective, wait_of
 
 logger = logging.getLogger(__name__)
 
 _ATEN = torch.ops.aten
-_C10D = torch.ops._c10d_functional
 PASS_NAME = "async_tp"
 MERGE_PASS_NAME = "merge_tp_all_reduces"
 DEFAULT_NUM_CHUNKS = 4
@@ -154,12 +153,12 @@ def _decompose(gm: GraphModule, all_reduce: Node, num_chunks: int, positions: _P
             summed = _chunk_matmul(graph, matmuls[0], start, end)
             for mm in matmuls[1:]:
                 summed = _add(graph, _ATEN.add.Tensor, (summed, _chunk_matmul(graph, mm, start, end)))
-            chunk = _add(graph, _C10D.all_reduce.default, (summed, op, group))
+            chunk = _add(graph, C10D.all_reduce.default, (summed, op, group))
             chunk.meta[ASYNC_TP_META] = (c, len(bounds))
             reduced.append(chunk)
     shape = list(all_reduce.meta["val"].shape)
     with graph.inserting_before(positions.earliest(wait.users)):
-        waits = [_add(graph, _C10D.wait_tensor.default, (chunk,)) for chunk in reduced]
+        waits = [_add(graph, C10D.wait_tensor.default, (chunk,)) for chunk in reduced]
         out = _add(graph, _ATEN.view.default, (_add(graph, _ATEN.cat.default, (waits, 0)), shape))
     wait.replace_all_uses_with(out)
     dead = [wait, all_reduce]
@@ -181,8 +180,6 @@ def decompose_tp_matmuls(gm: GraphModule, num_chunks: int = DEFAULT_NUM_CHUNKS) 
     num_done = sum(_decompose(gm, n, num_chunks, positions) for n in candidates)
     logger.debug("fsdp_graph::async_tp %d of %d tp all-reduces decomposed into %d chunks",
                  num_done, len(candidates), num_chunks)
-    gm.graph.lint()
-    gm.recompile()
     return gm
 
 
@@ -193,7 +190,7 @@ def _reduced_by(node: Node) -> Optional[tuple[Node, list[Node]]]:
     while node.op == "call_function" and node.target in _VIEWS and len(node.users) == 1:
         views.append(node)
         node = node.args[0]
-    if not (node.op == "call_function" and node.target is _C10D.wait_tensor.default and len(node.users) == 1):
+    if not (node.op == "call_function" and node.target is C10D.wait_tensor.default and len(node.users) == 1):
         return None
     all_reduce = node.args[0]
     if not (is_tp_all_reduce(all_reduce) and len(all_reduce.users) == 1 and all_reduce.args[1] == "sum"):
@@ -219,8 +216,8 @@ def _merge(gm: GraphModule, add: Node) -> bool:
             inputs.append(x)
         summed = _add(graph, _ATEN.add.Tensor, tuple(inputs), pass_name=MERGE_PASS_NAME)
         group = found[0][0].args[2]
-        merged = _add(graph, _C10D.all_reduce.default, (summed, "sum", group), pass_name=MERGE_PASS_NAME)
-        wait = _add(graph, _C10D.wait_tensor.default, (merged,), pass_name=MERGE_PASS_NAME)
+        merged = _add(graph, C10D.all_reduce.default, (summed, "sum", group), pass_name=MERGE_PASS_NAME)
+        wait = _add(graph, C10D.wait_tensor.default, (merged,), pass_name=MERGE_PASS_NAME)
     add.replace_all_uses_with(wait)
     graph.erase_node(add)
     for all_reduce, views in found:
@@ -251,8 +248,6 @@ def merge_summed_all_reduces(gm: GraphModule) -> GraphModule:
                 changed = True
     if num_merged:
         logger.debug("fsdp_graph::merge_tp_all_reduces %d all-reduces fewer", num_merged)
-        gm.graph.lint()
-        gm.recompile()
     return gm
 
 

@@ -25,10 +25,11 @@ import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from ..runtime.meta import GROUP_KEY
 from .cost_model import CostModel, op_facts
 from .nodes import (
     BUCKET_META,
+    C10D,
+    bucket_groups,
     PASS_META,
     group_of,
     is_all_gather,
@@ -41,7 +42,6 @@ from .nodes import (
 logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-_C10D = torch.ops._c10d_functional
 
 
 # -- graph editing helpers ------------------------------------------------------------------------------
@@ -60,16 +60,8 @@ def _call(gm: GraphModule, target, args: tuple, pass_name: str, like: Optional[N
     return node
 
 
-def bucket_groups(node: Node) -> tuple[str, ...]:
-    """The groups whose data a collective carries (one, unless auto-bucketing merged it)."""
-    return node.meta.get(BUCKET_META) or ((group_of(node) or "?"),)
-
-
 def _label(node: Node, groups: Sequence[str]) -> None:
     node.meta[BUCKET_META] = tuple(groups)
-    custom = dict(node.meta.get("custom") or {})
-    custom[GROUP_KEY] = "+".join(groups)
-    node.meta["custom"] = custom
 
 
 def _key(node: Node) -> tuple:
@@ -139,10 +131,10 @@ def _merge_all_gathers(gm: GraphModule, bucket: list[Node], pass_name: str) -> O
     waits = [wait_of(ag) for ag in bucket]
     with gm.graph.inserting_before(first):
         flat = _call(gm, aten.cat.default, ([ag.args[0] for ag in bucket],), pass_name)
-        merged = _call(gm, _C10D.all_gather_into_tensor.default, (flat, world, group_name), pass_name, like=first)
+        merged = _call(gm, C10D.all_gather_into_tensor.default, (flat, world, group_name), pass_name, like=first)
     first_wait = min(waits, key=lambda w: position[w])
     with gm.graph.inserting_before(first_wait):
-        wait = _call(gm, _C10D.wait_tensor.default, (merged,), pass_name, like=first_wait)
+        wait = _call(gm, C10D.wait_tensor.default, (merged,), pass_name, like=first_wait)
         rows = _call(gm, aten.view.default, (wait, [world, sum(sizes)]), pass_name)
         offset = 0
         for old_wait, numel in zip(waits, sizes):
@@ -177,8 +169,8 @@ def _merge_reduce_scatters(gm: GraphModule, bucket: list[Node], pass_name: str) 
         rows = [_call(gm, aten.view.default, (rs.args[0], [world, numel]), pass_name) for rs, numel in zip(bucket, sizes)]
         cat = _call(gm, aten.cat.default, (rows, 1), pass_name)
         flat = _call(gm, aten.view.default, (cat, [-1]), pass_name)
-        merged = _call(gm, _C10D.reduce_scatter_tensor.default, (flat, reduce_op, world, group_name), pass_name, like=last)
-        wait = _call(gm, _C10D.wait_tensor.default, (merged,), pass_name, like=waits[-1])
+        merged = _call(gm, C10D.reduce_scatter_tensor.default, (flat, reduce_op, world, group_name), pass_name, like=last)
+        wait = _call(gm, C10D.wait_tensor.default, (merged,), pass_name, like=waits[-1])
         anchor = wait
         offset = 0
         for old_wait, numel in zip(waits, sizes):
@@ -207,7 +199,7 @@ def _split(gm: GraphModule, node: Node, num_pieces: int, pass_name: str) -> list
     pieces, waits = [], []
 
     def gather(chunk: Node) -> Node:
-        return _call(gm, _C10D.all_gather_into_tensor.default, (chunk, world, node.args[2]), pass_name, like=node)
+        return _call(gm, C10D.all_gather_into_tensor.default, (chunk, world, node.args[2]), pass_name, like=node)
 
     with gm.graph.inserting_before(node):
         if is_all_gather(node):
@@ -218,9 +210,9 @@ def _split(gm: GraphModule, node: Node, num_pieces: int, pass_name: str) -> list
             for lo, hi in bounds:
                 cols = _call(gm, aten.slice.Tensor, (rows, 1, lo, hi), pass_name)
                 flat = _call(gm, aten.view.default, (_call(gm, aten.clone.default, (cols,), pass_name), [-1]), pass_name)
-                pieces.append(_call(gm, _C10D.reduce_scatter_tensor.default, (flat, *node.args[1:]), pass_name, like=node))
+                pieces.append(_call(gm, C10D.reduce_scatter_tensor.default, (flat, *node.args[1:]), pass_name, like=node))
     with gm.graph.inserting_before(old_wait):
-        waits = [_call(gm, _C10D.wait_tensor.default, (p,), pass_name, like=old_wait) for p in pieces]
+        waits = [_call(gm, C10D.wait_tensor.default, (p,), pass_name, like=old_wait) for p in pieces]
         if is_all_gather(node):
             rows = [_call(gm, aten.view.default, (w, [world, hi - lo]), pass_name) for w, (lo, hi) in zip(waits, bounds)]
             out = _call(gm, aten.view.default, (_call(gm, aten.cat.default, (rows, 1), pass_name), [-1]), pass_name)
@@ -265,12 +257,6 @@ def _merge_runs(gm: GraphModule, pass_name: str, same_bucket: Callable[[list[Nod
     return num_removed
 
 
-def _finish(gm: GraphModule) -> GraphModule:
-    gm.graph.lint()
-    gm.recompile()
-    return gm
-
-
 # -- the passes -----------------------------------------------------------------------------------------
 
 
@@ -291,7 +277,7 @@ def bucket_by_group(gm: GraphModule) -> GraphModule:
     num_removed = _merge_runs(gm, "bucket_by_group", lambda bucket, nxt: bucket_groups(bucket[-1]) == bucket_groups(nxt))
     if num_removed:
         logger.debug("fsdp_graph::bucket_by_group merged %d collectives", num_removed)
-    return _finish(gm)
+    return gm
 
 
 def auto_bucket(gm: GraphModule, cost_model: CostModel, bucket_cap_bytes: int) -> GraphModule:
@@ -328,7 +314,7 @@ def auto_bucket(gm: GraphModule, cost_model: CostModel, bucket_cap_bytes: int) -
     if not num_merged and not num_split:
         return gm
     logger.debug("fsdp_graph::auto_bucket merged away %d and split off %d collectives", num_merged, num_split)
-    return _finish(gm)
+    return gm
 
 
 def buckets(gm: GraphModule) -> list[dict]:

@@ -25,9 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import Node
 
-from .nodes import (
-    is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor, parallelism_of, region_body, size_hint, tensor_nbytes,
-)
+from .nodes import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor, parallelism_of, region_body, size_hint, value_bytes
 
 
 class CollectiveKind(Enum):
@@ -106,11 +104,6 @@ class OpFacts:
     parts: tuple["OpFacts", ...] = ()  # a compile region's call: the facts of each node of its body
 
 
-def _val_bytes(val: Any) -> int:
-    """Bytes of the tensors in `val`, by their size hints ([Note: Plans from size hints])."""
-    return sum(tensor_nbytes(leaf) for leaf in pytree.tree_leaves(val))
-
-
 def is_view(node: Node) -> bool:
     """True if `node`'s output aliases an input (per the op schema): it costs no time and no memory."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -167,7 +160,7 @@ def op_facts(node: Node) -> OpFacts:
         else None
     )
     if kind is not None:
-        inp, out = _val_bytes(node.args[0].meta.get("val")), _val_bytes(node.meta.get("val"))
+        inp, out = value_bytes(node.args[0].meta.get("val")), value_bytes(node.meta.get("val"))
         if kind is CollectiveKind.ALL_GATHER:
             world = int(node.args[1])  # all_gather_into_tensor(input, group_size, group_name)
         elif kind is CollectiveKind.REDUCE_SCATTER:
@@ -179,7 +172,7 @@ def op_facts(node: Node) -> OpFacts:
     if body is not None:
         return OpFacts(parts=tuple(op_facts(n) for n in body.graph.nodes))
     flops, dtype_bytes = _flops(node)
-    moved = _val_bytes(node.meta.get("val")) + sum(_val_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    moved = value_bytes(node.meta.get("val")) + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     return OpFacts(flops=flops, bytes_moved=moved, matmul_dtype_bytes=dtype_bytes)
 
 

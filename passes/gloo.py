@@ -1,9 +1,10 @@
 """All-gathers on gloo through gloo's plain allgather ([Note: All-gathers on gloo]), and
 reduce-scatters on gloo as an all-reduce of their own buffer ([Note: Reduce-scatters on gloo]).
 
-Both run after the scheduling passes (they are not among them and cannot be switched off: without
-the first, a schedule may put torch 2.13's gloo at risk; the second changes no value and no byte on
-the wire): the first on every scheduled graph, the second on the graphs Inductor compiles.
+Both are rows of the pass table (passes/table.py): the first runs last among the scheduling passes,
+on every scheduled graph (switching it off puts torch 2.13's gloo at risk as soon as two all-gathers
+are in flight); the second runs on the graphs Inductor compiles, after the program for the inspector
+is written (it changes no value and no byte on the wire).
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .nodes import _process_group, backend_of, is_wait_tensor
+from .nodes import C10D, _process_group, backend_of, is_wait_tensor
 
-_C10D = torch.ops._c10d_functional
 
 # [Note: All-gathers on gloo]
 # The functional `all_gather_into_tensor` that traced graphs use calls
@@ -31,9 +31,8 @@ _C10D = torch.ops._c10d_functional
 def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
     """Each functional all-gather that runs on gloo rewritten as `all_gather_into_tensor_out` into a
     fresh buffer of its output's shape; uses of the old node read the new one (the buffer)."""
-    changed = False
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not _C10D.all_gather_into_tensor.default:
+        if node.op != "call_function" or node.target is not C10D.all_gather_into_tensor.default:
             continue
         if backend_of(node) != "gloo":
             continue
@@ -46,12 +45,11 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
             )
             out.meta.update({k: v for k, v in node.meta.items() if k != "val"})
             out.meta["val"] = val
-            gathered = gm.graph.call_function(_C10D.all_gather_into_tensor_out.default, tuple(node.args), {"out": out})
+            gathered = gm.graph.call_function(C10D.all_gather_into_tensor_out.default, tuple(node.args), {"out": out})
             gathered.meta.update(node.meta)
         node.replace_all_uses_with(gathered)
         gm.graph.erase_node(node)
-        changed = True
-    return _recompiled(gm, changed)
+    return gm
 
 
 # [Note: Reduce-scatters on gloo]
@@ -60,7 +58,7 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
 # input is the packed gradient bucket, made for it alone (or its cast or pre-division), so the graph
 # can all-reduce that buffer in place and read this rank's row as a view: the same all-reduce on
 # gloo's wire and the same sums bit for bit, without the clone of the whole bucket and the copy
-# (torch alone, HF Llama's five buckets at dim 256, 2 ranks: 0.70 of the time). The divide after it
+# (docs/benchmarks.md has the step times and heaps of both). The divide after it
 # reads the row and makes the shard-sized gradient, so the bucket dies there as before. Only
 # where the input is a fresh tensor nothing else reads (not a view, not a graph input); any other
 # reduce-scatter stays as it is. Applied for Inductor only (aot_eager runs the graph as traced, op
@@ -68,8 +66,6 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
 # reduce-scatter as scheduled. The memory model keeps planning gloo's copies of a reduce-scatter
 # (passes/simulator.py), true of aot_eager: under Inductor the heap stays about a bucket below the
 # plan (an in-place all-reduce holds one row while it runs, repro/gloo_collective_scratch.py).
-# Same-run A/B, 2026-11-26 (rows alternating in one launch, 31 rounds): step 0.989 / 0.953 / 0.970
-# and peak heap 24.2 / 23.4 / 30.2 against 28.3 / 26.4 / 32.9 MiB (our Llama / HF Llama / GPT-2).
 
 
 def _owned_by(node: Node, user: Node) -> bool:
@@ -85,9 +81,8 @@ def _owned_by(node: Node, user: Node) -> bool:
 def reduce_scatters_in_place_on_gloo(gm: GraphModule) -> GraphModule:
     """Each reduce-scatter on gloo whose input it owns, rewritten as `all_reduce_` of that input and
     this rank's row of it after the wait; see [Note: Reduce-scatters on gloo]."""
-    changed = False
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not _C10D.reduce_scatter_tensor.default:
+        if node.op != "call_function" or node.target is not C10D.reduce_scatter_tensor.default:
             continue
         bucket, reduce_op, world, group_name = node.args
         waits = list(node.users)
@@ -96,7 +91,7 @@ def reduce_scatters_in_place_on_gloo(gm: GraphModule) -> GraphModule:
         rank = _process_group(node).rank()
         full = bucket.meta["val"]
         with gm.graph.inserting_before(node):
-            reduced = gm.graph.call_function(_C10D.all_reduce_.default, (bucket, reduce_op, group_name))
+            reduced = gm.graph.call_function(C10D.all_reduce_.default, (bucket, reduce_op, group_name))
         reduced.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         reduced.meta["val"] = full
         for wait in waits:
@@ -112,13 +107,4 @@ def reduce_scatters_in_place_on_gloo(gm: GraphModule) -> GraphModule:
             for use in old_uses:
                 use.replace_input_with(wait, row)
         gm.graph.erase_node(node)
-        changed = True
-    return _recompiled(gm, changed)
-
-
-def _recompiled(gm: GraphModule, changed: bool) -> GraphModule:
-    """`gm`, linted and recompiled where a rewrite changed its graph."""
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
     return gm

@@ -15,10 +15,14 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..runtime.meta import GROUP_KEY
 
-_C10D = torch.ops._c10d_functional
+C10D = torch.ops._c10d_functional  # the functional collectives traced graphs hold
+TANGENT_PREFIX = "tangents"  # how AOTAutograd names the incoming gradients of a backward: `tangents_<i>`
 
 # Top-level `node.meta` keys the scheduling passes set (passes/bucketing.py, passes/reorder.py).
-BUCKET_META = "fsdp_graph_bucket"  # on a collective: tuple of the groups whose data it carries
+# On an FSDP collective once bucketed: the tuple of the groups whose data it carries. GROUP_KEY stays
+# the traced runtime's annotation (a merged collective keeps its first group's), so a collective's
+# groups are read with `bucket_groups`.
+BUCKET_META = "fsdp_graph_bucket"
 PASS_META = "fsdp_graph_pass"  # on a node a scheduling pass made or moved: that pass's name
 # Set by passes/async_tp.py on each chunk of a decomposed all-reduce: (chunk index, number of chunks).
 ASYNC_TP_META = "fsdp_graph_async_tp"
@@ -29,21 +33,37 @@ KEPT_UNSHARDED_META = "fsdp_graph_kept_unsharded"
 def is_all_gather(node: Node) -> bool:
     """An all-gather: functional, or the `_out` form the gloo rewrite leaves (passes/gloo.py)."""
     return node.op == "call_function" and node.target in (
-        _C10D.all_gather_into_tensor.default, _C10D.all_gather_into_tensor_out.default
+        C10D.all_gather_into_tensor.default, C10D.all_gather_into_tensor_out.default
     )
 
 
 def is_reduce_scatter(node: Node) -> bool:
-    return node.op == "call_function" and node.target is _C10D.reduce_scatter_tensor.default
+    return node.op == "call_function" and node.target is C10D.reduce_scatter_tensor.default
 
 
 def is_all_reduce(node: Node) -> bool:
     """An all-reduce: functional, or in place as a gloo reduce-scatter becomes (passes/gloo.py)."""
-    return node.op == "call_function" and node.target in (_C10D.all_reduce.default, _C10D.all_reduce_.default)
+    return node.op == "call_function" and node.target in (C10D.all_reduce.default, C10D.all_reduce_.default)
 
 
 def is_wait_tensor(node: Node) -> bool:
-    return node.op == "call_function" and node.target is _C10D.wait_tensor.default
+    return node.op == "call_function" and node.target is C10D.wait_tensor.default
+
+
+def is_tangent_name(name: str) -> bool:
+    """The name of an input that is a gradient flowing into a backward (`TANGENT_PREFIX`), in a
+    joint graph, in a partitioned backward, and in a `Program` made of one."""
+    return name.startswith(TANGENT_PREFIX)
+
+
+def is_tangent(node: Node) -> bool:
+    """A placeholder of the gradients flowing into a backward (`is_tangent_name`)."""
+    return node.op == "placeholder" and is_tangent_name(node.name)
+
+
+def is_backward_graph(graph: "torch.fx.Graph") -> bool:
+    """A partitioned backward graph (it takes tangents), as opposed to a forward."""
+    return any(is_tangent(n) for n in graph.find_nodes(op="placeholder"))
 
 
 def is_region_call(node: Node) -> bool:
@@ -107,12 +127,17 @@ def _process_group(node: Node) -> Optional[Any]:
         return None
 
 
+def bucket_groups(node: Node) -> tuple[str, ...]:
+    """The groups whose data an FSDP collective carries: its bucket's (`BUCKET_META`), else its own."""
+    return node.meta.get(BUCKET_META) or ((group_of(node) or "?"),)
+
+
 def collective_label(node: Node) -> str:
-    """How the inspector names a collective: its FSDP group, or "[tp]" (`parallelism_of`) for one
-    that is not FSDP's, "[tp] chunk 2/4" for a chunk that passes/async_tp.py made."""
-    group = group_of(node)
-    if group is not None:
-        return group
+    """How the inspector names a collective: its FSDP groups ("layers.0+layers.1" for a merged
+    bucket), or "[tp]" (`parallelism_of`) for one that is not FSDP's, "[tp] chunk 2/4" for a chunk
+    that passes/async_tp.py made."""
+    if group_of(node) is not None:
+        return "+".join(bucket_groups(node))
     chunk = node.meta.get(ASYNC_TP_META)
     return f"[{parallelism_of(node)}]" + (f" chunk {chunk[0] + 1}/{chunk[1]}" if chunk else "")
 
@@ -167,6 +192,12 @@ def tensor_nbytes(val: Any) -> int:
     if not isinstance(val, torch.Tensor):
         return 0
     return size_hint(val.numel()) * val.element_size()
+
+
+def value_bytes(val: Any) -> int:
+    """Bytes of the tensors in a node's value (one tensor, or a tuple or list of them; 0 for
+    anything else), by their size hints."""
+    return sum(tensor_nbytes(leaf) for leaf in torch.utils._pytree.tree_leaves(val))
 
 
 def tensor_bytes(node: Node) -> int:

@@ -464,8 +464,6 @@ def reorder_for_overlap(
         r.prefetch_depth, len(r.hoisted), len(r.sunk_waits), r.exposed_s_before, r.exposed_s_after, r.peak_bytes_before,
         r.peak_bytes_after,
     )
-    gm.graph.lint()
-    gm.recompile()
     return gm
 
 
@@ -561,6 +559,4 @@ def pin_order(gm: GraphModule) -> GraphModule:
                 deps.setdefault(after, OrderedSet()).add(node)
     deps = {_anchor(n): OrderedSet(a for a in map(_anchor, before) if a is not None) for n, before in deps.items()}
     preserve_node_ordering(gm.graph, {n: before for n, before in deps.items() if n is not None and before})
-    gm.graph.lint()
-    gm.recompile()
     return gm

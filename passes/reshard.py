@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
 from .cost_model import is_view
-from .nodes import fsdp_meta, region_body
+from .nodes import fsdp_meta, is_tangent, region_body
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +30,11 @@ _FIRST_REGION_ID = 10_000
 
 
 def depends_on_tangents(gm: GraphModule) -> set[Node]:
-    """Nodes of a joint graph computed from a `tangents_*` input: the backward part."""
+    """Nodes of a joint graph computed from a tangent (`is_tangent`): the backward part."""
     backward: set[Node] = set()
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            if node.name.startswith("tangents"):
-                backward.add(node)
+        if is_tangent(node):
+            backward.add(node)
         elif any(arg in backward for arg in node.all_input_nodes):
             backward.add(node)
     return backward
@@ -68,8 +67,6 @@ def tag_reshard_after_forward(gm: GraphModule) -> GraphModule:
     if not num_tagged:
         return gm
     logger.debug("fsdp_graph::reshard_after_forward tagged %d nodes in %d groups", num_tagged, len(region_ids))
-    gm.graph.lint()
-    gm.recompile()
     return gm
 
 

@@ -37,8 +37,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .cost_model import CollectiveKind, CostModel, OpFacts, _val_bytes, is_view, op_facts
-from .nodes import backend_of, collective_label, is_collective, is_wait_tensor, size_hint
+from .cost_model import CollectiveKind, CostModel, OpFacts, is_view, op_facts
+from .nodes import backend_of, collective_label, is_collective, is_tangent_name, is_wait_tensor, size_hint, value_bytes
 
 
 class OpKind(Enum):
@@ -128,7 +128,7 @@ def _short(node: Node) -> str:
 def op_of(node: Node) -> Op:
     kind = _kind(node)
     facts = op_facts(node) if kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) else OpFacts()
-    out_bytes = 0 if kind is OpKind.OUTPUT else _val_bytes(node.meta.get("val"))
+    out_bytes = 0 if kind is OpKind.OUTPUT else value_bytes(node.meta.get("val"))
     group = collective_label(node) if kind is OpKind.COLLECTIVE else None
     scratch = _gloo_scratch_bytes(node, facts, out_bytes) if kind is OpKind.COLLECTIVE else 0
     written = _written_input(node)
@@ -145,7 +145,7 @@ def _gloo_scratch_bytes(node: Node, facts: OpFacts, out_bytes: int) -> int:
         return 0
     if facts.collective is CollectiveKind.ALL_GATHER:
         return out_bytes
-    return _val_bytes(node.args[0].meta.get("val")) + out_bytes
+    return value_bytes(node.args[0].meta.get("val")) + out_bytes
 
 
 def _storage_bytes(val) -> int:
@@ -201,9 +201,9 @@ def saved_inputs(program: Program) -> frozenset[str]:
     saved for it: activations, recomputation's inputs. Parameters (`primals_*`, resident anyway) and
     the incoming gradients are not; a forward has none."""
     inputs = [op.name for op in program if op.kind is OpKind.INPUT]
-    if not any(name.startswith("tangents") for name in inputs):
+    if not any(is_tangent_name(name) for name in inputs):
         return frozenset()
-    return frozenset(name for name in inputs if not name.startswith(("primals", "tangents")))
+    return frozenset(name for name in inputs if not (name.startswith("primals") or is_tangent_name(name)))
 
 
 def program_of(gm: GraphModule) -> Program:
@@ -410,7 +410,7 @@ class OrderCost:
     [Note: Measuring candidate orders]
     The reorder pass measures one candidate order per move it tries, and the moves grow with the
     number of blocks, as does the program: a full `simulate` per candidate made the pass quadratic in
-    depth (16 s of a 16-layer Llama's compile). Everything that does not depend on the order is found
+    depth. Everything that does not depend on the order is found
     once here: each node's duration, its stream, which storage it allocates and which storages it
     reads (a view reads its base's; see [Note: Simulator model]). A candidate then costs one pass over
     its nodes for the clocks and the collectives in flight and one sweep for live memory, with the same

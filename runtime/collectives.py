@@ -109,13 +109,13 @@ class AllGatherWork:
     done: bool = False
 
     @torch.no_grad()
-    def wait(self, ctx: CommContext) -> None:
+    def wait(self, comm_ctx: CommContext) -> None:
         if self.done:
             return
         if self.handle is not None:
             self.handle.wait()
         if self.event is not None:
-            ctx.current_stream().wait_event(self.event)
+            comm_ctx.current_stream().wait_event(self.event)
         self.done = True
 
 
@@ -180,7 +180,7 @@ def all_gather(
     params: list[ShardedParam],
     group: dist.ProcessGroup,
     world: int,
-    ctx: CommContext,
+    comm_ctx: CommContext,
     async_op: bool,
     input: Optional[torch.Tensor] = None,
     comm: Optional[AllGather] = None,
@@ -191,7 +191,7 @@ def all_gather(
     copy-in (a post-forward shard, in the layout's blocks); `shard_buffer` is the row the shards
     live in, gathered as it is; `comm` replaces `all_gather_single` and its buffer
     (`set_custom_all_gather`); `allocator` only the buffer (`ProcessGroupAllocator`)."""
-    device = ctx.device
+    device = comm_ctx.device
     buffers = comm if comm is not None else allocator
     rank = 0 if world == 1 else dist.get_rank(group)
 
@@ -201,11 +201,11 @@ def all_gather(
         return _allocate(buffers, world * input.numel(), input.dtype, device), input, list(layout.widths)
 
     if world == 1:  # [Note: One rank issues no collectives]
-        if ctx.uses_streams:
-            ctx.release_retired()  # else the retired buffers would pile up: no stream waits here
+        if comm_ctx.uses_streams:
+            comm_ctx.release_retired()  # else the retired buffers would pile up: no stream waits here
         _, row, widths = output_and_row()
         return AllGatherWork(row, row, widths, layout, done=True)
-    if not ctx.uses_streams:
+    if not comm_ctx.uses_streams:
         output, row, widths = output_and_row()
         if comm is not None:
             handle = comm(output, row, group, async_op=async_op)
@@ -213,21 +213,21 @@ def all_gather(
             handle = dist.all_gather_single(output, row, group=group, async_op=async_op)
         return AllGatherWork(output, row, widths, layout, handle=handle, done=not async_op)
 
-    mod = ctx._device_module
-    ctx.release_retired()
-    ctx.copy_in_waits_for_optimizer()
-    with mod.stream(ctx.copy_in_stream):
+    mod = comm_ctx._device_module
+    comm_ctx.release_retired()
+    comm_ctx.copy_in_waits_for_optimizer()
+    with mod.stream(comm_ctx.copy_in_stream):
         output, row, widths = output_and_row()
-    ctx.all_gather_stream.wait_stream(ctx.copy_in_stream)
-    with mod.stream(ctx.all_gather_stream):
+    comm_ctx.all_gather_stream.wait_stream(comm_ctx.copy_in_stream)
+    with mod.stream(comm_ctx.all_gather_stream):
         if comm is not None:
             comm(output, row, group)
         else:
             dist.all_gather_single(output, row, group=group)
-        event = ctx.all_gather_stream.record_event()
+        event = comm_ctx.all_gather_stream.record_event()
     work = AllGatherWork(output, row, widths, layout, event=event)
     if not async_op:
-        work.wait(ctx)
+        work.wait(comm_ctx)
     return work
 
 
@@ -312,8 +312,8 @@ class ReduceScatterWork:
     # allocated on the current one; they die in `finish`, after the current stream waited `event`.
     keep_alive: list = field(default_factory=list)
 
-    def reduce_across_replicas_and_divide(self, ctx: Optional[CommContext] = None) -> None:
-        """The replica all-reduce, the all-reduce hook and the division; `ctx` when this runs on the
+    def reduce_across_replicas_and_divide(self, comm_ctx: Optional[CommContext] = None) -> None:
+        """The replica all-reduce, the all-reduce hook and the division; `comm_ctx` when this runs on the
         reduce-scatter stream (CUDA), for the hook's own stream."""
         controls = self.controls
         if controls.partial is not None:  # reduce-scattered earlier without the replica all-reduce
@@ -330,12 +330,12 @@ class ReduceScatterWork:
         # without forced sums), and the sum before the post-divide otherwise.
         divide_first = not controls.force_sum and self.output.dtype in (torch.float32, torch.bfloat16)
         if hook is not None and not divide_first:
-            self.run_all_reduce_hook(grads, ctx)
+            self.run_all_reduce_hook(grads, comm_ctx)
         self.output.div_(self.divide_factor)
         if hook is not None and divide_first:
-            self.run_all_reduce_hook(grads, ctx)
+            self.run_all_reduce_hook(grads, comm_ctx)
 
-    def run_all_reduce_hook(self, grads: torch.Tensor, ctx: Optional[CommContext]) -> None:
+    def run_all_reduce_hook(self, grads: torch.Tensor, comm_ctx: Optional[CommContext]) -> None:
         """Run the all-reduce hook on `grads`.
 
         [Note: The all-reduce hook's stream]
@@ -347,21 +347,21 @@ class ReduceScatterWork:
         the hook just runs.
         """
         stream = self.controls.all_reduce_hook_stream
-        if stream is None or ctx is None or not ctx.uses_streams:
+        if stream is None or comm_ctx is None or not comm_ctx.uses_streams:
             self.controls.all_reduce_hook(grads)
             return
-        stream.wait_stream(ctx.reduce_scatter_stream)
-        with ctx._device_module.stream(stream):
+        stream.wait_stream(comm_ctx.reduce_scatter_stream)
+        with comm_ctx._device_module.stream(stream):
             self.controls.all_reduce_hook(grads)
-        ctx.reduce_scatter_stream.wait_stream(stream)
+        comm_ctx.reduce_scatter_stream.wait_stream(stream)
 
     @torch.no_grad()
-    def finish(self, ctx: CommContext) -> None:
+    def finish(self, comm_ctx: CommContext) -> None:
         if self.handle is not None:
             self.handle.wait()
             self.reduce_across_replicas_and_divide()
         if self.event is not None:
-            ctx.current_stream().wait_event(self.event)
+            comm_ctx.current_stream().wait_event(self.event)
         if self.mesh_info.is_hsdp and not self.controls.all_reduce:
             self.controls.partial = self.output  # set_requires_all_reduce(False): no gradient yet
             self.keep_alive.clear()
@@ -414,7 +414,7 @@ def reduce_scatter(
     mesh_info: MeshInfo,
     reduce_dtype: Optional[torch.dtype],
     divide_factor: float,
-    ctx: CommContext,
+    comm_ctx: CommContext,
     comm_hook: Optional[CommHook] = None,
     controls: Optional["ReduceControls"] = None,
     comm: Optional[ReduceScatter] = None,
@@ -439,15 +439,15 @@ def reduce_scatter(
     grads = [p.take_unsharded_grad() for p in trainable]
     # This rank's shard of the packed row, allocated on the current stream, which later reads it for
     # the optimizer.
-    output = _allocate(buffers, sum(layout.reduce_widths), dtype, ctx.device)
+    output = _allocate(buffers, sum(layout.reduce_widths), dtype, comm_ctx.device)
     pre, post = divide_factors(divide_factor, dtype)
     controls = controls or ReduceControls()
     had_grad = [grad is not None for grad in grads]
     work = ReduceScatterWork(trainable, output, mesh_info, post, had_grad, controls, layout.reduce_widths)
     shard_group = controls.reduce_scatter_group or mesh_info.shard_group
 
-    if not ctx.uses_streams:
-        packed = _pack(layout, params, grads, dtype, ctx.device, buffers)
+    if not comm_ctx.uses_streams:
+        packed = _pack(layout, params, grads, dtype, comm_ctx.device, buffers)
         if pre != 1:
             packed.div_(pre)
         if comm_hook is not None:
@@ -469,10 +469,10 @@ def reduce_scatter(
         work.keep_alive = [packed]
         return work
 
-    mod = ctx._device_module
-    ctx.reduce_scatter_stream.wait_stream(ctx.current_stream())
-    with mod.stream(ctx.reduce_scatter_stream):
-        packed = _pack(layout, params, grads, dtype, ctx.device, buffers)
+    mod = comm_ctx._device_module
+    comm_ctx.reduce_scatter_stream.wait_stream(comm_ctx.current_stream())
+    with mod.stream(comm_ctx.reduce_scatter_stream):
+        packed = _pack(layout, params, grads, dtype, comm_ctx.device, buffers)
         if pre != 1:
             packed.div_(pre)
         if comm_hook is not None:
@@ -483,7 +483,7 @@ def reduce_scatter(
             comm(output, packed, shard_group, dist.ReduceOp.SUM)
         else:
             dist.reduce_scatter_single(output, packed, op=dist.ReduceOp.SUM, group=shard_group)
-        work.reduce_across_replicas_and_divide(ctx)
-        work.event = ctx.reduce_scatter_stream.record_event()
+        work.reduce_across_replicas_and_divide(comm_ctx)
+        work.event = comm_ctx.reduce_scatter_stream.record_event()
     work.keep_alive = [packed, grads]
     return work

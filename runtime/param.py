@@ -25,7 +25,9 @@ which `ShardedParam` inherits), and freeing and refilling storage (runtime/stora
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -138,6 +140,10 @@ class ShardedParam(AllGatherExtensions):
         self.grad_was_none = False
         self._watching_grad = False
         self._watch_handle = None  # our hook in the sharded parameter's hook dict
+        # Called when a module registers another parameter in this one's place (the root counts it):
+        # see `_note_parameter_registered`.
+        self.on_replaced: Callable[[], None] = lambda: None
+        _watch_parameter_registrations()
 
         # Unsharded storage, padded to world * padded_dim0 rows so the all-gather output copies out
         # in one `split_with_sizes_copy`; the parameter autograd sees is a view of its first dim0
@@ -240,9 +246,11 @@ class ShardedParam(AllGatherExtensions):
     # which keeps the Python object but gives it a new TensorImpl: the tensor's hooks and Python
     # attributes stay with the old one. So nothing here trusts an identity or a hook from
     # `fully_shard` time:
-    # - `sharded_param` is whatever the first owner module holds now (once installed), so eager and
-    #   traced steps read the new tensor even before anything followed it; Dynamo's guards on it then
-    #   see the new object too.
+    # - `sharded_param` is whatever the first owner module holds now (once installed), so eager steps
+    #   read the new tensor even before anything followed it. While Dynamo traces it is the followed
+    #   one (a lookup per access made tracing a quarter slower); a parameter assigned between
+    #   compiled steps is counted by a parameter registration hook, the traced root guards the
+    #   count, and the recompile follows it first.
     # - `follow_registered_param` checks a replacement, registers it on every owner (tied weights),
     #   and puts back what the tensor lost: our attribute and the gradient watch of [Note: Gradient
     #   flags in a graph]. It runs wherever the runtime gets control before parameters are read:
@@ -255,7 +263,10 @@ class ShardedParam(AllGatherExtensions):
     def sharded_param(self) -> nn.Parameter:
         """The sharded parameter: the DTensor the first owner module holds now, else (the module
         holds the unsharded parameter, or full ones inside `summon_full_params`) the last one
-        followed."""
+        followed. While Dynamo traces, the last one followed: the trace began by following every
+        parameter (see the note above)."""
+        if torch.compiler.is_compiling():
+            return self._sharded_param
         replacement = self.replacement()
         return replacement if isinstance(replacement, DTensor) else self._sharded_param
 
@@ -555,6 +566,22 @@ class ShardedParam(AllGatherExtensions):
         if self.host_copy_pending:
             torch.cuda.current_stream(self.device).synchronize()
             self.host_copy_pending = False
+
+
+@functools.lru_cache(maxsize=None)
+def _watch_parameter_registrations() -> None:
+    nn.modules.module.register_module_parameter_registration_hook(_note_parameter_registered)
+
+
+def _note_parameter_registered(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Every `module.<name> = nn.Parameter(...)` (and `load_state_dict(assign=True)`, which assigns):
+    where it replaces one of our sharded parameters, tell its `ShardedParam`. A compiled step reads
+    the count its root keeps, so the replacement recompiles it ([Note: The sharded parameter is the
+    one its module holds]); `install` writes `_parameters` directly and is not counted."""
+    old = module._parameters.get(name)
+    owner = getattr(old, OWNER_ATTR, None) if old is not None and old is not param else None
+    if owner is not None:
+        owner.on_replaced()
 
 
 class _OnWholeMesh(torch.autograd.Function):

@@ -147,10 +147,9 @@ class ParamGroup:
     def refresh_layout(self) -> BucketLayout:
         """The group's `BucketLayout`, rebuilt first where a parameter's requires_grad, dtype or
         all-gather extensions changed since it was built ([Note: Parameters changed after
-        fully_shard] in runtime/param.py). Called where a gather of a sharded group begins: the
-        eager unshard, and the traced one. Dynamo guards on what it reads here, so a change
-        recompiles, and `follow_registered_params` refreshes before the new trace, which then only
-        reads the layout (a rebuild inside the trace would be replayed by every run of its graph)."""
+        fully_shard] in runtime/param.py). Called where an eager gather of a sharded group begins,
+        and by `follow_registered_params` before every trace, which then reads `layout` as it is
+        ([Note: Tracing reads what was followed] in runtime/state.py)."""
         if BucketLayout.inputs_of(self.params) != self.layout.built_from:
             self.layout = BucketLayout.build(self.params, self.world)
         return self.layout

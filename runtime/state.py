@@ -63,7 +63,19 @@ class RootContext:
         self.fallbacks: dict[str, str] = {}
         # `backward_writes_param_grads`' answer for the current backward, None until asked.
         self._writes_param_grads: Optional[bool] = None
+        # Sharded parameters that modules registered anew (`module.w = nn.Parameter(...)`), counted:
+        # a compiled step guards the count, so a replacement recompiles ([Note: The sharded
+        # parameter is the one its module holds] in runtime/param.py).
+        self.parameters_replaced = 0
+        # The call checks lifted while Dynamo compiles: [Note: Owner checks while compiling].
+        self.checks_lifted_for_compile: list[_OwnerCheck] = []
+        # What `check_materialized` found before the latest trace began, raised by the traced root:
+        # [Note: Tracing reads what was followed].
+        self.problem_before_trace: Optional[tuple[str, Any]] = None
         _follow_before_compiling(self)
+
+    def note_parameter_replaced(self) -> None:
+        self.parameters_replaced += 1
 
     def backward_writes_param_grads(self) -> bool:
         """Whether the running backward accumulates into the `.grad` of any trainable parameter
@@ -112,6 +124,53 @@ def _follow_before_compiling(ctx: RootContext) -> None:
 @functools.lru_cache(maxsize=None)
 def _install_compile_start_callback() -> None:
     torch._dynamo.callback.on_compile_start(_follow_all_roots)
+    torch._dynamo.callback.on_compile_start(_lift_checks_for_compile)
+    torch._dynamo.callback.on_compile_end(_restore_checks_after_compile)
+
+
+# [Note: Owner checks while compiling]
+# Each submodule holding a group's parameters has a forward pre-hook, the call check
+# (`_check_called_through_group`), which never fires inside a group's call. A module with hooks
+# makes torch's `_call_impl` take its slow path, which Dynamo traces instruction by instruction:
+# about one instruction in eight of a traced HF Llama layer went to running checks that return at
+# once. So the checks are lifted while Dynamo compiles and put back when it is done (Dynamo's
+# callbacks run once for the outermost compile, the end one even when it fails); a compiled step
+# never runs them, as before. Only a check that is its module's one hook is lifted: Dynamo guards
+# no empty hook dict (`skip_nnmodule_hook_guards`), so putting it back recompiles nothing, but it
+# guards the length of one that is not empty, and a module with other hooks (TP's input and
+# output hooks) takes the slow path anyway: there, lifting the check recompiled every step.
+
+
+def _live_contexts() -> list[RootContext]:
+    """The root contexts alive, each once (a context an outer root claimed since is not)."""
+    return [ctx for ctx in list(_roots) if ctx.root.ctx is ctx]
+
+
+def _lift_checks_for_compile(*_args) -> None:
+    for ctx in _live_contexts():
+        for state in ctx.states:
+            ctx.checks_lifted_for_compile += state.lift_owner_checks(sole_hooks_only=True)
+
+
+def _restore_checks_after_compile(*_args) -> None:
+    for ctx in _live_contexts():
+        lifted, ctx.checks_lifted_for_compile = ctx.checks_lifted_for_compile, []
+        for check in lifted:
+            check.restore()
+
+
+# [Note: Tracing reads what was followed]
+# Dynamo traces every Python instruction of our hooks, and at a whole step's depth each one per
+# parameter counts (issue #46: our hooks were half of a traced layer). What does not change within
+# a trace is therefore settled before it, by the compile-start callback, in eager Python: every
+# parameter followed and every group's layout refreshed (`follow_registered_params`), and what the
+# root's meta and replacement check finds (`problem_before_trace`). The trace then reads the result
+# as it is: the followed shards (`ShardedParam.sharded_param`), `group.layout`, and the check's
+# outcome, which Dynamo guards like any attribute it reads (it changes only when a compile start
+# computes it anew). What changes a trace's inputs between steps still recompiles: requires_grad
+# and dtype through Dynamo's guards on the shards, a parameter assigned anew through
+# `parameters_replaced`; all-gather extensions set on a shard after its first trace are taken at
+# the next recompile (FSDP2 takes them at its lazy init only).
 
 
 def _follow_all_roots(*_args) -> None:
@@ -120,13 +179,12 @@ def _follow_all_roots(*_args) -> None:
     one its module holds] in runtime/param.py), and its groups' bucket layouts follow them. A
     replacement that cannot be a shard is left for the traced root's check, which names every such
     parameter, and all-gather extensions that break FSDP2's contract for the trace's own gather."""
-    for ctx in list(_roots):
-        if ctx.root.ctx is not ctx:  # an inner root's context, claimed by an outer one since
-            continue
+    for ctx in _live_contexts():
         try:
             ctx.root.follow_registered_params()
         except (ValueError, TypeError):
             pass
+        ctx.problem_before_trace = ctx.root.materialization_problem()
 
 
 class _InputGradsDone(torch.autograd.Function):
@@ -209,7 +267,7 @@ class FSDPState:
         # `scope="block"`, [Note: Compile scope] in fsdp_graph/api/scope.py): not a fallback.
         # The root's flag covers every module its call runs, those Dynamo never sees too (a block
         # inside `torch.utils.checkpoint`, which Dynamo runs in Python once the break stops it).
-        self.in_block_scope = False
+        self.calling_in_block_scope = False
         # Set by fully_shard where a torch.compiler.nested_compile_region reads this group's
         # parameters: compiled calls run the hooks eagerly around a body Dynamo compiles on its own.
         # See [Note: Compile regions under fully_shard] in fsdp_graph/api/module.py.
@@ -228,11 +286,7 @@ class FSDPState:
             module.register_load_state_dict_post_hook(self._follow_loaded_params)
         # Each submodule holding this group's parameters, with its call check's handle: see
         # `_check_called_through_group` and `owner_checks_lifted`.
-        self._owner_checks: list[tuple[nn.Module, Any]] = [
-            (owner, owner.register_forward_pre_hook(self._check_called_through_group))
-            for owner in self._owners_inside_group()
-        ]
-        self._owner_checks_lifted = False  # while a call of the group runs: `owner_checks_lifted`
+        self._owner_checks = [_OwnerCheck(owner, self._check_called_through_group) for owner in self._owners_inside_group()]
 
     # -- root --------------------------------------------------------------------------------
 
@@ -262,6 +316,8 @@ class FSDPState:
                 state.group.comm = self.ctx.comm
                 state.group.on_all_grads_ready = self.ctx.reduce_ready_groups
                 state.group.backward_writes_param_grads = self.ctx.backward_writes_param_grads
+                for p in state.group.params:
+                    p.on_replaced = self.ctx.note_parameter_replaced
                 state.group.set_reshard_after_forward(state_raf)
         logger.debug("fsdp_graph::claim_root (%s) states=%d", self.name, len(states))
 
@@ -280,8 +336,9 @@ class FSDPState:
                 return reason
         return None
 
-    def _in_block_scope(self) -> bool:
-        return self.in_block_scope or (self.ctx is not None and self.ctx.root.in_block_scope)
+    def _within_block_scope(self) -> bool:
+        """Whether this module runs under a call in block scope: its own, or its root's."""
+        return self.calling_in_block_scope or (self.ctx is not None and self.ctx.root.calling_in_block_scope)
 
     def traces_as_region(self) -> bool:
         """Whether a traced call of this state's module runs its forward as a compile region: see
@@ -293,7 +350,7 @@ class FSDPState:
             return False  # hooks of the user's, which the region would skip
         if nn.modules.module._global_forward_pre_hooks or nn.modules.module._global_forward_hooks:
             return False
-        if self.group.refresh_layout().as_bytes or any(p.tp is not None for p in self.group.params):
+        if self.group.layout.as_bytes or any(p.tp is not None for p in self.group.params):
             return False  # tensor-parallel DTensors and extension subclasses: no region inputs (Dynamo fails)
         return all(getattr(m, "_fsdp_state", self) is self for m in module.modules())
 
@@ -302,7 +359,7 @@ class FSDPState:
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if torch.compiler.is_compiling():
             return traced.pre_forward(self, module, args, kwargs)
-        self._fell_back = traced.in_compiled_call() and not self._in_block_scope()
+        self._fell_back = traced.in_compiled_call() and not self._within_block_scope()
         if self._fell_back:
             traced.record_fallback(self)
         if _in_backward():
@@ -363,12 +420,31 @@ class FSDPState:
         """Root only: raise once, naming every parameter under this root that is still on the meta
         device, or that was replaced by a tensor that cannot be its shard.
 
-        Eager roots check until a forward passed; traced roots check every trace (the flag would be
-        a guard, and setting it a recompile), where `is_meta` is a constant of the graph inputs.
+        Eager roots check until a forward passed. Traced roots raise what the check found before
+        the trace began ([Note: Tracing reads what was followed]): a check per parameter, traced,
+        cost every layer's share of tracing again.
         """
-        tracing = torch.compiler.is_compiling()
-        if (not tracing and self.ctx.materialized) or (tracing and self.ctx.capturing):
+        if torch.compiler.is_compiling():
+            if self.ctx.parameters_replaced < 0:  # never; read so that the graph guards the count
+                raise ValueError("parameters_replaced went negative")
+            problem = self.ctx.problem_before_trace
+            if problem is not None and not self.ctx.capturing:
+                kind, detail = problem
+                raise MetaParameterError(list(detail)) if kind == "meta" else ValueError(detail)
             return
+        if self.ctx.materialized:
+            return
+        problem = self.materialization_problem()
+        if problem is None:
+            self.ctx.materialized = True
+            return
+        kind, detail = problem
+        raise MetaParameterError(list(detail)) if kind == "meta" else ValueError(detail)
+
+    def materialization_problem(self) -> Optional[tuple[str, Any]]:
+        """Root only: ("replaced", the message) where parameters were replaced by tensors that cannot
+        be their shards, ("meta", their names) where parameters are still on the meta device, else
+        None."""
         params = [p for s in self.ctx.states if s.group is not None for p in s.group.params]
         replaced = [p for p in params if p.replacement() is not None]
         if replaced:
@@ -376,17 +452,15 @@ class FSDPState:
             problems = [p.replacement_problem(p.replacement(), name) for p, name in zip(replaced, names)]
             problems = [problem for problem in problems if problem is not None]
             if problems:
-                raise ValueError(
+                return "replaced", (
                     "Parameters replaced after fully_shard cannot be its shards:\n"
                     + "\n".join(f"  - {problem}" for problem in problems)
                 )
         on_meta = [p for p in params if p.sharded_param.is_meta]
         if not on_meta:
-            if not tracing:
-                self.ctx.materialized = True
-            return
+            return None
         order = self._parameter_order()
-        raise MetaParameterError(sorted(self._names_under_root(on_meta), key=lambda name: order.get(name, len(order))))
+        return "meta", tuple(sorted(self._names_under_root(on_meta), key=lambda name: order.get(name, len(order))))
 
     def _parameter_order(self) -> dict[str, int]:
         """Each parameter name under this root, with its place in `named_parameters()`."""
@@ -618,23 +692,24 @@ class FSDPState:
         (`torch.nn.Embedding`, ...) that has a forward hook, where it meets that module running in
         a frame it does not trace (torch/_dynamo/trace_rules.py: "inbuilt nn.Module.forward allowed
         - module has hooks"): HF's LlamaModel.forward breaks in its loop over the layers, so its
-        embedding ran as a graph of its own under us and eagerly under FSDP2, each step (about 8%
-        of a 4-layer HF Llama's step, measured in two pairs of runs, and 1-2 s of its cold start).
+        embedding ran as a graph of its own under us and eagerly under FSDP2, each step (a graph
+        call per step and a compile at the cold start more than FSDP2; docs/benchmarks.md).
         So the group's call lifts the checks for its duration, and puts them back after."""
-        if self._owner_checks_lifted:  # a call of this group inside one: the outer call puts them back
-            yield
-            return
-        for _, handle in self._owner_checks:
-            handle.remove()
-        self._owner_checks_lifted = True
+        lifted = self.lift_owner_checks()
         try:
             yield
         finally:
-            self._owner_checks = [
-                (owner, owner.register_forward_pre_hook(self._check_called_through_group))
-                for owner, _ in self._owner_checks
-            ]
-            self._owner_checks_lifted = False
+            for check in lifted:
+                check.restore()
+
+    def lift_owner_checks(self, sole_hooks_only: bool = False) -> list["_OwnerCheck"]:
+        """Remove the call checks (`owner_checks_lifted`; while Dynamo compiles, only those that are
+        their module's one hook: [Note: Owner checks while compiling]) and return them, for the
+        caller to restore."""
+        lifted = [check for check in self._owner_checks if not sole_hooks_only or check.is_only_hook()]
+        for check in lifted:
+            check.lift()
+        return lifted
 
     def _check_called_through_group(self, module: nn.Module, _args) -> None:
         # A submodule whose parameters belong to this group, called on its own, would see DTensor
@@ -651,6 +726,33 @@ class FSDPState:
             f"in the fully_shard group of '{self.name}'; call '{self.name}' instead, gather first with "
             f"unshard(), or give it a group of its own: fully_shard(submodule) before fully_shard(parent)"
         )
+
+
+class _OwnerCheck:
+    """The call check (`FSDPState._check_called_through_group`) on one submodule, which callers
+    may lift for a while; lifts are counted, so nested ones put the check back once, at the last."""
+
+    _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+    def __init__(self, owner: nn.Module, check: Callable) -> None:
+        self.owner, self.check = owner, check
+        self.handle = owner.register_forward_pre_hook(check)
+        self.lifts = 0
+
+    def is_only_hook(self) -> bool:
+        """Whether the module has no hook but this check (which may be lifted already)."""
+        hooks = sum(len(getattr(self.owner, name)) for name in self._HOOK_DICTS)
+        return hooks == (1 if self.lifts == 0 else 0)
+
+    def lift(self) -> None:
+        self.lifts += 1
+        if self.lifts == 1:
+            self.handle.remove()
+
+    def restore(self) -> None:
+        self.lifts -= 1
+        if self.lifts == 0:
+            self.handle = self.owner.register_forward_pre_hook(self.check)
 
 
 # Dynamo inlines these hooks when it traces a module call, and runs them eagerly (the fallback) when

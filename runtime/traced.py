@@ -86,7 +86,7 @@ class TracedGroup(Protocol):
 
     def follow_registered_params(self) -> None: ...
 
-    def refresh_layout(self) -> BucketLayout: ...
+    layout: BucketLayout
 
 
 class TracedState(Protocol):
@@ -185,7 +185,7 @@ def _reshards_after_forward(group: TracedGroup) -> bool:
 def unshard(group: TracedGroup) -> list[torch.Tensor]:
     """Trace the all-gather of `group`; returns one unsharded tensor per `group.params` entry, as
     the module computes with it. See [Note: Traced tensor-parallel parameters]."""
-    layout = group.refresh_layout()  # extensions looked up at every trace, as eager does at every gather
+    layout = group.layout  # refreshed before this trace began: see [Note: Tracing reads what was followed]
     unsharded = (_unshard_bytes if layout.as_bytes else _unshard_plain)(group, layout)
     return [t if p.tp is None else p.tp_dtensor(t) for p, t in zip(group.params, unsharded)]
 

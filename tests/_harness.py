@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import queue
 import tempfile
 import traceback
 from datetime import timedelta
@@ -77,7 +78,7 @@ def run_ranks(fn: Callable, world_size: int = 2, *args, timeout_s: float = DEFAU
         while len(outcomes) < world_size:
             try:
                 rank, error, out = results.get(timeout=timeout_s)
-            except Exception:
+            except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(outcomes))
                 raise AssertionError(f"ranks {missing} did not finish within {timeout_s}s") from None
             outcomes[rank] = (error, out)

@@ -15,9 +15,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from llama import Block, Llama, LlamaConfig, shard_llama  # noqa: E402
 
 __all__ = [
-    "Block", "Llama", "LlamaConfig", "MLPStack", "shard_llama", "tiny_llama",
+    "Block", "Llama", "LlamaConfig", "MLPStack", "shard_blocks_then_root", "shard_llama", "tiny_llama",
     "Boom", "backward_on_both", "batch_for_step", "check_grads_match", "comm_counts", "paired_llama", "check_params_match", "global_mean",
 ]
+
+
+def shard_blocks_then_root(model: nn.Module, fully_shard=None, **kwargs) -> nn.Module:
+    """The usual order: each block (`model.blocks`, else `model.layers`) a group of its own, then the
+    root with what is left; `kwargs` go to every call. `fully_shard`: ours unless given (torch's,
+    for a reference)."""
+    if fully_shard is None:
+        from fsdp_graph import fully_shard
+    for block in model.blocks if hasattr(model, "blocks") else model.layers:
+        fully_shard(block, **kwargs)
+    return fully_shard(model, **kwargs)
 
 
 class MLPBlock(nn.Module):

@@ -1,6 +1,7 @@
 """Capture the partitioned forward and backward graphs of one compiled step, for the pass tests."""
 
 from __future__ import annotations
+from _models import shard_blocks_then_root
 
 
 import torch
@@ -43,9 +44,7 @@ class Stack(nn.Module):
 def sharded_stack(**kwargs) -> Stack:
     torch.manual_seed(0)
     model = Stack()
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    shard_blocks_then_root(model, **kwargs)
     return model
 
 
@@ -69,9 +68,7 @@ class EmbedStack(nn.Module):
 def sharded_embed_stack() -> EmbedStack:
     torch.manual_seed(0)
     model = EmbedStack()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     return model
 
 
@@ -92,14 +89,11 @@ def tensor_parallel_stack(mesh) -> Stack:
 
 def schedule_lines(gm: torch.fx.GraphModule) -> str:
     """Collectives, waits and matmuls in graph order: `AG blocks.0`, `wait AG blocks.0`, `mm`."""
-    from fsdp_graph.passes.bucketing import bucket_groups
-    from fsdp_graph.passes.nodes import (
-        collective_label, collective_of, is_all_gather, is_all_reduce, is_collective, is_fsdp_collective, is_wait_tensor,
-    )
+    from fsdp_graph.passes.nodes import collective_label, collective_of, is_all_gather, is_all_reduce, is_collective, is_wait_tensor
 
     def short(node):
         kind = "AG " if is_all_gather(node) else "AR " if is_all_reduce(node) else "RS "
-        return kind + ("+".join(bucket_groups(node)) if is_fsdp_collective(node) else collective_label(node))
+        return kind + collective_label(node)
 
     lines = []
     for node in gm.graph.nodes:

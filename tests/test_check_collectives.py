@@ -15,14 +15,14 @@ import torch.fx as fx
 
 import fsdp_graph
 from _harness import fake_process_group
-from _models import MLPStack
-from fsdp_graph import fully_shard
+from _models import MLPStack, shard_blocks_then_root
 from fsdp_graph.inspect.timeline import load_programs
 from fsdp_graph.passes.simulator import in_flight
-from fsdp_graph.compile.backend import CHECK_COLLECTIVES_ENV, BackendConfig
-from fsdp_graph.passes.check_collectives import CollectiveBufferError, check_collectives
-
-_C10D = torch.ops._c10d_functional
+from fsdp_graph.compile.backend import BackendConfig
+from fsdp_graph.passes.check_collectives import CHECK_COLLECTIVES_ENV, CollectiveBufferError, check_collectives
+from fsdp_graph.passes.nodes import C10D
+from fsdp_graph.passes.pipeline import run_pass
+from fsdp_graph.passes.table import Stage
 
 
 def _free_storage(t: torch.Tensor) -> None:
@@ -33,10 +33,10 @@ def _graph(between=None) -> fx.GraphModule:
     """x -> all_gather(x) -> [between(x)] -> wait -> * 2: `between` runs while the gather is in flight."""
     graph = fx.Graph()
     x = graph.placeholder("x")
-    gathered = graph.call_function(_C10D.all_gather_into_tensor.default, (x, 8, torch.distributed.group.WORLD.group_name))
+    gathered = graph.call_function(C10D.all_gather_into_tensor.default, (x, 8, torch.distributed.group.WORLD.group_name))
     if between is not None:
         graph.call_function(between, (x,))
-    waited = graph.call_function(_C10D.wait_tensor.default, (gathered,))
+    waited = graph.call_function(C10D.wait_tensor.default, (gathered,))
     graph.output(graph.call_function(operator.mul, (waited, 2)))
     return fx.GraphModule(torch.nn.Module(), graph)
 
@@ -48,7 +48,7 @@ def fake_group():
 
 
 def test_untouched_buffers_pass(fake_group):
-    gm = check_collectives(_graph())
+    gm = run_pass(check_collectives, _graph())
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"].count(
         torch.ops.fsdp_graph.check_collective.default
     ) == 1
@@ -57,7 +57,7 @@ def test_untouched_buffers_pass(fake_group):
 
 
 def test_a_write_into_an_in_flight_input_raises(fake_group):
-    gm = check_collectives(_graph(between=_add_one))
+    gm = run_pass(check_collectives, _graph(between=_add_one))
     with pytest.raises(CollectiveBufferError, match=r"all_gather_into_tensor_default \(\[0\]\) was in flight when 32 of its input's 64 bytes"):
         gm(torch.zeros(16))
 
@@ -67,18 +67,18 @@ def _add_one(t: torch.Tensor) -> None:
 
 
 def test_freeing_an_in_flight_input_raises(fake_group):
-    gm = check_collectives(_graph(between=_free_storage))
+    gm = run_pass(check_collectives, _graph(between=_free_storage))
     with pytest.raises(CollectiveBufferError, match=r"input's storage was resized from 64 to 0 bytes"):
         gm(torch.zeros(16))
 
 
 def test_the_environment_variable_turns_the_checks_on(monkeypatch):
     monkeypatch.delenv(CHECK_COLLECTIVES_ENV, raising=False)
-    assert not BackendConfig().checking_collectives()
+    assert not BackendConfig().resolved_options()["check_collectives"]
     monkeypatch.setenv(CHECK_COLLECTIVES_ENV, "1")
-    assert BackendConfig().checking_collectives()
-    assert [p.name for p in BackendConfig().check_passes()] == ["check_collectives"]
-    assert not BackendConfig(check_collectives=False).checking_collectives()
+    assert BackendConfig().resolved_options()["check_collectives"]
+    assert [p.name for p in BackendConfig(compiler="aot_eager").passes(Stage.LOWER)] == ["check_collectives"]
+    assert not BackendConfig(check_collectives=False).resolved_options()["check_collectives"]
     with pytest.raises(ValueError, match="check_collectives must be True, False or None"):
         BackendConfig(check_collectives="yes")
 
@@ -89,9 +89,7 @@ def test_compiled_step_with_several_in_flight_passes_the_checks(fake_group, tmp_
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = MLPStack(num_blocks=3)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     backend = fsdp_graph.backend(
         compiler="aot_eager", disabled_passes={"auto_bucket"}, dump_dir=str(tmp_path), check_collectives=True
     )

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import fsdp_graph
 from _harness import fake_process_group
-from _models import MLPBlock, MLPStack
+from _models import MLPBlock, MLPStack, shard_blocks_then_root
 from fsdp_graph import BackendConfig, Compiler, fully_shard
 from fsdp_graph.inspect import main as inspect_main
 
@@ -31,9 +31,7 @@ def _forget_compiles():
 def _sharded_mlp(num_blocks=2):
     torch.manual_seed(0)
     model = MLPStack(num_blocks=num_blocks)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     return model
 
 
@@ -93,9 +91,7 @@ class _BreakingBlock(MLPBlock):
 def test_fallback_is_logged_and_dumped(tmp_path, capsys, caplog):
     model = MLPStack(num_blocks=2)
     model.blocks[0].__class__ = _BreakingBlock
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     with caplog.at_level("WARNING", logger="fsdp_graph"):
         _step(torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", dump_dir=str(tmp_path))))
     assert "fsdp_graph::fallback (blocks.0)" in caplog.text
@@ -119,7 +115,7 @@ def test_backend_on_a_model_never_sharded_names_fully_shard():
     "kwargs, exc, match",
     [
         ({"compiler": "tvm"}, ValueError, r"compiler='tvm' is not one of \['inductor', 'aot_eager'\]"),
-        ({"disabled_passes": {"bucketing"}}, ValueError, r"'bucketing', which is not a pass; passes: \['unshard_selection', 'reshard_after_forward', 'merge_tp_all_reduces', 'async_tp', 'bucket_by_group', 'auto_bucket', 'reorder_for_overlap', 'overlap_tp_all_reduces', 'pin_order'\]"),
+        ({"disabled_passes": {"bucketing"}}, ValueError, r"'bucketing', which is not a pass; passes: \['unshard_selection', 'reshard_after_forward', 'merge_tp_all_reduces', 'async_tp', 'bucket_by_group', 'auto_bucket', 'reorder_for_overlap', 'overlap_tp_all_reduces', 'plain_all_gathers_on_gloo', 'reduce_scatters_in_place_on_gloo', 'check_collectives', 'pin_order'\]"),
         ({"disabled_passes": "reshard_after_forward"}, ValueError, "collection of pass names"),
         ({"dump_dir": 3}, ValueError, "dump_dir must be a path"),
         ({"scope": "layer"}, ValueError, r"scope must be one of \['step', 'block'\], got 'layer'"),

@@ -14,10 +14,16 @@ from _models import shard_llama, tiny_llama
 from fsdp_graph import fully_shard
 
 
-def _train(rank, world_size, lengths, impl, dynamic=None, mark_dynamic=False, backend_options=None):
-    """One AdamW step per length; (graphs Dynamo compiled, losses, the last step's sharded gradients)."""
+def _train(rank, world_size, lengths, impl, dynamic=None, mark_dynamic=False, backend_options=None, hooked=False):
+    """One AdamW step per length; (graphs Dynamo compiled, losses, the last step's sharded gradients).
+    `hooked`: every Linear gets a forward pre-hook of the user's (as TP's input hooks are)."""
     torch.manual_seed(0)
-    model = shard_llama(tiny_llama(2), torch_fully_shard if impl != "ours" else fully_shard)
+    model = tiny_llama(2)
+    if hooked:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _module, args: (args[0] * 1.0,))
+    model = shard_llama(model, torch_fully_shard if impl != "ours" else fully_shard)
     if impl == "torch-eager":
         run = model
     elif impl == "torch":
@@ -64,6 +70,20 @@ def test_marked_dynamic_dim_compiles_once():
     graphs, losses, _ = run_ranks(_train, 2, _LENGTHS, "ours", None, True)
     assert graphs == 1
     assert losses == run_ranks(_train, 2, _LENGTHS, "torch-eager")[1]
+
+
+def test_submodules_with_hooks_of_their_own_compile_once():
+    """The group's call checks on submodules were lifted while Dynamo compiled: on a submodule with
+    a hook of its own, Dynamo guarded the hook dict's length without the check, and every step
+    recompiled, until the recompile limit sent the step to the eager hooks ([Note: Owner checks
+    while compiling] in runtime/state.py)."""
+    lengths = [8, 8, 8, 8]
+    graphs, losses, grads = run_ranks(_train, 2, lengths, "ours", None, False, None, True)
+    _, reference, reference_grads = run_ranks(_train, 2, lengths, "torch-eager", None, False, None, True)
+    assert graphs == 1  # torch's fully_shard + compile: 4 graphs here, 2 without the hooks
+    assert losses == reference
+    for name, grad in reference_grads.items():
+        assert torch.equal(grads[name], grad), name
 
 
 def test_a_memory_budget_recompiles_only_for_a_longer_length():

@@ -13,8 +13,7 @@ import torch
 import fsdp_graph
 from _compile_helpers import train_compiled_and_compare
 from _harness import run_ranks
-from _models import MLPBlock, MLPStack
-from fsdp_graph import fully_shard
+from _models import MLPBlock, MLPStack, shard_blocks_then_root
 from fsdp_graph.inspect.dump import load_summary
 
 
@@ -28,9 +27,7 @@ class BlockWithGraphBreak(MLPBlock):
 def _shard(model):
     model.blocks[1].__class__ = BlockWithGraphBreak
     model.blocks[2].forward = torch.compiler.disable(model.blocks[2].forward)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     return model
 
 

@@ -19,7 +19,8 @@ from _compile_helpers import (
 )
 from _harness import run_ranks
 from _models import (
-    MLPStack, batch_for_step, check_grads_match, check_params_match, loss_fn, paired_llama, shard_llama, tiny_llama,
+    MLPStack, batch_for_step, check_grads_match, check_params_match, loss_fn, paired_llama, shard_blocks_then_root,
+    shard_llama, tiny_llama,
 )
 from fsdp_graph import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from test_features import CheckpointedLlama, _deterministic_init, _wrapped_blocks, clip_like_unsharded, meta_sharded_mlp
@@ -45,9 +46,7 @@ def _model(name):
 def _shard(name):
     def shard(m):
         if name == "frozen" or name == "meta_init":
-            for block in m.blocks:
-                fully_shard(block)
-            return fully_shard(m)
+            return shard_blocks_then_root(m)
         if name == "tied_list":
             for layer in m.layers:
                 fully_shard(layer)

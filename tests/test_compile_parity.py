@@ -11,7 +11,7 @@ import torch
 import fsdp_graph
 from _compile_helpers import train_compiled_and_compare
 from _harness import run_ranks
-from _models import MLPStack, shard_llama, tiny_llama
+from _models import MLPStack, shard_blocks_then_root, shard_llama, tiny_llama
 from fsdp_graph import fully_shard
 from fsdp_graph.passes.cost_model import CollectiveKind
 from fsdp_graph.passes.simulator import OpKind, all_gathers_in_flight, in_flight
@@ -19,9 +19,7 @@ from fsdp_graph.inspect.timeline import load_programs
 
 
 def _shard_mlp(model, **kwargs):
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    shard_blocks_then_root(model, **kwargs)
     return model
 
 

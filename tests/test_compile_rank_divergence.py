@@ -15,7 +15,7 @@ import torch.nn as nn
 import fsdp_graph
 from _compile_helpers import train_compiled_and_compare
 from _harness import run_ranks
-from _models import MLPBlock, MLPStack
+from _models import MLPBlock, MLPStack, shard_blocks_then_root
 from fsdp_graph import fully_shard
 
 
@@ -91,9 +91,7 @@ class BlockBreaksOnRank0(MLPBlock):
 def _shard_blocks(model: MLPStack, break_on_rank0: bool = True) -> MLPStack:
     if break_on_rank0:
         model.blocks[1].__class__ = BlockBreaksOnRank0
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     return model
 
 

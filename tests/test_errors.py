@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from _harness import fake_process_group
-from _models import MLPStack
+from _models import MLPStack, shard_blocks_then_root
 from fsdp_graph import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from fsdp_graph.api.module import ArgumentTypeError
 
@@ -114,9 +114,7 @@ def test_shard_placement_not_shard_or_out_of_range():
 
 def test_prefetch_targets_must_be_sharded():
     m = MLPStack()
-    for block in m.blocks:
-        fully_shard(block)
-    fully_shard(m)
+    shard_blocks_then_root(m)
     _raises(ValueError, "not sharded", m.blocks[0].set_modules_to_forward_prefetch, [m.inp])
     _raises(TypeError, "list of FSDPModule", m.blocks[0].set_modules_to_backward_prefetch, m.blocks[1])
 

@@ -10,6 +10,7 @@ busy in an exception handler) makes them fail when the timeout expires.
 from __future__ import annotations
 
 import os
+import queue
 import tempfile
 import time
 import traceback
@@ -21,8 +22,7 @@ import torch.distributed as dist
 
 import fsdp_graph
 from _harness import rank_context
-from _models import MLPStack
-from fsdp_graph import fully_shard
+from _models import MLPStack, shard_blocks_then_root
 
 PG_TIMEOUT_S = 5
 DEADLINE_S = 60  # the test's own limit: ranks still running then are killed and the test fails
@@ -65,7 +65,7 @@ def run_ranks_with_a_failure(fn, world_size: int, failing_rank: int, *args) -> d
             try:
                 rank, error, out = results.get(timeout=0.2)
                 outcomes[rank] = (error, out)
-            except Exception:
+            except queue.Empty:
                 pass
             if time.monotonic() > deadline:
                 raise AssertionError(f"ranks still running after {DEADLINE_S}s: a hang; reported: {sorted(outcomes)}")
@@ -95,9 +95,7 @@ def _fail(how: str) -> None:
 def _train_until_failure(rank, world_size, how, compiled, num_blocks, reshard_after_forward):
     torch.manual_seed(0)
     model = MLPStack(num_blocks=num_blocks)
-    for block in model.blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    shard_blocks_then_root(model, reshard_after_forward=reshard_after_forward)
     run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager")) if compiled else model
     for step in range(3):
         x = torch.randn(4, 13)

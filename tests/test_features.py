@@ -15,7 +15,7 @@ from _harness import run_ranks
 from _models import (
     backward_on_both, paired_llama,
     Llama, MLPStack, batch_for_step, check_grads_match, check_params_match, comm_counts, loss_fn, shard_llama, tiny_llama,
-    train_and_compare,
+    shard_blocks_then_root, train_and_compare,
 )
 from fsdp_graph import CPUOffloadPolicy, fully_shard
 
@@ -107,9 +107,7 @@ def meta_sharded_mlp(_unused=None, init=_deterministic_init) -> MLPStack:
     """An MLPStack built on meta, sharded (blocks, root), materialized on CPU, then `init(model)`."""
     with torch.device("meta"):
         model = MLPStack()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     model.to_empty(device="cpu")
     init(model)
     return model

@@ -20,7 +20,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp_graph.runtime.collectives as collectives
 from _harness import run_ranks
-from _models import MLPBlock, comm_counts
+from _models import comm_counts, MLPBlock, shard_blocks_then_root
 from fsdp_graph import AllGather, CPUOffloadPolicy, MixedPrecisionPolicy, ReduceScatter, fully_shard, share_comm_ctx
 
 
@@ -157,9 +157,7 @@ def _pair(mp=None, mesh=None):
         if mp:
             kwargs["mp_policy"] = mp_cls(**mp)
         fs(model.emb, **kwargs)
-        for block in model.blocks:
-            fs(block, **kwargs)
-        fs(model, **kwargs)
+        shard_blocks_then_root(model, fs, **kwargs)
         out.append(model)
     return out
 
@@ -205,9 +203,7 @@ class CountingReduceScatter(ReduceScatter):
         return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
-def _controls(rank, world_size):
-    figures = {}
-
+def _divide_factor(rank, world_size):
     # set_gradient_divide_factor changes only the module it is called on. (torch's uses
     # PREMUL_SUM, which gloo lacks, unless sums are forced; ours always sums, then divides.)
     ours, theirs = _pair()
@@ -220,6 +216,8 @@ def _controls(rank, world_size):
     _assert_same_grads(ours, theirs, what="divide factor")
     assert ours.blocks[0]._fsdp_state.group.gradient_divide_factor is None
 
+
+def _deprecated_divide_factor_alias(rank, world_size):
     # The deprecated alias warns and does the same.
     ours, theirs = _pair()
     theirs.blocks[1].set_force_sum_reduction_for_comms(True)
@@ -231,6 +229,8 @@ def _controls(rank, world_size):
         _step(model, 0, rank)
     _assert_same_grads(ours, theirs, what="deprecated alias")
 
+
+def _bf16_accumulation_without_sync(rank, world_size):
     # Gradients accumulated without sync add up in reduce_dtype (fp32), not in bf16.
     ours, theirs = _pair(mp={"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32})
     for model in (ours, theirs):
@@ -241,6 +241,8 @@ def _controls(rank, world_size):
         _step(model, 2, rank)
     _assert_same_grads(ours, theirs, what="bf16 accumulation")
 
+
+def _post_accumulate_grad_hooks(rank, world_size):
     # Post-accumulate-grad hooks on the sharded parameters (optimizer in backward) run once per
     # reduced gradient and see it; a second backward adds to the same `.grad` tensor, in place,
     # also after zero_grad(set_to_none=False). [Note: The sharded gradient is the parameter's own]
@@ -265,6 +267,8 @@ def _controls(rank, world_size):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"hook on {name}: {m}")
     _assert_same_grads(ours, theirs, what="post-accumulate-grad hooks")
 
+
+def _reduce_scatter_unused_params(rank, world_size):
     # set_reduce_scatter_unused_params(True): FSDP2 gives every trainable parameter of the groups it
     # reduces zeros where no rank had a gradient (also groups that did not run, once gathered), so
     # AdamW decays them; False leaves them None. Same gradients (None-ness too) and parameters.
@@ -273,6 +277,8 @@ def _controls(rank, world_size):
         _assert_same_routed(*routed, what=f"reduce_scatter_unused_params={flag}")
     assert routed[0][0][0]["unused.weight"] is not None and routed[0][0][0]["c.up.weight"] is None
 
+
+def _unshard_handles(rank, world_size):
     # unshard(): None when waited, a handle when async.
     ours, theirs = _pair()
     for model in (ours, theirs):
@@ -283,6 +289,8 @@ def _controls(rank, world_size):
         model.blocks[0].reshard()
         model.blocks[1].reshard()
 
+
+def _all_reduce_hook(rank, world_size):
     # The all-reduce hook sees what FSDP2's sees (averaged; the sum with forced sums) and may
     # change the gradients in place.
     for force_sum in (False, True):
@@ -303,6 +311,8 @@ def _controls(rank, world_size):
         torch.testing.assert_close(seen[0][0], seen[1][0], rtol=1e-5, atol=1e-7)
         _assert_same_grads(ours, theirs, what=f"all-reduce hook force_sum={force_sum}")
 
+
+def _unshard_in_backward(rank, world_size):
     # set_unshard_in_backward(False) on the embedding: one all-gather fewer, same gradients.
     ours, theirs = _pair()
     counts = []
@@ -314,8 +324,10 @@ def _controls(rank, world_size):
         counts.append(comm_counts(mode))
     _assert_same_grads(ours, theirs, what="unshard_in_backward")
     assert counts[0] == counts[1], counts
-    figures["unshard_in_backward counts"] = counts[0]
+    return {"unshard_in_backward counts": counts[0]}
 
+
+def _reset_iter_state(rank, world_size):
     # reset_iter_state after a forward that raised, then a normal step.
     ours, theirs = _pair()
     for model in (ours, theirs):
@@ -330,7 +342,10 @@ def _controls(rank, world_size):
     with pytest.raises(ValueError, match="root"):
         ours.blocks[0].reset_iter_state()
 
+
+def _accepted_controls(rank, world_size):
     # Accepted controls, validated as FSDP2 validates them.
+    ours, theirs = _pair()
     for model in (ours, theirs):
         model.set_reduce_scatter_unused_params(True)
         model.set_reduce_scatter_max_input_buffers(2)
@@ -338,8 +353,11 @@ def _controls(rank, world_size):
             with pytest.raises(error):
                 model.set_reduce_scatter_max_input_buffers(bad)
 
+
+def _slicing_and_deepcopy(rank, world_size):
     # Slicing a sharded nn.Sequential gives a plain Sequential of the (sharded) blocks; deepcopy
     # of a sharded module is refused.
+    ours, _ = _pair()
     for fs in (fully_shard, torch_fully_shard):
         seq = nn.Sequential(MLPBlock(8, 6), MLPBlock(8, 6), MLPBlock(8, 6))
         fs(seq[0])
@@ -349,6 +367,8 @@ def _controls(rank, world_size):
     with pytest.raises(ValueError, match="deep"):
         copy.deepcopy(ours)
 
+
+def _to_and_apply(rank, world_size):
     # .to() / _apply on a sharded module keeps it training like torch's.
     ours, theirs = _pair()
     for model in (ours, theirs):
@@ -359,6 +379,8 @@ def _controls(rank, world_size):
         _step(model, 1, rank)
     _assert_same_grads(ours, theirs, what="after .to()")
 
+
+def _share_comm_ctx(rank, world_size):
     # share_comm_ctx: two roots (pipeline stages) share one context and train as torch's.
     stages = []
     for fs, share in ((fully_shard, share_comm_ctx), (torch_fully_shard, torch_share_comm_ctx)):
@@ -374,6 +396,8 @@ def _controls(rank, world_size):
     for i in range(2):
         _assert_same_grads(stages[0][i], stages[1][i], what="share_comm_ctx")
 
+
+def _custom_comms(rank, world_size):
     # Custom all-gather / reduce-scatter: called once per gather and reduction, same gradients.
     calls = []
     ours, theirs = _pair()
@@ -389,6 +413,8 @@ def _controls(rank, world_size):
     with pytest.raises(TypeError, match="allocate"):
         ours.set_custom_all_gather(lambda *args: None)
 
+
+def _allocate_from_process_group(rank, world_size):
     # set_allocate_memory_from_process_group_for_comm(True): gloo's backend has no allocator of its
     # own, so both keep the caching allocator: same gradients. After a custom comm both refuse it.
     cpu = torch.device("cpu")
@@ -407,6 +433,8 @@ def _controls(rank, world_size):
     with pytest.raises(AssertionError, match="custom"):
         theirs.blocks[0].set_allocate_memory_from_process_group_for_comm(True)
 
+
+def _all_reduce_hook_stream(rank, world_size):
     # set_all_reduce_hook(hook, stream=...): the stream is kept (CUDA runs the hook on it: see
     # test_all_reduce_hook_runs_on_its_stream); the gradients are torch's with the same hook.
     ours, theirs = _pair()
@@ -418,6 +446,8 @@ def _controls(rank, world_size):
     with pytest.raises(TypeError, match="stream must be a stream"):
         ours.set_all_reduce_hook(lambda reduced: None, stream="side")
 
+
+def _separate_reduce_scatter_group(rank, world_size):
     # set_separate_reduce_scatter_group: reduce-scatters on a group of their own, same gradients.
     ours, theirs = _pair()
     for model in (ours, theirs):
@@ -428,6 +458,8 @@ def _controls(rank, world_size):
     assert rs_group is not None and rs_group is ours._fsdp_state.group.reduce_controls.reduce_scatter_group
     assert rs_group is not ours._fsdp_state.group.mesh_info.shard_group
 
+
+def _cpu_offload_pin_memory(rank, world_size):
     # CPUOffloadPolicy(pin_memory=True) needs a GPU to pin: both refuse it on a CPU-only machine.
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="pin_memory=False"):
@@ -436,12 +468,37 @@ def _controls(rank, world_size):
 
         with pytest.raises(RuntimeError):
             torch_fully_shard(MLPBlock(8, 6), offload_policy=TorchCPUOffloadPolicy(pin_memory=True))
-    return figures
 
 
-def test_fsdp2_controls_match_torch_fully_shard():
-    figures = run_ranks(_controls, 2)
-    print(figures)
+# FSDP2's controls, one scenario each (so that one failing shows the others' results), each on 2
+# gloo ranks against torch's fully_shard doing the same.
+_CONTROLS = [
+    _divide_factor,
+    _deprecated_divide_factor_alias,
+    _bf16_accumulation_without_sync,
+    _post_accumulate_grad_hooks,
+    _reduce_scatter_unused_params,
+    _unshard_handles,
+    _all_reduce_hook,
+    _unshard_in_backward,
+    _reset_iter_state,
+    _accepted_controls,
+    _slicing_and_deepcopy,
+    _to_and_apply,
+    _share_comm_ctx,
+    _custom_comms,
+    _allocate_from_process_group,
+    _all_reduce_hook_stream,
+    _separate_reduce_scatter_group,
+    _cpu_offload_pin_memory,
+]
+
+
+@pytest.mark.parametrize("scenario", _CONTROLS, ids=lambda scenario: scenario.__name__.lstrip("_"))
+def test_fsdp2_controls_match_torch_fully_shard(scenario):
+    figures = run_ranks(scenario, 2)
+    if figures is not None:
+        print(figures)
 
 
 def _fp16_near_max(rank, world_size):
@@ -552,9 +609,7 @@ def _compiled(rank, world_size):
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
     def shard(model, control):
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        shard_blocks_then_root(model)
         control(model)
         return model
 

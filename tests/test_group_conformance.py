@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_graph
 from _harness import run_ranks
+from _models import shard_blocks_then_root
 from fsdp_graph import MixedPrecisionPolicy, fully_shard
 
 
@@ -112,9 +113,7 @@ def _train_against_torch(models: dict, batches: list, loss_of, label: str) -> li
     return losses
 
 def _shard_lora(model: LoraNet, fs) -> LoraNet:
-    for block in model.blocks:
-        fs(block)
-    fs(model)
+    shard_blocks_then_root(model, fs)
     return model
 
 
@@ -265,9 +264,7 @@ def _meta_parameters(rank, world_size):
     for name, fs in (("torch", torch_fully_shard), ("eager", fully_shard), ("compiled", fully_shard)):
         with torch.device("meta"):
             model = LoraNet(num_blocks=2)
-        for block in model.blocks:
-            fs(block)
-        fs(model)
+        shard_blocks_then_root(model, fs)
         model.blocks[0].to_empty(device="cpu")  # materialized: not named in the error
         run = _compile(model) if name == "compiled" else model
         try:

@@ -19,8 +19,7 @@ import torch
 
 import fsdp_graph
 from _harness import fake_process_group
-from _models import MLPStack
-from fsdp_graph import fully_shard
+from _models import MLPStack, shard_blocks_then_root
 from fsdp_graph.inspect.dump import format_summary, load_summary
 from fsdp_graph.inspect import main as inspect_main
 from fsdp_graph.passes.simulator import CollectiveSpan, MemoryProfile, Simulation, in_flight
@@ -40,9 +39,7 @@ def process_group():
 def _compiled_mlp(dump_dir):
     torch.manual_seed(0)
     model = MLPStack(num_blocks=2)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     return torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", dump_dir=str(dump_dir)))
 
 
@@ -148,9 +145,7 @@ def test_measured_gathers_of_a_step_compiled_block_by_block(tmp_path, capsys):
     block boundary; in forward each group gathers in its own hook."""
     torch.manual_seed(0)
     model = MLPStack(num_blocks=3)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     compiled = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", scope="block",
                                                                dump_dir=str(tmp_path / "dump")))
     _step(compiled)
@@ -270,13 +265,10 @@ def test_dump_goes_into_torch_structured_trace(tmp_path):
         import sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from _harness import fake_process_group
-        from _models import MLPStack
-        from fsdp_graph import fully_shard
+        from _models import MLPStack, shard_blocks_then_root
         with fake_process_group(8):
             model = MLPStack(num_blocks=2)
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
+            shard_blocks_then_root(model)
             compiled = torch.compile(model, backend="fsdp_graph", options={{"compiler": "aot_eager"}})
             compiled(torch.randn(4, 13)).sum().backward()
     """)

@@ -12,7 +12,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from _harness import fake_process_group
 from test_errors import _raises
-from _models import MLPStack
+from _models import MLPStack, shard_blocks_then_root
 from fsdp_graph import fully_shard, register_fsdp_forward_method
 from fsdp_graph.runtime.param import MetaParameterError
 
@@ -26,9 +26,7 @@ def process_group():
 def _sharded_mlp():
     torch.manual_seed(0)
     model = MLPStack()
-    for block in model.blocks:
-        fully_shard(block)
-    return fully_shard(model)
+    return shard_blocks_then_root(model)
 
 
 def _step(model):

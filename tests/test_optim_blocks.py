@@ -23,7 +23,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import fsdp_graph
 from _harness import run_ranks
 from _optim_helpers import Matrices, full, global_grads, resume_continues_bitwise
-from _models import batch_for_step, loss_fn, tiny_llama
+from _models import batch_for_step, loss_fn, shard_blocks_then_root, tiny_llama
 from block_polar import BlockPolarSGD
 from fsdp_graph import fully_shard
 from fsdp_graph.optim import whole_block_placement
@@ -187,9 +187,7 @@ def _training(rank, world_size, compiled):
     reference = copy.deepcopy(model)
     placement = whole_block_placement((8, 8), world_size)
     sharded = copy.deepcopy(model)
-    for layer in sharded.layers:
-        fully_shard(layer, shard_placement_fn=placement)
-    fully_shard(sharded, shard_placement_fn=placement)
+    shard_blocks_then_root(sharded, shard_placement_fn=placement)
     assert sharded.layers[0].feed_forward.w1.weight.placements == (Shard(1),)
     run = torch.compile(sharded, backend=fsdp_graph.backend(compiler="aot_eager")) if compiled else sharded
 

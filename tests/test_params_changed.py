@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_graph
 from _harness import run_ranks
-from _models import MLPStack, batch_for_step, check_grads_match, check_params_match, loss_fn
+from _models import batch_for_step, check_grads_match, check_params_match, loss_fn, MLPStack, shard_blocks_then_root
 from fsdp_graph import MixedPrecisionPolicy, fully_shard
 
 
@@ -42,9 +42,7 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def _shard(model, fs, **kwargs):
-    for block in model.blocks:
-        fs(block, **kwargs)
-    return fs(model, **kwargs)
+    return shard_blocks_then_root(model, fs, **kwargs)
 
 
 def _models(dtype=torch.float32, frozen=(), **kwargs):

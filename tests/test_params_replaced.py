@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import fsdp_graph
 from _harness import run_ranks
-from _models import Llama, LlamaConfig, batch_for_step, check_grads_match, loss_fn
+from _models import Llama, LlamaConfig, batch_for_step, check_grads_match, global_mean, loss_fn, shard_blocks_then_root
 from fsdp_graph import fully_shard
 from fsdp_graph.runtime.param_group import ShardedState
 
@@ -204,9 +204,7 @@ def _check_same_training(results):
 def _sharded_on_meta(fs, reference):
     with torch.device("meta"):
         model = HiddenStatesLlama(_CFG)
-    for layer in model.layers:
-        fs(layer)
-    return fs(model)
+    return shard_blocks_then_root(model, fs)
 
 
 def _loaded_with_assign(fs, reference, rank):
@@ -325,37 +323,60 @@ def test_unused_parameter_keeps_its_gradient_after_meta_init(set_to_none):
     assert seen["torch"][4] is None if set_to_none else seen["torch"][4] is not None  # the test reads both cases
 
 
-def _replaced_between_steps(rank, world_size, compiler):
-    """Three steps; before the third, every parameter of the first block is replaced with
-    `load_state_dict(assign=True)` by other values. Returns the losses."""
+def _reference_and_other_values():
+    """A seeded model, and the state dict of a second one (other values for the same names)."""
     torch.manual_seed(0)
-    reference = HiddenStatesLlama(_CFG)
-    other = HiddenStatesLlama(_CFG).state_dict()
+    return HiddenStatesLlama(_CFG), HiddenStatesLlama(_CFG).state_dict()
+
+
+def _replaced_between_steps(rank, world_size, compiler, how):
+    """Three steps; before the third, every parameter of the first block is replaced by other values,
+    with `load_state_dict(assign=True)` or by assigning each (which no hook of ours sees). Returns
+    the losses of torch's `fully_shard`, ours, and the unsharded model replaced the same way."""
+    reference, other = _reference_and_other_values()
     losses = {}
-    for name, fs in (("torch", torch_fully_shard), ("ours", fully_shard)):
-        model = _shard_like_torchtitan(copy.deepcopy(reference), fs)
-        run = model if name == "torch" or compiler is None else torch.compile(
+    for name, fs in (("torch", torch_fully_shard), ("ours", fully_shard), ("unsharded", None)):
+        model = copy.deepcopy(reference)
+        if fs is not None:
+            _shard_like_torchtitan(model, fs)
+        run = model if name != "ours" or compiler is None else torch.compile(
             model, backend=fsdp_graph.backend(compiler=compiler)
         )
         losses[name] = []
         for step in range(3):
             if step == 2:
+                block = model.layers[0]
                 new = {
-                    n: nn.Parameter(distribute_tensor(other[f"layers.0.{n}"], p.device_mesh, p.placements))
-                    for n, p in model.layers[0].named_parameters()
+                    n: nn.Parameter(
+                        distribute_tensor(other[f"layers.0.{n}"], p.device_mesh, p.placements)
+                        if isinstance(p, DTensor) else other[f"layers.0.{n}"].clone()
+                    )
+                    for n, p in block.named_parameters()
                 }
-                model.layers[0].load_state_dict(new, assign=True)
-            _, _, x, y = batch_for_step(reference, step, 8, rank, world_size)
+                if how == "load_state_dict":
+                    block.load_state_dict(new, assign=True)
+                else:
+                    for n, p in new.items():
+                        owner, _, attr = n.rpartition(".")
+                        setattr(block.get_submodule(owner), attr, p)
+            x, y, lx, ly = batch_for_step(reference, step, 8, rank, world_size)
             with torch.no_grad():
-                losses[name].append(loss_fn(model, run(x), y).item())
+                loss = loss_fn(model, run(x), y) if fs is None else loss_fn(model, run(lx), ly)
+            losses[name].append(loss.item() if fs is None else global_mean(loss))
     return losses
 
 
-def test_parameters_replaced_between_compiled_steps():
-    """The compiled step reads the parameters the modules hold now, without a recompile of its own."""
-    losses = run_ranks(_replaced_between_steps, 2, "aot_eager")
-    assert losses["ours"] == losses["torch"], losses
+@pytest.mark.parametrize("how", ["load_state_dict", "setattr"])
+def test_parameters_replaced_between_compiled_steps(how):
+    """The compiled step reads the parameters the modules hold now: followed by the load hook, or,
+    assigned behind every hook's back, by a recompile (the traced root guards a count of such
+    assignments). torch's `fully_shard` takes an assigned parameter only at its lazy init, before
+    the first forward: later it trains on (see the README's differences from FSDP2)."""
+    losses = run_ranks(_replaced_between_steps, 2, "aot_eager", how)
+    torch.testing.assert_close(losses["ours"], losses["unsharded"], rtol=1e-5, atol=0)
     assert losses["ours"][2] != losses["ours"][1]
+    if how == "load_state_dict":
+        assert losses["ours"] == losses["torch"], losses
 
 
 def _bad_replacements(rank, world_size, compiler):
@@ -385,3 +406,106 @@ def test_meta_and_bad_replacements_are_named(compiler):
     assert "layers.1.attention.wq.weight" in names and "output.weight" in names, meta_error
     assert "layers.0" not in names, meta_error  # materialised
     assert "'layers.1.attention.wq.weight'" in replaced_error and "distribute_tensor" in replaced_error, replaced_error
+
+
+def _optimizer_of_replaced_parameters(rank, world_size):
+    """An optimizer built before `load_state_dict(assign=True)` holds the replaced shards: its step
+    is refused, naming one, instead of silently updating tensors no forward reads."""
+    torch.manual_seed(0)
+    reference = HiddenStatesLlama(_CFG)
+    model = _shard_like_torchtitan(copy.deepcopy(reference), fully_shard)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    values = reference.state_dict()
+    model.load_state_dict(
+        {n: nn.Parameter(distribute_tensor(values[n], p.device_mesh, p.placements)) for n, p in model.named_parameters()},
+        strict=False, assign=True,
+    )
+    _, _, x, y = batch_for_step(reference, 0, 8, rank, world_size)
+    loss_fn(model, model(x), y).backward()
+    try:
+        optimizer.step()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_optimizer_of_replaced_parameters_is_refused():
+    message = run_ranks(_optimizer_of_replaced_parameters, 2)
+    assert message is not None and "Build the optimizer after fully_shard" in message, message
+
+
+def _loaded_by_swapping(rank, world_size, compiler):
+    """`load_state_dict` under `torch.__future__.set_swap_module_params_on_conversion(True)` swaps
+    every shard's TensorImpl (as `to_empty` does); then train a few steps. Returns the losses."""
+    reference, other = _reference_and_other_values()
+    losses = {}
+    for name, fs in (("torch", torch_fully_shard), ("ours", fully_shard)):
+        model = _shard_like_torchtitan(copy.deepcopy(reference), fs)
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.load_state_dict({n: distribute_tensor(other[n], p.device_mesh, p.placements) for n, p in model.named_parameters()}, strict=False)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+        run = model if name == "torch" else torch.compile(model, backend=fsdp_graph.backend(compiler=compiler))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses[name] = []
+        for step in range(3):
+            _, _, x, y = batch_for_step(reference, step, 8, rank, world_size)
+            loss = loss_fn(model, run(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[name].append(loss.item())
+    return losses
+
+
+def test_state_dict_loaded_by_swapping_tensors():
+    losses = run_ranks(_loaded_by_swapping, 2, "aot_eager")
+    assert losses["ours"] == losses["torch"], losses
+
+
+class _WeightNormModel(nn.Module):
+    """torch's `test_reset_sharded_param_in_lazy_init` model: a root parameter computed, after
+    `fully_shard`, from the sharded blocks' parameters and assigned anew."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer1 = nn.Linear(3, 3, bias=False)
+        self.layer2 = nn.Linear(3, 3, bias=False)
+        self.weight_norm = nn.Parameter(torch.empty(3))
+
+    def init_weight_norm(self) -> None:
+        with torch.no_grad():
+            norm = torch.linalg.norm(self.layer1.weight, dim=1) + torch.linalg.norm(self.layer2.weight, dim=1)
+        self.weight_norm = nn.Parameter(norm)  # a DTensor: the norm of sharded weights
+
+    def forward(self, x):
+        return self.layer2(self.layer1(x)).sum() + self.weight_norm.sum()
+
+
+def _reset_sharded_param_in_lazy_init(rank, world_size):
+    results = {}
+    for name, fs in (("torch", torch_fully_shard), ("ours", fully_shard)):
+        with torch.device("meta"):
+            model = _WeightNormModel()
+        fs(model.layer1)
+        fs(model.layer2)
+        fs(model)
+        model.layer1.to_empty(device="cpu")
+        model.layer2.to_empty(device="cpu")
+        torch.manual_seed(0)
+        model.layer1.reset_parameters()
+        model.layer2.reset_parameters()
+        model.init_weight_norm()
+        x = torch.randn(3, 3, generator=torch.Generator().manual_seed(rank))
+        model(x).sum().backward()
+        results[name] = {n: (p.to_local().clone(), p.grad.to_local().clone()) for n, p in model.named_parameters()}
+    return results
+
+
+def test_torchs_reset_sharded_param_in_lazy_init():
+    """torch's own FSDP2 test, with both `fully_shard`s: it failed with fsdp_graph's meta check
+    ("Parameters [] are still on the meta device")."""
+    results = run_ranks(_reset_sharded_param_in_lazy_init, 2)
+    for name, (param, grad) in results["torch"].items():
+        assert torch.equal(results["ours"][name][0], param) and torch.equal(results["ours"][name][1], grad), name

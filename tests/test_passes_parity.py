@@ -11,8 +11,7 @@ import torch
 import fsdp_graph
 from _compile_helpers import train_compiled_and_compare
 from _harness import run_ranks
-from _models import MLPStack
-from fsdp_graph import fully_shard
+from _models import MLPStack, shard_blocks_then_root
 from fsdp_graph.inspect.timeline import load_programs
 from fsdp_graph.passes.cost_model import CollectiveKind, HardwareProfile
 from fsdp_graph.passes.simulator import OpKind
@@ -20,9 +19,7 @@ from fsdp_graph.passes.simulator import OpKind
 
 
 def shard_mlp(model):
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     return model
 
 

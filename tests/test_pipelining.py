@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from _harness import run_ranks
-from _models import MLPBlock
+from _models import MLPBlock, shard_blocks_then_root
 
 DIM, HIDDEN, BLOCKS_PER_STAGE = 13, 5, 2  # uneven dims: padding on every shard
 NUM_MICROBATCHES, LOCAL_BATCH, STEPS = 4, 8, 2
@@ -65,9 +65,7 @@ def _train(rank, world_size, schedule_name, reshard_after_forward, library):
     stages, modules = [], []
     for index in my_indices:
         module = all_stages[index]
-        for block in module.blocks:
-            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
-        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+        shard_blocks_then_root(module, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
         modules.append(module)
         stages.append(stage_class(module, index, num_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
     optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1)

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 import fsdp_graph
 from _harness import run_ranks
-from _models import batch_for_step, train_and_compare
+from _models import batch_for_step, shard_blocks_then_root, train_and_compare
 from fsdp_graph import fully_shard
 from fsdp_graph.predict import fake_world
 
@@ -61,9 +61,7 @@ def _launch(rank, world_size, model_dir, save_dir, global_batch):
     result = {}
 
     def shard(model):
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        shard_blocks_then_root(model)
         example = batch_for_step(model, 0, 8, rank, world_size)[2]
         counters.clear()
         compiled = fsdp_graph.precompile(model, (example,), save_dir=save_dir)

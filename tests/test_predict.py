@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _models import MLPStack
+from _models import MLPStack, shard_blocks_then_root
 from fsdp_graph import fully_shard
 from fsdp_graph.passes.nodes import fsdp_meta, is_all_gather, is_reduce_scatter, tensor_bytes
-from fsdp_graph.predict import capture_graphs, fake_world
+from fsdp_graph.predict import capture_graphs, fake_world, schedule_graphs
 from fsdp_graph.runtime.meta import GROUP_KEY
 
 WORLD = 64
@@ -32,9 +32,7 @@ def test_capture_on_meta_at_world_size_64():
     groups = {f"blocks.{i}": list(block.parameters()) for i, block in enumerate(model.blocks)}
     groups["<root>"] = [*model.inp.parameters(), *model.head.parameters()]
     with fake_world(WORLD):
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        shard_blocks_then_root(model)
         graphs = capture_graphs(model, torch.randn(4, 13, device="meta"))
     gathered = {fsdp_meta(n, GROUP_KEY): tensor_bytes(n) for n in graphs["forward"].graph.nodes if is_all_gather(n)}
     assert gathered == {group: _expected_gather_bytes(params) for group, params in groups.items()}
@@ -50,7 +48,8 @@ def test_fake_world_refuses_a_second_process_group():
                 pass
 
 
-# -- flash attention on meta (examples/llama.py `flash_attention`, see [Note: Flash attention on meta]) --
+# -- flash attention on meta: `LlamaConfig.flash_attention` in examples/llama.py says why, `_MetaRunner` in
+# fsdp_graph/predict.py how a captured graph runs its RNG-state wrappers on meta ---------------------------
 
 BATCH, SEQ, HEADS, KV_HEADS, DIM, LAYERS = 2, 32, 4, 2, 64, 2
 
@@ -63,9 +62,7 @@ def _capture_llama(flash_attention: bool, world: int = 4) -> dict:
     with torch.device("meta"):
         model = Llama(cfg)
     with fake_world(world):
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
+        shard_blocks_then_root(model)
         return capture_graphs(model, torch.randint(0, 64, (BATCH, SEQ), device="meta"))
 
 
@@ -125,15 +122,10 @@ def test_flash_attention_is_off_for_real_tensors():
 
 
 def _schedule(graphs: dict, disabled: frozenset) -> dict:
-    import copy
-
     from fsdp_graph.passes.cost_model import CostModel
-    from fsdp_graph.passes.pipeline import PassPipeline
-    from fsdp_graph.passes.scheduling import scheduling_passes
 
-    passes = scheduling_passes(CostModel("h100-infiniband", links={"tp": "h100-nvlink"}), 1 << 30, None, None, None, 4)
-    pipeline = PassPipeline("schedule", passes, disabled, None)
-    return {kind: pipeline(copy.deepcopy(gm), kind) for kind, gm in graphs.items()}
+    cost_model = CostModel("h100-infiniband", links={"tp": "h100-nvlink"})
+    return schedule_graphs(graphs, hardware_profile=cost_model, disabled_passes=disabled, async_tp_chunks=4)
 
 
 def test_overlap_tp_all_reduces_moves_only_independent_work_and_hides_tp_time():

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_graph
 from _harness import run_ranks
-from _models import Boom, MLPStack, batch_for_step, check_grads_match, check_params_match, loss_fn, shard_llama, tiny_llama
+from _models import batch_for_step, Boom, check_grads_match, check_params_match, loss_fn, MLPStack, shard_blocks_then_root, shard_llama, tiny_llama
 from fsdp_graph import fully_shard
 
 NUM_STEPS = 6
@@ -124,9 +124,7 @@ def _runtime_residue(model: nn.Module) -> dict:
 def _long_run(rank, world_size, num_steps, checkpoints):
     torch.manual_seed(0)
     model = MLPStack(dim=16, hidden=8, num_blocks=2)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(4, 16)
     y = torch.randn(4)

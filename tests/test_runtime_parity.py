@@ -4,14 +4,12 @@ import pytest
 import torch
 
 from _harness import run_ranks
-from _models import MLPStack, shard_llama, tiny_llama, train_and_compare
+from _models import MLPStack, shard_blocks_then_root, shard_llama, tiny_llama, train_and_compare
 from fsdp_graph import fully_shard
 
 
 def _shard_mlp(model, **kwargs):
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    shard_blocks_then_root(model, **kwargs)
     return model
 
 

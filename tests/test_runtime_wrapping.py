@@ -4,7 +4,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from _harness import run_ranks
-from _models import MLPStack, shard_llama, tiny_llama, train_and_compare
+from _models import MLPStack, shard_blocks_then_root, shard_llama, tiny_llama, train_and_compare
 from fsdp_graph import FSDPModule, fully_shard
 
 
@@ -21,9 +21,7 @@ def _class_swap(rank, world_size):
     model = MLPStack()
     names = [n for n, _ in model.named_parameters()]
     keys = list(model.state_dict().keys())
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     assert type(model).__name__ == "FSDPMLPStack"
     assert isinstance(model, MLPStack) and isinstance(model, FSDPModule)
     assert isinstance(model.blocks[0], FSDPModule) and not isinstance(model.inp, FSDPModule)
@@ -76,9 +74,7 @@ def _frozen(rank, world_size):
     model.inp.requires_grad_(False)
 
     def shard(m):
-        for block in m.blocks:
-            fully_shard(block)
-        fully_shard(m)
+        shard_blocks_then_root(m)
         return m
 
     train_and_compare(model, shard, rank, world_size)

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from _harness import fake_process_group, run_ranks
-from _models import global_mean
+from _models import global_mean, shard_blocks_then_root
 import fsdp_graph
 from fsdp_graph import MixedPrecisionPolicy, fully_shard
 from fsdp_graph.inspect.dump import load_summary
@@ -309,9 +309,7 @@ def _checkpoint_2x2_into_dp4(rank, world_size, path):
     torch.manual_seed(1)  # other initial values, overwritten by the load
     other = Transformer()
     dp4 = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    for block in other.blocks:
-        fully_shard(block, mesh=dp4)
-    fully_shard(other, mesh=dp4)
+    shard_blocks_then_root(other, mesh=dp4)
     state = other.state_dict()
     dcp.load(state, checkpoint_id=path)
     other.load_state_dict(state)

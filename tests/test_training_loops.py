@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from _harness import run_ranks
+from _models import shard_blocks_then_root
 
 DIM = 8
 
@@ -60,9 +61,7 @@ ROUTES = {0: ("a", "ab"), 1: ("ab", "b")}  # per rank: the experts of layers[0],
 def _shard(model: nn.Module, compiled: bool):
     from fsdp_graph import fully_shard
 
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    shard_blocks_then_root(model)
     return torch.compile(model, backend="fsdp_graph", options={"compiler": "aot_eager"}) if compiled else model
 
 
@@ -397,9 +396,7 @@ def _differential(rank, world_size, loops, compiled):
         reference = LoopModel(loop)
         ours, theirs = copy.deepcopy(reference), copy.deepcopy(reference)
         expected = _train_loop(loop, reference, None, rank, global_view=True)
-        for block in ours.blocks:
-            fully_shard(block)
-        fully_shard(ours)
+        shard_blocks_then_root(ours)
         kwargs = dict(backend="fsdp_graph", options={"compiler": "aot_eager", "scope": compiled}) if compiled else None
         _assert_same_training(_train_loop(loop, ours, kwargs, rank, global_view=False), expected, f"fsdp_graph {loop}")
         if loop.accumulate == 1:  # without sync off, every compiled step is one graph: no group fell back

@@ -14,13 +14,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import fsdp_graph
-import fsdp_graph.compile.predict
+import fsdp_graph.predict
 from _compile_helpers import collective_groups, dumped_graphs, train_compiled_and_compare
 from _harness import fake_process_group, run_ranks
 from _models import MLPStack
 from fsdp_graph import fully_shard
 from fsdp_graph.inspect.dump import load_summary
 from fsdp_graph.passes import unshard_selection
+from fsdp_graph.passes.nodes import is_tangent
 from fsdp_graph.predict import capture_graphs
 
 
@@ -117,14 +118,14 @@ def test_preview_predicts_the_peak_of_the_graphs_the_backend_runs():
     # does), their allocations counted by a dispatch mode. Inputs (shards, batch, tangents) are
     # the job's, not the step's, for both.
     previews = []
-    partition = fsdp_graph.compile.predict.partition
+    partition = fsdp_graph.predict.partition
 
     def spy(joint, joint_inputs, **kwargs):
         previews.append(unshard_selection.partitioned_peak(joint))
         return partition(joint, joint_inputs, **kwargs)
 
     with fake_process_group(2), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fsdp_graph.compile.predict, "partition", spy)
+        patch.setattr(fsdp_graph.predict, "partition", spy)
         graphs = capture_graphs(_shard(MLPStack(dim=64, hidden=256)), torch.randn(512, 64))
         forward, backward = graphs["forward"], graphs["backward"]
 
@@ -134,7 +135,7 @@ def test_preview_predicts_the_peak_of_the_graphs_the_backend_runs():
 
         inputs = [real(n) for n in forward.graph.nodes if n.op == "placeholder"]
         backward_inputs = [n for n in backward.graph.nodes if n.op == "placeholder"]
-        tangents = [real(n) for n in backward_inputs if n.name.startswith("tangents")]
+        tangents = [real(n) for n in backward_inputs if is_tangent(n)]
         num_saved = len(backward_inputs) - len(tangents)
         with _LiveBytes() as memory:
             outputs = torch.fx.Interpreter(forward).boxed_run(inputs)

@@ -379,13 +379,13 @@ def _call_around_compiled_body(module: nn.Module, args: tuple, kwargs: dict):
 @functools.partial(torch._dynamo.disable, recursive=False)
 def _call_in_block_scope(module: nn.Module, args: tuple, kwargs: dict):
     state = module._fsdp_state
-    state.in_block_scope = True  # its eager hooks are the plan, not a fallback
+    state.calling_in_block_scope = True  # its eager hooks are the plan, not a fallback
     try:
         with state.owner_checks_lifted():  # [Note: Owner checks in block scope] in runtime/state.py
             call = nn.Module._call_impl if state.compiled_in_place else nn.Module.__call__
             return call(module, *args, **kwargs)
     finally:
-        state.in_block_scope = False
+        state.calling_in_block_scope = False
 
 
 @torch.compiler.nested_compile_region

@@ -13,9 +13,9 @@ fsdp_graph.predict's own capture ("step"). `aot_compile` (fsdp_graph.precompile)
 before it hands it to the backend, so Dynamo holds no backend while it traces: precompile names the
 scope around it (`scope_of_capture`). Any other backend ("inductor", "aot_eager",
 `torch.compile(model)`) gets block scope, FSDP2's structure: it has no pass that reshards after
-forward, so in a step traced for it the partitioner saved every gathered weight for backward (HF
-Llama, 4 layers, dim 256, plain Inductor: 5 all-gathers per step against FSDP2 + compile's 9, peak
-heap 33.3 MiB against 25.9). A module run in block scope is not a fallback: every rank runs every
+forward, so in a step traced for it the partitioner saved every gathered weight for backward: fewer
+all-gathers than FSDP2 + compile, and every gathered weight alive until backward
+(tests/test_compile_blocks.py counts the collectives; docs/compiler.md has the figures). A module run in block scope is not a fallback: every rank runs every
 group on the eager hooks, so the groups prefetch and reshard as in eager mode.
 """
 

@@ -138,7 +138,7 @@ def _compare(ranks: tuple[int, ...], index: int, other: int, entry: str, deadlin
     theirs = peer_log.read(ranks, index, other, max(0.0, deadline - time.monotonic()))
     if theirs is None:
         # Most likely that rank runs a graph it compiled before, where this one recompiles (its own
-        # shapes): the same program, so the same schedule, as before this comparison existed.
+        # shapes): the same program, so the graph keeps the full schedule.
         logger.info("fsdp_graph: rank %d told of nothing at #%d in time; graph #%d keeps its schedule "
                     "([Note: Ranks that compile different graphs])", other, index, index)
         return None

@@ -10,7 +10,6 @@ partitioner (fsdp_graph/compile/partition.py), and hands forward and backward to
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass, field, fields, replace
@@ -27,15 +26,11 @@ from .agreement import AGREEMENT
 from .cache_key import local_shapes, own_sources_digest, stable_cache_keys
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
-from ..passes.check_collectives import check_collectives
-from ..passes.nodes import fsdp_meta, is_region_call
-from ..passes.cost_model import CostModel, Profile
+from ..passes.nodes import fsdp_meta, is_backward_graph, is_region_call
 from ..passes.pipeline import GraphPass, PassPipeline
-from ..passes.reshard import tag_reshard_after_forward
-from ..passes.unshard_selection import select_unsharded
-from ..passes.async_tp import DEFAULT_NUM_CHUNKS, async_tp_on_cuda
-from ..passes.gloo import plain_all_gathers_on_gloo, reduce_scatters_in_place_on_gloo
-from ..passes.scheduling import CROSS_GROUP_PASS_NAMES, PIN_ORDER, SCHEDULING_PASS_NAMES, scheduling_passes
+from ..passes.async_tp import async_tp_on_cuda
+from ..passes import table as pass_table
+from ..passes.table import OPTIONS, PASS_NAMES, Stage
 from ..api.scope import SCOPE_ATTR, SCOPES
 from ..runtime.meta import GROUP_KEY
 from ..runtime.param import OWNER_ATTR
@@ -45,12 +40,7 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "fsdp_graph"
 DUMP_ENV = "FSDP_GRAPH_DUMP"  # read when a backend with no dump_dir compiles a graph
-# Read when a backend whose check_collectives is None compiles a graph; "1" turns the checks on.
-CHECK_COLLECTIVES_ENV = "FSDP_GRAPH_CHECK_COLLECTIVES"
 TRACE_ENV = "TORCH_TRACE"  # torch's structured trace (tlparse): the dump goes there too, see fsdp_graph/inspect/dump.py
-
-# Joint-graph passes, in order (`BackendConfig.joint_passes`). Names are what `disabled_passes` accepts.
-JOINT_PASS_NAMES = ("unshard_selection", "reshard_after_forward")
 
 
 class Compiler(Enum):
@@ -60,50 +50,42 @@ class Compiler(Enum):
     AOT_EAGER = "aot_eager"  # run the graphs op by op: same numbers as eager, for debugging
 
 
+def _with_pass_options(cls: type) -> type:
+    """Give the config class a field, with its default and its docs, for every option a pass of
+    the table reads (passes/table.py). Runs before `dataclass`, which then makes them fields."""
+    for option in OPTIONS:
+        cls.__annotations__[option.name] = "Any"
+        setattr(cls, option.name, option.default)
+    cls.__doc__ = cls.__doc__.rstrip() + "\n" + pass_table.format_options(indent=8) + "    "
+    return cls
+
+
 @dataclass(frozen=True)
+@_with_pass_options
 class BackendConfig:
     """How the `fsdp_graph` backend compiles.
 
     Attributes:
         compiler: the inner compiler, a `Compiler` or its value ("inductor", "aot_eager").
-        dump_dir: write every graph around every pass, and summary.json, here. None: use the
-            `FSDP_GRAPH_DUMP` environment variable if set, else dump nothing. Under `TORCH_TRACE`
-            the graphs and the summary also go into torch's structured trace (for tlparse).
-        disabled_passes: names of passes to skip (see `JOINT_PASS_NAMES`), e.g. to compare graphs or
-            numbers with and without one. Skipping "reshard_after_forward" keeps every group's
-            unsharded parameters from forward to backward. The scheduling passes of the forward and
-            backward graphs (passes/scheduling.py) are "merge_tp_all_reduces", "async_tp", "bucket_by_group",
-            "auto_bucket", "reorder_for_overlap", "overlap_tp_all_reduces" and "pin_order".
-        hardware_profile: the cost model's machine: a name ("h100-nvlink", "h100-infiniband",
-            "cpu-gloo") or a `HardwareProfile` (e.g. from `passes.cost_model.calibrate`). None:
-            "h100-nvlink" when CUDA is available, else "cpu-gloo".
-        bucket_cap_bytes: auto-bucketing merges latency-bound buckets up to this size and splits
-            larger buckets.
-        max_bytes_in_flight: the most collective bytes issued and not yet waited on; None: no limit.
-        max_collectives_in_flight: the most collectives issued and not yet waited on; None: no
-            limit (gloo included: its all-gathers go through gloo's plain allgather, see
-            [Note: All-gathers on gloo] in passes/gloo.py).
-        memory_budget_bytes: the predicted peak memory a step may hold above its start, when
-            reordering: what a graph allocates, and in a backward also the activations its
-            forward saved (parameters, optimizer state and the batch are not counted); prefetch
-            gets shallower to stay within it. None: the unscheduled peak plus two of the largest
-            buckets. Given explicitly, it is also the budget for
-            keeping groups unsharded from forward to backward ("unshard_selection",
-            passes/unshard_selection.py): it then overrides `reshard_after_forward=True`.
+        dump_dir: write every graph around every pass, the seconds each pass took, and
+            summary.json, here. None: use the `FSDP_GRAPH_DUMP` environment variable if set, else
+            dump nothing. Under `TORCH_TRACE` the graphs and the summary also go into torch's
+            structured trace (for tlparse).
+        disabled_passes: names of passes to skip, e.g. to compare graphs or numbers with and
+            without one: the rows of the pass table (passes/table.py; `python -m
+            fsdp_graph.inspect --passes` prints it). Skipping "reshard_after_forward" keeps every
+            group's unsharded parameters from forward to backward.
         rank_divergent_graphs: the ranks may compile different graphs for one step: Python in the
             forward that depends on the rank, or a graph break or recompile limit reached on some
             ranks only. Then a group traced on one rank can run on the eager hooks on another, and
             only a schedule that keeps every group's collectives on their own and in program order
             puts the same collectives on the wire on both ([Note: Fallback groups keep the traced
             order] in runtime/traced.py): the passes that merge or reorder collectives of several
-            groups ("auto_bucket", "reorder_for_overlap") are left out, at the cost of their overlap.
-            Graphs of one group each (every expert call a frame of its own) need no such care.
-            False: the ranks compare their graphs while compiling, and a graph of several groups
-            that differs between them gets the same treatment ([Note: Ranks that compile different
-            graphs] in fsdp_graph/compile/agreement.py).
-        async_tp_chunks: the row chunks each tensor-parallel matmul -> all-reduce is split into, so
-            that each chunk's all-reduce runs behind the next chunk's matmul ("async_tp",
-            passes/async_tp.py); 1 leaves them whole, as does disabling "async_tp".
+            groups (`crosses_groups` in the table: "auto_bucket", "reorder_for_overlap") are left
+            out, at the cost of their overlap. Graphs of one group each (every expert call a frame
+            of its own) need no such care. False: the ranks compare their graphs while compiling,
+            and a graph of several groups that differs between them gets the same treatment
+            ([Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py).
         scope: what one compiled graph spans ([Note: Compile scope] in fsdp_graph/api/scope.py).
             "step" (default): a sharded module's hooks are traced into the graph of the code that calls
             it, so the whole step is one graph and its collectives are the passes' to bucket, reorder
@@ -112,24 +94,13 @@ class BackendConfig:
             blocks of the same code share one compiled graph and the compile time stays flat in
             depth; cross-group bucketing, the reordered schedule and selective unsharding are
             then left out.
-        check_collectives: check at run time that no buffer of an in-flight collective is written,
-            freed or resized before its wait, and raise `CollectiveBufferError` naming it if so
-            ([Note: Checking in-flight collectives] in passes/check_collectives.py); a copy of
-            every collective input per step, for debugging. None: on when the
-            `FSDP_GRAPH_CHECK_COLLECTIVES` environment variable is "1".
+    The options the passes read, one field each (`Option`s of passes/table.py):
     """
 
     compiler: Compiler = Compiler.INDUCTOR
     dump_dir: Optional[str] = None
     disabled_passes: frozenset[str] = field(default_factory=frozenset)
-    hardware_profile: Any = None
-    bucket_cap_bytes: int = 1 << 30
-    max_bytes_in_flight: Optional[int] = None
-    max_collectives_in_flight: Optional[int] = None
-    memory_budget_bytes: Optional[int] = None
     rank_divergent_graphs: bool = False
-    async_tp_chunks: int = DEFAULT_NUM_CHUNKS
-    check_collectives: Optional[bool] = None
     scope: str = "step"
 
     def __post_init__(self) -> None:
@@ -150,70 +121,42 @@ class BackendConfig:
                 f"e.g. disabled_passes={{'reshard_after_forward'}}"
             )
         else:
-            known = list(JOINT_PASS_NAMES) + list(SCHEDULING_PASS_NAMES)
             for name in self.disabled_passes:
-                if name not in known:
-                    problems.append(f"disabled_passes names {name!r}, which is not a pass; passes: {known}")
+                if name not in PASS_NAMES:
+                    problems.append(f"disabled_passes names {name!r}, which is not a pass; passes: {list(PASS_NAMES)}")
             object.__setattr__(self, "disabled_passes", frozenset(self.disabled_passes))
-        problems += self._scheduling_problems()
+        if not isinstance(self.rank_divergent_graphs, bool):
+            problems.append(f"rank_divergent_graphs must be a bool, got {self.rank_divergent_graphs!r}")
         if self.scope not in SCOPES:
             problems.append(f"scope must be one of {list(SCOPES)}, got {self.scope!r}")
-        if self.check_collectives not in (None, True, False):
-            problems.append(f"check_collectives must be True, False or None, got {self.check_collectives!r}")
+        problems += pass_table.option_problems(self.option_values())
         if problems:
             raise ValueError("Invalid fsdp_graph backend config:\n" + "\n".join(f"  - {p}" for p in problems))
 
-    def _scheduling_problems(self) -> list[str]:
-        problems = []
-        try:
-            self.cost_model()
-        except ValueError as error:
-            problems.append(str(error))
-        if not isinstance(self.bucket_cap_bytes, int) or self.bucket_cap_bytes <= 0:
-            problems.append(f"bucket_cap_bytes must be a positive int, got {self.bucket_cap_bytes!r}")
-        if not isinstance(self.rank_divergent_graphs, bool):
-            problems.append(f"rank_divergent_graphs must be a bool, got {self.rank_divergent_graphs!r}")
-        for name in ("max_bytes_in_flight", "memory_budget_bytes"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                problems.append(f"{name} must be a non-negative int or None, got {value!r}")
-        value = self.max_collectives_in_flight
-        if value is not None and (not isinstance(value, int) or value < 1):
-            problems.append(f"max_collectives_in_flight must be a positive int or None, got {value!r}")
-        value = self.async_tp_chunks
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"async_tp_chunks must be a positive int (1: no chunks), got {value!r}")
-        return problems
+    def option_values(self) -> dict[str, Any]:
+        """The pass options as given, by name."""
+        return {option.name: getattr(self, option.name) for option in OPTIONS}
 
-    def cost_model(self) -> CostModel:
-        profile = self.hardware_profile
-        if profile is None:
-            profile = Profile.H100_NVLINK if torch.cuda.is_available() else Profile.CPU_GLOO
-        return CostModel(profile)
+    def resolved_options(self) -> dict[str, Any]:
+        """The pass options as the passes get them (`Option.resolve`): e.g. a `CostModel` for
+        "hardware_profile", and for "check_collectives" whether the checks are on. Read when a
+        graph compiles, since they may depend on the environment."""
+        return pass_table.resolve(self.option_values())
 
-    def joint_passes(self) -> list[GraphPass]:
-        select = functools.partial(select_unsharded, memory_budget_bytes=self.memory_budget_bytes)
-        return [GraphPass("unshard_selection", select), GraphPass("reshard_after_forward", tag_reshard_after_forward)]
+    def passes(self, stage: Stage, resolved: Optional[dict[str, Any]] = None, compiler: Optional[Compiler] = None) -> list[GraphPass]:
+        """The passes that run at `stage` when `compiler` (default: this config's) compiles, in
+        order, with their options bound; `disabled_passes` are still among them (the runner skips
+        them and says so)."""
+        resolved = self.resolved_options() if resolved is None else resolved
+        inductor = (compiler or self.compiler) is Compiler.INDUCTOR
+        return pass_table.bound_passes(stage, resolved, inductor=inductor, rank_divergent_graphs=self.rank_divergent_graphs)
 
-    def scheduling_passes(self) -> list[GraphPass]:
-        passes = scheduling_passes(
-            self.cost_model(), self.bucket_cap_bytes, self.max_bytes_in_flight, self.memory_budget_bytes,
-            self.max_collectives_in_flight, self.async_tp_chunks,
-        )
-        if self.rank_divergent_graphs:
-            passes = [p for p in passes if p.name not in CROSS_GROUP_PASS_NAMES]
-        return passes
-
-    def check_passes(self) -> list[GraphPass]:
-        """Debug passes run on the scheduled forward and backward graphs, after the program for the
-        inspector is written (they add no collective and move none)."""
-        return [GraphPass("check_collectives", check_collectives)] if self.checking_collectives() else []
-
-    def checking_collectives(self) -> bool:
-        """Whether compiled graphs get the in-flight collective checks (`check_collectives`)."""
-        if self.check_collectives is not None:
-            return self.check_collectives
-        return os.environ.get(CHECK_COLLECTIVES_ENV) == "1"
+    def cache_key(self, stages: tuple[Stage, ...], resolved: dict[str, Any]) -> str:
+        """What Inductor's compiled graphs depend on in the passes of `stages` (passes/table.py,
+        `cache_key`), for the `uuid`s of the passes Inductor runs."""
+        chosen = [s for stage in stages
+                  for s in pass_table.specs(stage, resolved, inductor=True, rank_divergent_graphs=self.rank_divergent_graphs)]
+        return pass_table.cache_key(chosen, self.disabled_passes, resolved)
 
     @classmethod
     def from_options(cls, options: Optional[dict[str, Any]]) -> "BackendConfig":
@@ -292,32 +235,39 @@ class FSDPGraphBackend:
             return FSDPGraphBackend(replace(self.config, rank_divergent_graphs=True))(gm, example_inputs)
         graph_id = _graph_id()
         dump = self._dump()
-        joint = PassPipeline("joint", self.config.joint_passes(), self.config.disabled_passes, dump)
         logger.debug("fsdp_graph::compile (%s) with %s", graph_id, self.config.compiler.value)
         if dump is not None:
             dump.write_graph(gm, f"{graph_id}.dynamo")
         if self.config.compiler is Compiler.AOT_EAGER:
-            compiled = self._aot_eager(gm, example_inputs, graph_id, joint, dump)
+            compiled = self._aot_eager(gm, example_inputs, graph_id, dump)
         else:
-            compiled = self._inductor(gm, example_inputs, graph_id, joint, dump)
+            from torch._inductor.compile_fx import compile_fx
+
+            patches = self.inductor_patches(gm, example_inputs, graph_id, dump)
+            with stable_cache_keys():  # see [Note: Rank-independent cache keys]
+                compiled = compile_fx(gm, example_inputs, config_patches=patches)
         if dump is None:
             return compiled
         return _RecordFallbacks(compiled, owners, dump)
 
-    def _aot_eager(self, gm, example_inputs, graph_id, joint: PassPipeline, dump: Optional[GraphDump]):
+    def _pipeline(self, stage: Stage, resolved: dict[str, Any], dump: Optional[GraphDump]) -> PassPipeline:
+        return PassPipeline(stage.value, self.config.passes(stage, resolved), self.config.disabled_passes, dump)
+
+    def _aot_eager(self, gm, example_inputs, graph_id, dump: Optional[GraphDump]):
         from torch._dynamo.backends.common import aot_autograd
+
+        resolved = self.config.resolved_options()
+        joint = self._pipeline(Stage.JOINT, resolved, dump)
+        schedule = self._pipeline(Stage.SCHEDULE, resolved, dump)
+        lower = self._pipeline(Stage.LOWER, resolved, dump)
 
         def partition_joint(joint_gm, joint_inputs, **kwargs):
             return partition(joint(joint_gm, graph_id), joint_inputs, **kwargs)
 
-        schedule = PassPipeline("schedule", self.config.scheduling_passes(), self.config.disabled_passes, dump)
-        checks = PassPipeline("schedule", self.config.check_passes(), self.config.disabled_passes, dump)
-
         def inner(kind: str):
             def compile_graph(graph: GraphModule, _inputs):
                 _log_graph(graph_id, kind, graph, dump)
-                graph = _schedule(schedule, graph_id, kind, graph, dump)
-                graph = checks(graph, f"{graph_id}.{kind}")
+                graph = _schedule(schedule, lower, graph_id, kind, graph, dump)
                 return make_boxed_func(graph.forward)
 
             return compile_graph
@@ -329,24 +279,28 @@ class FSDPGraphBackend:
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
 
-    def _inductor(self, gm, example_inputs, graph_id, joint: PassPipeline, dump: Optional[GraphDump]):
-        from torch._inductor.compile_fx import compile_fx
-
+    def inductor_patches(self, gm: GraphModule, example_inputs: list, graph_id: str, dump: Optional[GraphDump]) -> dict[str, Any]:
+        """The Inductor config this backend compiles `gm` with: our passes as Inductor's custom
+        passes, whose `uuid`s (None while dumping: no cache, so that every graph is written) put
+        everything they depend on into the FX graph cache's and AOTAutogradCache's keys."""
+        resolved = self.config.resolved_options()
+        joint = self._pipeline(Stage.JOINT, resolved, dump)
+        schedule = self._pipeline(Stage.SCHEDULE, resolved, dump)
+        lower = self._pipeline(Stage.LOWER, resolved, dump)
+        digest = own_sources_digest()[:16]
+        # The local shard shapes, in the joint pass's key: see [Note: Rank-independent cache keys].
+        joint_key = f"fsdp_graph.joint:{digest}:{self.config.cache_key((Stage.JOINT,), resolved)}:{local_shapes(example_inputs)}"
+        schedule_key = f"fsdp_graph.schedule:{digest}:{self.config.cache_key((Stage.SCHEDULE, Stage.LOWER), resolved)}"
         patches: dict[str, Any] = {
-            "joint_custom_pre_pass": _InductorJointPass(
-                joint, graph_id, dump is not None, self.config.memory_budget_bytes, local_shapes(example_inputs)
-            ),
+            "joint_custom_pre_pass": _InductorJointPass(joint, graph_id, None if dump is not None else joint_key),
             "custom_partitioner_fn": InductorPartitioner(),
+            "post_grad_custom_post_pass": _InductorSchedulePass(
+                graph_id, dump, schedule, lower, None if dump is not None else schedule_key
+            ),
         }
-        if "async_tp" not in self.config.disabled_passes:
-            patches.update(async_tp_on_cuda(example_inputs))
-        # pin_order runs after the program is written for the inspector: its control_deps wrappers
-        # would hide the collectives and waits from it, and it changes no order. The checks go
-        # before it, so the order it pins keeps each check between its collective and the wait.
         disabled = self.config.disabled_passes
-        schedule = PassPipeline("schedule", self.config.scheduling_passes(), disabled, dump)
-        pin = PassPipeline("schedule", self.config.check_passes() + [PIN_ORDER], disabled, dump)
-        patches["post_grad_custom_post_pass"] = _InductorLogPass(graph_id, dump, schedule, pin, self.config)
+        if "async_tp" not in disabled:
+            patches.update(async_tp_on_cuda(example_inputs))
         if "pin_order" not in disabled:
             # [Note: Inductor keeps the planned order]
             # Our passes place every collective and wait within a memory budget that the simulator
@@ -354,20 +308,17 @@ class FSDPGraphBackend:
             # own `reorder_for_peak_memory` still moved the compute between them: it postponed
             # gradient matmuls whose outputs live to the end, and with them the all-gather and
             # reduce-scatter pinned next to them, so the gradient buckets of two blocks were alive
-            # at once (a kept block's step measured 38.6 MiB at a predicted 29.7; 34.8 with the
-            # pass off, 30.8-32.5 at 30.5 once gloo's copies were modeled). Its model knows neither
-            # gloo's copies nor our budget; ours does, so it decides.
+            # at once, over the budget. Its model knows neither gloo's copies nor our budget; ours
+            # does, so it decides (docs/compiler.md, "What a memory budget counts", has the figures).
             patches["reorder_for_peak_memory"] = False
             # Inductor's buffer reuse keeps a freed buffer alive until a later buffer of the same
             # size takes it over: a block's packed gradients held from its reduce-scatter's wait
-            # until the next all-gather's output, gathered blocks held between their all-gathers
-            # (GPT-NeoX at a 23 MiB budget measured 25.3 MiB against 22.8 predicted; 22.8 without
-            # reuse, at the same step time). The budget is planned on freeing at last use.
+            # until the next all-gather's output, gathered blocks held between their all-gathers,
+            # over the budget. The budget is planned on freeing at last use.
             patches["allow_buffer_reuse"] = False
         if any(is_region_call(n) for n in gm.graph.nodes):  # torch 2.13 reuses a region's buffers wrongly on CPU:
             patches["allow_buffer_reuse"] = False  # examples/repro/nested_region_inductor_grads.py
-        with stable_cache_keys():  # see [Note: Rank-independent cache keys]
-            return compile_fx(gm, example_inputs, config_patches=patches)
+        return patches
 
 
 def _log_graph(graph_id: str, kind: str, gm: GraphModule, dump: Optional[GraphDump]) -> None:
@@ -378,72 +329,58 @@ def _log_graph(graph_id: str, kind: str, gm: GraphModule, dump: Optional[GraphDu
 
 
 class _InductorJointPass(CustomGraphPass):
-    """Runs the joint pipeline inside Inductor. A stable `uuid` keeps the FX graph cache usable; when
-    dumping, None disables the cache so every graph is written."""
+    """Runs the joint pipeline inside Inductor. `uuid`: what the pipeline's result depends on
+    (`FSDPGraphBackend.inductor_patches`); None disables the caches."""
 
-    def __init__(
-        self, pipeline: PassPipeline, graph_id: str, dumping: bool, memory_budget_bytes: Optional[int], shapes: str
-    ) -> None:
+    def __init__(self, pipeline: PassPipeline, graph_id: str, key: Optional[str]) -> None:
         self.pipeline = pipeline
-        self.shapes = shapes  # the local shard shapes; see [Note: Rank-independent cache keys]
         self.graph_id = graph_id
-        self.dumping = dumping
-        self.memory_budget_bytes = memory_budget_bytes  # unshard_selection's choices depend on it
+        self.key = key
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.pipeline(graph.owning_module, self.graph_id)
 
     def uuid(self) -> Optional[str]:
-        if self.dumping:
-            return None
-        return (f"fsdp_graph.joint:{own_sources_digest()[:16]}:{','.join(self.pipeline.names)}:"
-                f"off={','.join(sorted(self.pipeline.disabled))}:{self.memory_budget_bytes}:{self.shapes}")
+        return self.key
 
 
-class _InductorLogPass(CustomGraphPass):
-    """Dumps the forward and backward graphs as Inductor is about to lower them, then schedules them."""
+class _InductorSchedulePass(CustomGraphPass):
+    """Schedules the forward and the backward graph inside Inductor, as it is about to lower them:
+    dumps the graph when dumping, runs the scheduling passes, writes the program for the inspector,
+    then runs the lowering passes. `uuid` as `_InductorJointPass`'s."""
 
     def __init__(
-        self, graph_id: str, dump: Optional[GraphDump], schedule: PassPipeline, pin: PassPipeline, config: BackendConfig
+        self, graph_id: str, dump: Optional[GraphDump], schedule: PassPipeline, lower: PassPipeline, key: Optional[str]
     ) -> None:
         self.graph_id = graph_id
         self.dump = dump
         self.schedule = schedule
-        self.pin = pin
-        self.config = config
+        self.lower = lower
+        self.key = key
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        is_backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
-        kind = "backward" if is_backward else "forward"
+        kind = "backward" if is_backward_graph(graph) else "forward"
         if self.dump is not None:
             _log_graph(self.graph_id, kind, graph.owning_module, self.dump)
-        gm = _schedule(self.schedule, self.graph_id, kind, graph.owning_module, self.dump)
-        # Inductor only: aot_eager keeps gloo's reduce-scatters as traced, op for op like eager mode.
-        gm = reduce_scatters_in_place_on_gloo(gm)  # [Note: Reduce-scatters on gloo]
-        self.pin(gm, f"{self.graph_id}.{kind}")
+        _schedule(self.schedule, self.lower, self.graph_id, kind, graph.owning_module, self.dump)
 
     def uuid(self) -> Optional[str]:
-        if self.dump is not None:
-            return None
-        c = self.config
-        names = self.schedule.names + self.pin.names
-        return (
-            f"fsdp_graph.schedule:{own_sources_digest()[:16]}:{','.join(names)}:"
-            f"off={','.join(sorted(self.schedule.disabled))}:{c.cost_model().profile}:{c.bucket_cap_bytes}:"
-            f"{c.max_bytes_in_flight}:{c.max_collectives_in_flight}:{c.memory_budget_bytes}:{c.async_tp_chunks}"
-        )
+        return self.key
 
 
-def _schedule(schedule: PassPipeline, graph_id: str, kind: str, gm: GraphModule, dump: Optional[GraphDump]) -> GraphModule:
-    """Run the scheduling passes on a forward or backward graph; when dumping, write its program
-    for `python -m fsdp_graph.inspect` (see fsdp_graph/inspect/timeline.py)."""
+def _schedule(
+    schedule: PassPipeline, lower: PassPipeline, graph_id: str, kind: str, gm: GraphModule, dump: Optional[GraphDump]
+) -> GraphModule:
+    """Run the scheduling passes on a forward or backward graph, then the lowering passes; between
+    the two, when dumping, write its program for `python -m fsdp_graph.inspect` (see
+    fsdp_graph/inspect/timeline.py). The lowering passes' control dependencies (pin_order) would
+    hide collectives and waits from the program, and they change no order."""
     from ..inspect.timeline import write_program
 
     gm = schedule(gm, f"{graph_id}.{kind}")
-    gm = plain_all_gathers_on_gloo(gm)  # [Note: All-gathers on gloo]
     if dump is not None and dump.directory is not None:
         write_program(dump.directory, f"{graph_id}.{kind}", gm)
-    return gm
+    return lower(gm, f"{graph_id}.{kind}")
 
 
 class _RecordFallbacks:

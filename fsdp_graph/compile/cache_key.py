@@ -6,8 +6,8 @@ each into its local tensor and its DeviceMesh, an opaque graph input. Inductor's
 AOTAutogradCache hash their inputs by pickling them, and a DeviceMesh pickles its whole `__dict__`:
 this rank (`_rank`, `_coordinate_on_dim`), the creating thread's id and a lazily cached `hash()`
 of strings, which Python salts per process. So every rank and every restart computed a different
-key for the same graph and compiled it again (the example Llama's relaunch spent ~17-23 s in its
-first step instead of loading). And AOTAutogradCache refused our graphs outright, since the traced
+key for the same graph and compiled it again: a relaunch compiled its first step instead of
+loading it. And AOTAutogradCache refused our graphs outright, since the traced
 all-gather is a custom autograd.Function (`runtime/traced_ops.py: AllGatherShards`).
 
 While our backend compiles (`stable_cache_keys()`), a DeviceMesh pickles without those fields,

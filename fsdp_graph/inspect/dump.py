@@ -4,8 +4,12 @@ A dump directory holds:
     <graph>.dynamo.txt                     the graph Dynamo captured
     <graph>.joint.<pass>.{before,after}.txt the joint graph around each joint pass
     <graph>.{forward,backward}.txt         the partitioned graphs the inner compiler gets
-    summary.json                           per graph: collectives in order, with group and bytes;
-                                           per root: modules that fell back to the eager hooks, and why
+    <graph>.{forward,backward}.<stage>.<pass>.{before,after}.txt
+                                           each of those around each pass of the stage
+                                           ("schedule", "lower"; passes/table.py)
+    summary.json                           per graph: collectives in order, with group and bytes, and
+                                           the seconds each pass took; per root: modules that fell
+                                           back to the eager hooks, and why
 
 `<graph>` is Dynamo's compile id (`frame_<frame>_<recompile>`), the same as in `TORCH_LOGS`.
 `python -m fsdp_graph.inspect DIR` prints the summary (`format_summary`).
@@ -13,7 +17,8 @@ A dump directory holds:
 Under `TORCH_TRACE=dir` the same graphs go into torch's structured trace as artifacts, so that
 `tlparse` lists them beside Dynamo's and Inductor's under the graph's compile id:
 `fsdp_graph_<label>` (a graph as text, label as the file name above without `.txt`),
-`fsdp_graph_summary` (one graph's summary entry, JSON) and `fsdp_graph_fallbacks` (JSON).
+`fsdp_graph_summary` (one graph's summary entry, JSON), `fsdp_graph_pass` (one pass's seconds, JSON)
+and `fsdp_graph_fallbacks` (JSON).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from torch._logging import trace_structured
 from torch.fx import GraphModule
 
+from ..passes.table import PASS_NAMES
 from ..passes.nodes import (
     KEPT_UNSHARDED_META, collective_label, gathered_from, group_of, is_collective, is_wait_tensor, parallelism_of,
     tensor_bytes,
@@ -187,6 +193,15 @@ class GraphDump:
         if self.structured_trace:
             _artifact("fsdp_graph_summary", "json", lambda: json.dumps({"graphs": {graph_id: {kind: entry}}}))
 
+    def record_pass(self, graph_id: str, stage: str, name: str, seconds: Optional[float]) -> None:
+        """Keep the seconds pass `name` took at `stage` on graph `graph_id` ("frame_0_0" for the
+        joint graph, "frame_0_0.forward" for a partitioned one); None: it was disabled."""
+        self._update_summary(lambda s: s.setdefault("passes", {}).setdefault(graph_id, {})
+                             .setdefault(stage, {}).__setitem__(name, seconds))
+        if self.structured_trace:
+            entry = {"graph": graph_id, "stage": stage, "pass": name, "seconds": seconds}
+            _artifact("fsdp_graph_pass", "json", lambda: json.dumps(entry))
+
     def record_fallbacks(self, fallbacks: dict[str, str]) -> None:
         self._update_summary(lambda s: s["fallbacks"].update(fallbacks))
         if self.structured_trace:
@@ -254,6 +269,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             for group, num_bytes in sorted(entry.get("kept_by_budget", {}).items()):
                 lines.append(f"  kept unsharded by memory_budget_bytes: {group}: costs {format_bytes(num_bytes)} "
                              f"until backward, saves its {format_bytes(num_bytes)} backward all-gather")
+    lines += format_pass_seconds(summary.get("passes", {}))
     fallbacks = summary.get("fallbacks", {})
     if fallbacks:
         lines.append(f"fell back to the eager hooks: {len(fallbacks)} module(s)")
@@ -262,3 +278,35 @@ def format_summary(summary: dict[str, Any]) -> str:
     else:
         lines.append("fell back to the eager hooks: none")
     return "\n".join(lines)
+
+
+def format_pass_seconds(passes: dict[str, dict[str, dict[str, Optional[float]]]]) -> list[str]:
+    """Per graph, the seconds each pass took (summary.json's "passes"), one row per pass in the
+    table's order (passes/table.py) and one column per graph it ran on: the joint graph, then the
+    forward and the backward; "off" where it was disabled."""
+    columns_of: dict[str, dict[str, dict[str, Optional[float]]]] = {}
+    for label, stages in passes.items():
+        graph_id, _, kind = label.partition(".")
+        column = columns_of.setdefault(graph_id, {}).setdefault(kind or "joint", {})
+        for seconds_by_pass in stages.values():
+            column.update(seconds_by_pass)
+    lines = []
+    for graph_id in sorted(columns_of):
+        columns = columns_of[graph_id]
+        kinds = sorted(columns, key=lambda kind: ("joint", "forward", "backward").index(kind)
+                       if kind in ("joint", "forward", "backward") else 3)
+        names = [n for n in PASS_NAMES if any(n in columns[k] for k in kinds)]
+        names += sorted({n for k in kinds for n in columns[k]} - set(names))  # from another fsdp_graph version
+        lines.append(f"{graph_id + ' seconds per pass':<34}" + "".join(f"{kind:>10}" for kind in kinds))
+        for name in names:
+            cells = [columns[k].get(name, "") for k in kinds]
+            lines.append(f"  {name:<32}" + "".join(f"{_seconds(c):>10}" for c in cells))
+        totals = [sum(v for v in columns[k].values() if v is not None) for k in kinds]
+        lines.append(f"  {'all passes':<32}" + "".join(f"{t:>10.3f}" for t in totals))
+    return lines
+
+
+def _seconds(cell) -> str:
+    if cell == "":
+        return ""
+    return "off" if cell is None else f"{cell:.3f}"
