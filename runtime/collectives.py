@@ -101,7 +101,8 @@ class AllGatherWork:
     """An issued all-gather: its output (world rows of the bucket) and how to wait for it."""
 
     output: torch.Tensor
-    input: torch.Tensor  # a view of `output`, or a post-forward shard kept until the gather ends
+    # A view of `output`, the group's shard buffer, or a post-forward shard; kept until the gather ends.
+    input: torch.Tensor
     widths: list[int]  # each block's elements per rank, as `copy_out` splits the rows
     layout: BucketLayout  # the layout the row was built in
     handle: Optional[dist.Work] = None  # CPU: the async work handle

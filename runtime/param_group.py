@@ -163,16 +163,15 @@ class ParamGroup:
         return self.shard_buffer
 
     def pin_shards(self) -> None:
-        """`CPUOffloadPolicy(pin_memory=True)`: pin the CPU shards, the shard buffer where the group
-        has one (the shards are its views), else each shard."""
+        """`CPUOffloadPolicy(pin_memory=True)`: pin the CPU shards: the shard buffer where the group
+        has one (its dim-0 shards are views of it), and each shard with storage of its own."""
         self._pin_shard_buffer = True
-        for p in self.params:
-            p.pinned = True
         if self.shard_buffer is not None:
             self.shard_buffer = ShardBuffer(self.layout, self.params, pin_memory=True)
-        else:
-            for p in self.params:
-                p.pin_shard()
+        for p in self.params:
+            if self.shard_buffer is None or not ShardBuffer.viewable(p):
+                p.pin_shard()  # a shard with its own storage
+            p.pinned = True
 
     def set_reshard_after_forward(self, value: Union[bool, int]) -> None:
         if isinstance(value, int) and not isinstance(value, bool):

@@ -60,6 +60,9 @@ class ShardBuffer:
         local = params[0].sharded_param._local_tensor
         self.layout = layout
         # Padding and the flags' columns are zeros on the wire: they stay zeros here.
+        # Pinned only where it is host memory: a meta buffer (deferred init) is pinned when
+        # `to_empty()` rebuilds it on the CPU.
+        pin_memory = pin_memory and local.device.type == "cpu"
         self.flat = torch.zeros(sum(layout.widths), dtype=local.dtype, device=local.device, pin_memory=pin_memory)
         self.offsets = tuple(itertools.accumulate(layout.widths, initial=0))[:-1]
         # Per parameter: the view of `flat` its local tensor was made (None: not one).
