@@ -150,8 +150,12 @@ def _copy_in(
         shard_buffer.copy_in_others(params)
         flat = shard_buffer.flat
         total = flat.numel()
+        # `device` names an accelerator with its index (`_mesh_device`), as the buffer's device does.
+        in_place = buffers is None and flat.dtype == layout.dtype and flat.device == device
+        if in_place and world == 1:  # the bucket is the row: [Note: One rank issues no collectives]
+            return flat, flat, list(layout.widths)
         output = _allocate(buffers, world * total, layout.dtype, device)
-        if buffers is None and flat.dtype == layout.dtype and flat.device == output.device:
+        if in_place:
             return output, flat, list(layout.widths)
         row = output[rank * total : (rank + 1) * total]
         torch.ops.fsdp_graph.copy_in.out([flat], [total], out=row)

@@ -159,7 +159,12 @@ class ParamGroup:
         replaced shards copied in and viewed again, rebuilt where the layout, dtype or device
         changed. Eager only (a trace reads the buffer, never writes it): the eager unshard, and
         `follow_registered_params`, which runs before Dynamo traces."""
-        self.shard_buffer = shard_buffer_for(self.layout, self.params, self.shard_buffer, self._pin_shard_buffer)
+        before = self.shard_buffer
+        self.shard_buffer = shard_buffer_for(self.layout, self.params, before, self._pin_shard_buffer)
+        if self.shard_buffer is not before:
+            reason = ShardBuffer.reason_not(self.layout, self.params) if self.shard_buffer is None else None
+            logger.debug("fsdp_graph::shard_buffer (%s): %s", self.name, f"none, copies in: {reason}"
+                         if reason else f"{self.shard_buffer.flat.numel()} elements, gathered in place")
         return self.shard_buffer
 
     def pin_shards(self) -> None:

@@ -14,6 +14,8 @@ runtime/bucket_layout.py):
     params = fsdp_graph::copy_out(full, ...)               # one op for the whole group, where each
     param  = full.view(world, -1)[:, offset:offset + shard_numel].reshape(world * padded_dim0, ...)[:dim0]
 
+Where the group's shards are views of its persistent shard buffer, `flat` is that buffer, a graph
+input, and no copy-in is traced ([Note: Traced gathers read the shard buffer]).
 `copy_in`, `copy_out` and its gradient, `pack_grads` (each parameter's gradient into its columns of
 the reduce-scatter input, zeros in the padding), are custom ops, so Inductor runs each as one ATen
 call. Written as slices and cats, every parameter's copy became a kernel of its own (or was fused

@@ -53,7 +53,9 @@ class Uneven(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(6, 7)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(7, 9 + i), nn.Tanh(), nn.Linear(9 + i, 7)) for i in range(2))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(7, 9 + i), nn.Tanh(), nn.Linear(9 + i, 7)) for i in range(2)
+        )
         self.frozen = nn.Linear(7, 7)
         self.frozen.requires_grad_(False)
         self.out = nn.Linear(7, 1)
@@ -185,7 +187,9 @@ def _replaced_and_converted(rank, world_size):
         fully_shard(block)
     fully_shard(assigned)
     values = reference.state_dict()
-    state = {k: distribute_tensor(values[k].clone(), p.device_mesh, p.placements) for k, p in assigned.named_parameters()}
+    state = {
+        k: distribute_tensor(values[k].clone(), p.device_mesh, p.placements) for k, p in assigned.named_parameters()
+    }
     assigned.load_state_dict(state, assign=True)
     results["assign"] = assigned
 
