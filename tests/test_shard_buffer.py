@@ -7,12 +7,14 @@ Muon against torch's on an unsharded model, and what each all-gather reads again
 own storage, on 2 gloo ranks.
 """
 
+import collections
 import copy
 
 import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -120,24 +122,28 @@ def _train_against_torch(rank, world_size, compiler):
         losses, grads, params = [], [], []
         for x, y in zip(batches, targets):
             x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
-            capture = _AllGatherInputs()
+            # Eager steps: the storage each all-gather reads. A dispatch mode would send Dynamo's
+            # frames to the eager hooks, so compiled steps are profiled instead: their ops.
+            capture = _AllGatherInputs() if compiler is None else torch.profiler.profile()
             with capture:
                 loss = nn.functional.mse_loss(run(x), y)
                 loss.backward()
-            if name == "ours":
+            if name == "ours" and compiler is None:
                 gathered.append(capture.inputs)
+            elif name == "ours":
+                gathered.append(sorted(e.name for e in capture.events() if e.name.startswith("fsdp_graph::")))
             losses.append(loss.item())
             grads.append({n: p.grad.to_local().clone() for n, p in model.named_parameters() if p.grad is not None})
             opt.step()
             opt.zero_grad()  # set_to_none, torch's default
             params.append({n: p.to_local().clone() for n, p in model.named_parameters()})
         runs[name] = (losses, grads, params)
-    return runs, gathered, _buffer_views(model), _step_storages(model)
+    return runs, gathered, _buffer_views(model), _step_storages(model), dict(counters["stats"])
 
 
 @pytest.mark.parametrize("compiler", [None, "aot_eager"], ids=["eager", "aot_eager"])
 def test_training_matches_torch_fully_shard_and_gathers_read_the_buffers(compiler):
-    runs, gathered, views, buffers = run_ranks(_train_against_torch, 2, compiler)
+    runs, gathered, views, buffers, stats = run_ranks(_train_against_torch, 2, compiler)
     (losses, grads, params), (their_losses, their_grads, their_params) = runs["ours"], runs["torch"]
     assert losses == their_losses
     for step in range(len(losses)):
@@ -151,8 +157,17 @@ def test_training_matches_torch_fully_shard_and_gathers_read_the_buffers(compile
     # ... and every all-gather of every step read one of those buffers itself: no copy-in, except
     # the block with a shard on dim 1, whose shard is copied into its slot first, the slot being
     # in the buffer all the same.
-    for step_inputs in gathered:
-        assert step_inputs and all(ptr in buffers for ptr, _ in step_inputs), (step_inputs, buffers)
+    if compiler is None:
+        for step_inputs in gathered:
+            assert step_inputs and all(ptr in buffers for ptr, _ in step_inputs), (step_inputs, buffers)
+    else:
+        # One graph for the whole step (no fallback to the eager hooks), and of its five gathers
+        # (the root's once, each block's in forward and again in backward) only block 1's two copy
+        # in: its shard on dim 1 keeps its own storage, so that group traces the copy-in.
+        assert stats.get("unique_graphs") == 1, stats
+        for step_ops in gathered[1:]:  # the first step also traced the ops
+            counts = collections.Counter(step_ops)
+            assert 5 * counts["fsdp_graph::copy_in"] == 2 * counts["fsdp_graph::copy_out"] > 0, counts
 
 
 def _profiled_step(model, x) -> set[str]:
@@ -215,6 +230,44 @@ def test_replaced_and_converted_shards_live_in_the_buffer_again():
         assert "fsdp_graph::copy_in" not in ops, (name, ops)
         for param_name, value in params.items():
             assert torch.equal(value, full[param_name]), (name, param_name)
+
+
+def _assigned_between_compiled_steps(rank, world_size):
+    """A compiled step, then new DTensors assigned in place of the shards: the recompiled step
+    gathers the new values, from the buffer again."""
+    torch.manual_seed(0)
+    reference = MLPStack()
+    model = copy.deepcopy(reference)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager"))
+    x = torch.randn(4, 13, generator=torch.Generator().manual_seed(rank))
+    run(x).sum().backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.mul_(0.5).add_(0.25)
+    values = reference.state_dict()
+    state = {
+        k: distribute_tensor(values[k].clone(), p.device_mesh, p.placements) for k, p in model.named_parameters()
+    }
+    model.load_state_dict(state, assign=True)
+    counters.clear()
+    with torch.profiler.profile() as prof:
+        out = run(x)
+        out.sum().backward()
+    ops = {e.name for e in prof.events() if e.name.startswith(("fsdp_graph::", "_c10d_functional::"))}
+    return torch.equal(out, reference(x)), _buffer_views(model), ops, dict(counters["stats"])
+
+
+def test_shards_assigned_between_compiled_steps_live_in_the_buffer_again():
+    same, views, ops, stats = run_ranks(_assigned_between_compiled_steps, 2)
+    assert same
+    assert views and all(views.values()), views
+    # The step after the assignment was compiled again (one graph), and that graph gathers the
+    # buffers, with no copy-in.
+    assert stats.get("unique_graphs") == 1, stats
+    assert "_c10d_functional::all_gather_into_tensor_out" in ops and "fsdp_graph::copy_in" not in ops, ops
 
 
 def _muon_steps(rank, world_size):
