@@ -157,10 +157,59 @@ def _batches_of_other_sizes(rank, world_size):
     return decisions, bool(agreement.AGREEMENT._diverged)
 
 
-def test_same_graphs_keep_the_schedule_and_other_shapes_keep_program_order():
-    """The first step has the same batch size on every rank: the same graph everywhere, scheduled in
-    full. Then each rank has its own batch size, and Dynamo recompiles: the same graph, scheduled
-    with other costs on each rank, so that graph keeps program order on both ([Note: Ranks that
-    compile different graphs]), and the ranks still count as compiling the same graphs."""
+def test_same_graphs_keep_the_schedule_and_a_recompile_keeps_the_wire_order():
+    """The first step has the same batch size on every rank: the same graph everywhere, agreed and
+    scheduled in full. Then each rank has its own batch size, and Dynamo recompiles: a graph of the
+    same frame, which asks nobody and issues its collectives in the order of the first ([Note: One
+    wire order per frame] in fsdp_graph/compile/agreement.py)."""
     decisions, diverged = run_ranks(_batches_of_other_sizes, 2)
-    assert decisions == [False, True] and not diverged, (decisions, diverged)
+    assert decisions == [False] and not diverged, (decisions, diverged)
+
+
+# Each rank pads its batch to its own longest row: new lengths come on one rank at a time.
+_PER_RANK_LENGTHS = ([8, 8, 8, 9, 16, 16, 7, 20, 11, 24, 13, 10], [8, 12, 12, 15, 9, 16, 21, 20, 5, 18, 13, 30])
+
+
+def _per_rank_padding(rank, world_size, impl):
+    """One AdamW step per length of this rank's; the losses averaged over the ranks, how many times
+    this rank asked the others about a graph, and the last gradients."""
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from _models import shard_llama, tiny_llama
+    from fsdp_graph.compile import agreement
+
+    asked = []
+    diverged = agreement.AGREEMENT.diverged
+    agreement.AGREEMENT.diverged = lambda *a, **k: asked.append(1) or diverged(*a, **k)
+    torch.manual_seed(0)
+    model = shard_llama(tiny_llama(2), fully_shard if impl == "ours" else torch_fully_shard)
+    run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager")) if impl == "ours" else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step, length in enumerate(_PER_RANK_LENGTHS[rank]):
+        tokens = torch.randint(0, 64, (2, length + 1), generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = F.cross_entropy(run(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        if step < len(_PER_RANK_LENGTHS[rank]) - 1:
+            optimizer.step()
+            optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item())
+    if impl == "ours":
+        assert model._fsdp_state.ctx.fallbacks == {}, model._fsdp_state.ctx.fallbacks
+    grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    return losses, len(asked), grads
+
+
+def test_per_rank_padding_recompiles_on_one_rank_at_a_time_without_waiting():
+    """Each rank its own lengths, whole step: a rank recompiling where the other runs its graph
+    waited 30 s for an answer that never came, then kept the full schedule against the other's
+    program order, and gloo aborted ("23242 vs 4134"). Bit for bit as torch's fully_shard, eager."""
+    losses, asked, grads = run_ranks(_per_rank_padding, 2, "ours")
+    reference, _, reference_grads = run_ranks(_per_rank_padding, 2, "torch")
+    assert losses == reference
+    for name, grad in reference_grads.items():
+        assert torch.equal(grads[name], grad), name
+    assert asked == 1  # the first graph only: the recompiles asked nobody

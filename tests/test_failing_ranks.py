@@ -35,11 +35,18 @@ def _rank_main(fn, rank, world_size, store_path, results, args) -> None:
             "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=PG_TIMEOUT_S),
         )
-        results.put((rank, None, fn(rank, world_size, *args)))
+        out = fn(rank, world_size, *args)
+        results.put((rank, None, out))
     except BaseException:
+        out = None
         results.put((rank, traceback.format_exc(), None))
     results.close()
     results.join_thread()
+    if isinstance(out, dict) and "Timed out" in out.get("error", ""):
+        # A rank that timed out stays alive until the harness kills it: exiting would close its
+        # connections, and a rank still waiting on it would fail with "Connection closed" instead
+        # of its own timeout (a race that a loaded machine loses).
+        time.sleep(DEADLINE_S)
     os._exit(0)  # See [Note: Gloo teardown] in _harness.py.
 
 

@@ -65,7 +65,7 @@ def _train(rank, world_size, schedule_name, reshard_after_forward, library):
     stages, modules = [], []
     for index in my_indices:
         module = all_stages[index]
-        shard_blocks_then_root(module, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+        shard_blocks_then_root(module, fully_shard, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
         modules.append(module)
         stages.append(stage_class(module, index, num_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
     optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1)

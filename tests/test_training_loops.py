@@ -402,9 +402,7 @@ def _differential(rank, world_size, loops, compiled):
         if loop.accumulate == 1:  # without sync off, every compiled step is one graph: no group fell back
             assert ours._fsdp_state.ctx.fallbacks == {}, (loop, ours._fsdp_state.ctx.fallbacks)
         if not loop.routed:  # torch's fully_shard cannot reduce groups the ranks use differently
-            for block in theirs.blocks:
-                torch_fully_shard(block)
-            torch_fully_shard(theirs)
+            shard_blocks_then_root(theirs, torch_fully_shard)
             kwargs = dict(backend="aot_eager") if compiled else None
             _assert_same_training(_train_loop(loop, theirs, kwargs, rank, global_view=False), expected, f"torch {loop}")
         torch._dynamo.reset()

@@ -18,14 +18,29 @@ of several groups waits for the others' entry at the same place in that sequence
 first time they differ, the rank compiles that graph, and every later one of several groups, as
 `rank_divergent_graphs` does, and logs why. Ranks that compile the same graphs wait only for each
 other's tracing; a rank that runs the groups eagerly, or traces them one by one, is seen at once.
-What this cannot see: a rank that recompiles while another runs a graph it compiled before (its
-inputs kept their shapes), or that first falls back in a later step. The first waits
-`AGREEMENT_TIMEOUT_S` for an entry that does not come and then keeps the full schedule, as the
-graph the other runs has (the same program); the second needs `rank_divergent_graphs=True`.
 The same graph on inputs of other shapes (each rank's own sequence length, or its own value of a
 dynamic size) is scheduled with other costs, which may order its collectives differently; the
 entry carries the shapes of the inputs other than parameters, and such a graph alone keeps program
-order (the sequences still line up, so later graphs are compared again).
+order (the sequences still line up, so later graphs are compared again). A graph Dynamo compiles
+again for a frame it compiled before asks nobody: [Note: One wire order per frame]. What this
+cannot see is a rank that first falls back to the eager hooks in a later step, which needs
+`rank_divergent_graphs=True`.
+
+[Note: One wire order per frame]
+A rank recompiles a frame alone whenever its own inputs fail the guards and the others' do not
+(each rank pads its batch to its own longest row: a new length on one rank, the graph going
+dynamic there first). It must then issue the collectives the others' graph issues, in that order,
+and there is nobody to ask: the others run their graph without compiling, so an entry in the log
+would wait `AGREEMENT_TIMEOUT_S` for nothing and put the logs out of step. Every graph of a frame
+has the same groups in the same program order, and they differ in shapes only, which changes the
+costs the scheduling passes weigh, and so at most the order of the collectives (the buckets are
+sized by parameters, which shapes do not change). So the first graph of a frame, agreed with the
+other ranks as above, records its wire order for each of its forward and backward graphs
+(passes/wire_order.py), and a later graph of the same frame and groups is scheduled as usual and
+then issues its collectives in the recorded order (`order_collectives_as`, which keeps the
+schedule where that order allows). With Inductor the recorded order joins the compile-cache key.
+A frame whose first graph came from the compile caches recorded nothing (no pass ran): its next
+graph is agreed as a first one.
 Graphs of one group wait for nobody: their collectives cannot be reordered across groups (an MoE
 whose ranks recompile its expert frames at different times stays as fast as before).
 """
@@ -41,6 +56,7 @@ import torch.distributed as dist
 from torch.fx import GraphModule
 
 from ..passes.nodes import fsdp_meta
+from ..passes.wire_order import order_collectives_as, wire_order
 from ..runtime import peer_log
 from ..runtime.meta import GROUP_KEY
 
@@ -65,6 +81,27 @@ class GraphAgreement:
 
     def __init__(self) -> None:
         self._diverged: set[tuple[int, ...]] = set()
+        self._frames: dict[tuple, FrameWireOrder] = {}
+
+    def frame_order(
+        self, gm: GraphModule, example_inputs: Sequence, ranks: Sequence[int]
+    ) -> tuple["FrameWireOrder", bool]:
+        """The wire order `gm`'s graphs keep ([Note: One wire order per frame]), and whether `gm`
+        must keep every group's collectives in program order (`diverged`, asked only of the first
+        graph of a frame)."""
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        key = (None if compile_id is None else compile_id.frame_id, tuple(graph_groups(gm)), torch.is_grad_enabled())
+        known = self._frames.get(key)
+        if compile_id is not None and known is not None and "forward" in known.orders:
+            logger.info("fsdp_graph: graph %s recompiles a frame: its collectives keep the order of the frame's first "
+                        "graph ([Note: One wire order per frame])", compile_id)
+            known.cache_key = repr(sorted(known.orders.items()))
+            return known, known.program_order
+        program_order = self.diverged(gm, example_inputs, ranks)
+        order = FrameWireOrder(program_order)
+        if compile_id is not None:
+            self._frames[key] = order
+        return order, program_order
 
     def diverged(self, gm: GraphModule, example_inputs: Sequence, ranks: Sequence[int],
                  timeout_s: float = AGREEMENT_TIMEOUT_S) -> bool:
@@ -155,6 +192,38 @@ def _describe(entry: str) -> str:
         return f"group {what} on the eager hooks"
     groups, _, ops = what.partition("@")[0].rpartition("#")
     return f"a graph of groups {groups.replace('|', ', ')} ({ops} operations)"
+
+
+class FrameWireOrder:
+    """The wire order of a frame's graphs: [Note: One wire order per frame].
+
+    Attributes:
+        program_order: the frame's first graph kept every group's collectives in program order.
+        orders: per kind of graph ("forward", "backward"), the wire order of its first one.
+        cache_key: the orders as they were when this compile began, for the compile caches.
+    """
+
+    def __init__(self, program_order: bool) -> None:
+        self.program_order = program_order
+        self.orders: dict[str, tuple[str, ...]] = {}
+        self.cache_key = ""
+
+    def keep(self, kind: str, gm: GraphModule) -> None:
+        """Record `gm`'s wire order if it is the frame's first graph of its kind, else make it
+        issue its collectives in the recorded order."""
+        recorded, scheduled = self.orders.get(kind), wire_order(gm)
+        if recorded is None:
+            self.orders[kind] = scheduled
+        elif scheduled == recorded:
+            return
+        elif order_collectives_as(gm, recorded):
+            logger.info("fsdp_graph: the %s graph's collectives, scheduled in another order (%s), issue in the order "
+                        "of the frame's first graph ([Note: One wire order per frame])", kind, scheduled)
+        else:
+            logger.warning(
+                "fsdp_graph: a %s graph compiled again for this frame issues other collectives than its first graph "
+                "(%s, where the first issued %s); if another rank runs the first graph, they do not match "
+                "([Note: One wire order per frame])", kind, scheduled, recorded)
 
 
 AGREEMENT = GraphAgreement()  # one per process: every backend's graphs count in the same sequence

@@ -10,6 +10,7 @@ partitioner (fsdp_graph/compile/partition.py), and hands forward and backward to
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from dataclasses import dataclass, field, fields, replace
@@ -22,7 +23,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule
 
-from .agreement import AGREEMENT
+from .agreement import AGREEMENT, FrameWireOrder
 from .cache_key import local_shapes, own_sources_digest, stable_cache_keys
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
@@ -230,20 +231,27 @@ class FSDPGraphBackend:
 
     def __call__(self, gm: GraphModule, example_inputs: list) -> Callable:
         owners = _check_sharded(gm, example_inputs)
-        if not self.config.rank_divergent_graphs and AGREEMENT.diverged(gm, example_inputs, _ranks_of(owners)):
-            # [Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py
-            return FSDPGraphBackend(replace(self.config, rank_divergent_graphs=True))(gm, example_inputs)
+        if self.config.rank_divergent_graphs:
+            return self._compile(gm, example_inputs, owners, None)
+        # [Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py
+        order, program_order = AGREEMENT.frame_order(gm, example_inputs, _ranks_of(owners))
+        backend = FSDPGraphBackend(replace(self.config, rank_divergent_graphs=True)) if program_order else self
+        return backend._compile(gm, example_inputs, owners, order)
+
+    def _compile(
+        self, gm: GraphModule, example_inputs: list, owners: list, order: Optional[FrameWireOrder]
+    ) -> Callable:
         graph_id = _graph_id()
         dump = self._dump()
         logger.debug("fsdp_graph::compile (%s) with %s", graph_id, self.config.compiler.value)
         if dump is not None:
             dump.write_graph(gm, f"{graph_id}.dynamo")
         if self.config.compiler is Compiler.AOT_EAGER:
-            compiled = self._aot_eager(gm, example_inputs, graph_id, dump)
+            compiled = self._aot_eager(gm, example_inputs, graph_id, dump, order)
         else:
             from torch._inductor.compile_fx import compile_fx
 
-            patches = self.inductor_patches(gm, example_inputs, graph_id, dump)
+            patches = self.inductor_patches(gm, example_inputs, graph_id, dump, order)
             with stable_cache_keys():  # see [Note: Rank-independent cache keys]
                 compiled = compile_fx(gm, example_inputs, config_patches=patches)
         if dump is None:
@@ -253,7 +261,7 @@ class FSDPGraphBackend:
     def _pipeline(self, stage: Stage, resolved: dict[str, Any], dump: Optional[GraphDump]) -> PassPipeline:
         return PassPipeline(stage.value, self.config.passes(stage, resolved), self.config.disabled_passes, dump)
 
-    def _aot_eager(self, gm, example_inputs, graph_id, dump: Optional[GraphDump]):
+    def _aot_eager(self, gm, example_inputs, graph_id, dump: Optional[GraphDump], order: Optional[FrameWireOrder]):
         from torch._dynamo.backends.common import aot_autograd
 
         resolved = self.config.resolved_options()
@@ -267,7 +275,7 @@ class FSDPGraphBackend:
         def inner(kind: str):
             def compile_graph(graph: GraphModule, _inputs):
                 _log_graph(graph_id, kind, graph, dump)
-                graph = _schedule(schedule, lower, graph_id, kind, graph, dump)
+                graph = _schedule(schedule, lower, graph_id, kind, graph, dump, order)
                 return make_boxed_func(graph.forward)
 
             return compile_graph
@@ -279,10 +287,14 @@ class FSDPGraphBackend:
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
 
-    def inductor_patches(self, gm: GraphModule, example_inputs: list, graph_id: str, dump: Optional[GraphDump]) -> dict[str, Any]:
+    def inductor_patches(
+        self, gm: GraphModule, example_inputs: list, graph_id: str, dump: Optional[GraphDump],
+        order: Optional[FrameWireOrder] = None,
+    ) -> dict[str, Any]:
         """The Inductor config this backend compiles `gm` with: our passes as Inductor's custom
         passes, whose `uuid`s (None while dumping: no cache, so that every graph is written) put
-        everything they depend on into the FX graph cache's and AOTAutogradCache's keys."""
+        everything they depend on into the FX graph cache's and AOTAutogradCache's keys, the wire
+        order a recompiled frame keeps included ([Note: One wire order per frame])."""
         resolved = self.config.resolved_options()
         joint = self._pipeline(Stage.JOINT, resolved, dump)
         schedule = self._pipeline(Stage.SCHEDULE, resolved, dump)
@@ -291,11 +303,13 @@ class FSDPGraphBackend:
         # The local shard shapes, in the joint pass's key: see [Note: Rank-independent cache keys].
         joint_key = f"fsdp_graph.joint:{digest}:{self.config.cache_key((Stage.JOINT,), resolved)}:{local_shapes(example_inputs)}"
         schedule_key = f"fsdp_graph.schedule:{digest}:{self.config.cache_key((Stage.SCHEDULE, Stage.LOWER), resolved)}"
+        if order is not None and order.cache_key:
+            schedule_key += f":{hashlib.sha256(order.cache_key.encode()).hexdigest()[:16]}"
         patches: dict[str, Any] = {
             "joint_custom_pre_pass": _InductorJointPass(joint, graph_id, None if dump is not None else joint_key),
             "custom_partitioner_fn": InductorPartitioner(),
             "post_grad_custom_post_pass": _InductorSchedulePass(
-                graph_id, dump, schedule, lower, None if dump is not None else schedule_key
+                graph_id, dump, schedule, lower, None if dump is not None else schedule_key, order
             ),
         }
         disabled = self.config.disabled_passes
@@ -350,8 +364,10 @@ class _InductorSchedulePass(CustomGraphPass):
     then runs the lowering passes. `uuid` as `_InductorJointPass`'s."""
 
     def __init__(
-        self, graph_id: str, dump: Optional[GraphDump], schedule: PassPipeline, lower: PassPipeline, key: Optional[str]
+        self, graph_id: str, dump: Optional[GraphDump], schedule: PassPipeline, lower: PassPipeline, key: Optional[str],
+        order: Optional[FrameWireOrder] = None,
     ) -> None:
+        self.order = order
         self.graph_id = graph_id
         self.dump = dump
         self.schedule = schedule
@@ -362,22 +378,26 @@ class _InductorSchedulePass(CustomGraphPass):
         kind = "backward" if is_backward_graph(graph) else "forward"
         if self.dump is not None:
             _log_graph(self.graph_id, kind, graph.owning_module, self.dump)
-        _schedule(self.schedule, self.lower, self.graph_id, kind, graph.owning_module, self.dump)
+        _schedule(self.schedule, self.lower, self.graph_id, kind, graph.owning_module, self.dump, self.order)
 
     def uuid(self) -> Optional[str]:
         return self.key
 
 
 def _schedule(
-    schedule: PassPipeline, lower: PassPipeline, graph_id: str, kind: str, gm: GraphModule, dump: Optional[GraphDump]
+    schedule: PassPipeline, lower: PassPipeline, graph_id: str, kind: str, gm: GraphModule, dump: Optional[GraphDump],
+    order: Optional[FrameWireOrder] = None,
 ) -> GraphModule:
-    """Run the scheduling passes on a forward or backward graph, then the lowering passes; between
-    the two, when dumping, write its program for `python -m fsdp_graph.inspect` (see
+    """Run the scheduling passes on a forward or backward graph, keep the frame's wire order
+    ([Note: One wire order per frame]), then run the lowering passes; between the two, when
+    dumping, write its program for `python -m fsdp_graph.inspect` (see
     fsdp_graph/inspect/timeline.py). The lowering passes' control dependencies (pin_order) would
     hide collectives and waits from the program, and they change no order."""
     from ..inspect.timeline import write_program
 
     gm = schedule(gm, f"{graph_id}.{kind}")
+    if order is not None:
+        order.keep(kind, gm)
     if dump is not None and dump.directory is not None:
         write_program(dump.directory, f"{graph_id}.{kind}", gm)
     return lower(gm, f"{graph_id}.{kind}")

@@ -1,0 +1,106 @@
+"""The order a scheduled graph issues its collectives in (its wire order), and a reordering that
+makes a graph issue them in a given one.
+
+Ranks must issue the collectives of a process group in one order. A graph compiled again for new
+shapes (a rank recompiling alone while the others run the graph they compiled before) is scheduled
+with other costs, and its collectives may come out in another order than the graph the other ranks
+run: [Note: One wire order per frame] in fsdp_graph/compile/agreement.py. `order_collectives_as`
+moves nodes so that the collectives come in the order given, keeping every data dependency and the
+order of every node that mutates its inputs; the schedule's overlap is kept wherever the given
+order allows it.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from torch.fx import GraphModule, Node
+
+from .nodes import collective_label, is_collective
+
+
+def wire_order(gm: GraphModule) -> tuple[str, ...]:
+    """The collectives of `gm` in graph order, each as its op and the groups or parallelism it
+    serves (`collective_label`): what another rank's graph must issue in the same order."""
+    return tuple(f"{_op_name(n)} {collective_label(n)}" for n in gm.graph.nodes if is_collective(n))
+
+
+def _op_name(node: Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _mutates(node: Node) -> bool:
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def order_collectives_as(gm: GraphModule, order: tuple[str, ...]) -> bool:
+    """Reorder `gm`'s nodes so that its collectives are issued in `order` (as `wire_order` spells
+    it). Every other node keeps its place relative to the others as far as the collectives allow
+    (a list schedule by original position, where a collective is ready only when it is next in
+    `order`); a node that mutates an input is a barrier no node crosses. Returns False, leaving
+    `gm` as it was, when its collectives are not those of `order` or cannot come in that order."""
+    nodes = list(gm.graph.nodes)
+    labels = {n: f"{_op_name(n)} {collective_label(n)}" for n in nodes if is_collective(n)}
+    if sorted(labels.values()) != sorted(order):
+        return False
+    if tuple(labels.values()) == tuple(order):
+        return True
+    position = {n: i for i, n in enumerate(nodes)}
+    waiting_for = {n: len(set(n.all_input_nodes)) for n in nodes}
+    barriers = [position[n] for n in nodes if _mutates(n)] + [len(nodes)]
+    ready: list[int] = []  # positions of nodes whose inputs are all placed
+    held: dict[str, list[int]] = {}  # ready collectives by label, until they are next in `order`
+    placed: list[Node] = []
+    issued = 0  # collectives placed
+    done = [False] * len(nodes)
+    lowest_open = 0  # every node before this position is placed
+    next_barrier = 0  # index into `barriers` of the first one not yet placed
+
+    def make_ready(node: Node) -> None:
+        if node in labels:
+            heapq.heappush(held.setdefault(labels[node], []), position[node])
+        else:
+            heapq.heappush(ready, position[node])
+
+    for node in nodes:
+        if waiting_for[node] == 0:
+            make_ready(node)
+    while len(placed) < len(nodes):
+        wanted = order[issued] if issued < len(order) else None
+        candidates = []
+        if ready:
+            candidates.append(ready[0])
+        if wanted is not None and held.get(wanted):
+            candidates.append(held[wanted][0])
+        # A barrier goes only when everything before it is placed; nothing after it goes before it.
+        limit = barriers[next_barrier]
+        candidates = [p for p in candidates if p < limit or (p == limit and lowest_open == p)]
+        if not candidates:
+            return False
+        pick = min(candidates)
+        if ready and ready[0] == pick:
+            heapq.heappop(ready)
+        else:
+            heapq.heappop(held[wanted])
+            issued += 1
+        node = nodes[pick]
+        placed.append(node)
+        done[pick] = True
+        while lowest_open < len(nodes) and done[lowest_open]:
+            lowest_open += 1
+        if pick == limit:
+            next_barrier += 1
+        for user in node.users:
+            waiting_for[user] -= 1
+            if waiting_for[user] == 0:
+                make_ready(user)
+    output = gm.graph.output_node()
+    for node in placed:
+        if node is not output:
+            output.prepend(node)
+    gm.graph.lint()
+    gm.recompile()
+    return True

@@ -1,0 +1,68 @@
+"""`order_collectives_as` (passes/wire_order.py): a graph compiled again for a frame issues its
+collectives in the order of the frame's first graph ([Note: One wire order per frame] in
+fsdp_graph/compile/agreement.py). One process, a fake process group of 8 ranks."""
+
+import torch
+
+from _harness import fake_process_group
+from _schedule_helpers import FIXED, capture_graphs, sharded_stack
+from fsdp_graph.passes.bucketing import bucket_by_group
+from fsdp_graph.passes.reorder import reorder_for_overlap
+from fsdp_graph.passes.wire_order import order_collectives_as, wire_order
+
+
+def _backward_graphs(scheduled=True):
+    """The backward of a three-block stack: in program order, and (`scheduled`) once more, scheduled
+    for overlap (re-gathers prefetched, reduce-scatters early)."""
+    with fake_process_group(8):
+        program = bucket_by_group(capture_graphs(sharded_stack(), torch.randn(4, 16))["backward"])
+        if not scheduled:
+            return program, None
+        graph = bucket_by_group(capture_graphs(sharded_stack(), torch.randn(4, 16))["backward"])
+        return program, reorder_for_overlap(graph, FIXED, memory_budget_bytes=1 << 50)
+
+
+def _positions(gm):
+    return {n.name: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def _check_valid(gm):
+    gm.graph.lint()  # every input defined before its use
+    names = [n.name for n in gm.graph.nodes]
+    assert names[-1] == "output"
+    assert all(n.op == "placeholder" for n in list(gm.graph.nodes)[: sum(n.op == "placeholder" for n in gm.graph.nodes)])
+
+
+def _matmuls(gm):
+    return [n.name for n in gm.graph.nodes if n.name.startswith("mm")]
+
+
+def test_collectives_take_the_order_given_and_the_rest_keeps_its_own():
+    program, scheduled = _backward_graphs()
+    assert wire_order(program) != wire_order(scheduled)  # else the test would show nothing
+    nodes, matmuls = sorted(n.name for n in scheduled.graph.nodes), _matmuls(scheduled)
+    # The schedule's graph in program order: the re-gathers go back down to their blocks.
+    assert order_collectives_as(scheduled, wire_order(program))
+    assert wire_order(scheduled) == wire_order(program)
+    assert sorted(n.name for n in scheduled.graph.nodes) == nodes  # only moved, nothing added or lost
+    assert _matmuls(scheduled) == matmuls
+    _check_valid(scheduled)
+    # And the other way: the all-gathers move up to where the schedule issues them.
+    program_matmuls = _matmuls(program)
+    _, target = _backward_graphs()
+    assert order_collectives_as(program, wire_order(target))
+    assert wire_order(program) == wire_order(target)
+    assert _matmuls(program) == program_matmuls
+    _check_valid(program)
+
+
+def test_an_order_the_data_forbids_leaves_the_graph_as_it_was():
+    program, _ = _backward_graphs(scheduled=False)
+    order = wire_order(program)
+    # A block's reduce-scatter before its own re-gather: its gradient needs the gathered weights.
+    first_rs = next(i for i, label in enumerate(order) if label.startswith("reduce_scatter"))
+    impossible = (order[first_rs],) + order[:first_rs] + order[first_rs + 1:]
+    before = [n.name for n in program.graph.nodes]
+    assert not order_collectives_as(program, impossible)
+    assert [n.name for n in program.graph.nodes] == before
+    assert not order_collectives_as(program, order[:-1])  # other collectives: refused too
