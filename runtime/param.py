@@ -45,10 +45,6 @@ from .tp_layout import TensorParallelLayout, sharded_layout
 # `ShardedParam`: a later `fully_shard` meeting a tied weight, the optimizer check and the backend
 # read it. See [Note: The sharded parameter is the one its module holds].
 OWNER_ATTR = "_fsdp_graph_param"
-# Set on a sharded parameter whose local tensor is a view of its group's shard buffer, naming the
-# buffer's flat tensor; `swap_tensors` and replacement drop it with the view. See [Note: Sharded
-# parameters live in their group's row] in runtime/shard_buffer.py.
-SHARD_BUFFER_ATTR = "_fsdp_graph_shard_buffer"
 
 
 class MetaParameterError(ValueError, RuntimeError):
@@ -171,8 +167,8 @@ class ShardedParam(AllGatherExtensions):
             self._sharded_param = nn.Parameter(self._to_dtensor(pinned), requires_grad=self.requires_grad)
         self.pinned = True
 
-    def live_in(self, view: torch.Tensor, flat: torch.Tensor) -> None:
-        """Make `view`, this shard's slot in its group's buffer `flat` (of the local tensor's shape),
+    def live_in(self, view: torch.Tensor) -> None:
+        """Make `view`, this shard's slot in its group's shard buffer (of the local tensor's shape),
         the sharded parameter's local tensor, with its values, as FSDP2 points a replaced shard's
         local tensor at its padded storage. The parameter object stays (its identity, hooks and
         `.grad`), so the optimizer's state and the module keep it. See [Note: Sharded parameters
@@ -185,7 +181,6 @@ class ShardedParam(AllGatherExtensions):
         # becomes the local tensor.
         param.data = self._to_dtensor(view)
         param._local_tensor = view
-        setattr(param, SHARD_BUFFER_ATTR, flat)
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(

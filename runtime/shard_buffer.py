@@ -18,7 +18,7 @@ What lives here and what views what:
 - `flat`: (sum of the layout's widths,) in the shards' dtype, on their device (CPU when offloaded,
   pinned with `CPUOffloadPolicy(pin_memory=True)`).
 - A parameter sharded on dim 0: its local tensor is `flat[offset : offset + valid]` viewed in the
-  shard's shape, and the sharded parameter carries `SHARD_BUFFER_ATTR` naming `flat`.
+  shard's shape.
 - A parameter sharded on dim k > 0: its local tensor keeps its own storage (its slot holds the
   shard with dim k moved first, [Note: Sharding on another dim] in runtime/param.py, a layout no
   view of the shard has), and the eager gather copies it into its slot first.
@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from .bucket_layout import FLAGS, BucketLayout
-from .param import SHARD_BUFFER_ATTR, ShardedParam
+from .param import ShardedParam
 
 
 class ShardBuffer:
@@ -67,6 +67,9 @@ class ShardBuffer:
         self.offsets = tuple(itertools.accumulate(layout.widths, initial=0))[:-1]
         # Per parameter: the view of `flat` its local tensor was made (None: not one).
         self._views: list[Optional[torch.Tensor]] = [None] * len(params)
+        # Whether every parameter's local tensor is its view, as of the last `follow`: then the
+        # row is current without copying any shard in. See `row_for_trace`.
+        self.all_viewed = False
         self.follow(params)
 
     @staticmethod
@@ -102,7 +105,8 @@ class ShardBuffer:
     def is_viewed_by(self, index: int, p: ShardedParam) -> bool:
         param = p.sharded_param
         view = self._views[index]
-        return view is not None and param._local_tensor is view and getattr(param, SHARD_BUFFER_ATTR, None) is self.flat
+        # `swap_tensors` and a replacement give the parameter another local tensor.
+        return view is not None and param._local_tensor is view
 
     def follow(self, params: list[ShardedParam]) -> None:
         """Make each shard that can be a view of its slot and is not (new, replaced, swapped) one,
@@ -116,8 +120,9 @@ class ShardBuffer:
                     continue
                 if self.viewable(p):
                     view = self._slot(index)[: p.num_valid_rows * p.row_numel].view(p.num_valid_rows, *p.moved_size[1:])
-                    p.live_in(view, self.flat)
+                    p.live_in(view)
                     self._views[index] = view
+        self.all_viewed = all(view is not None for view in self._views)
 
     def copy_in_others(self, params: list[ShardedParam]) -> None:
         """Before an eager gather: copy the shards that are not views (sharded on dim k > 0, moved
@@ -127,14 +132,17 @@ class ShardBuffer:
                 p = params[index]
                 torch.ops.fsdp_graph.copy_in.out([p.flat_local_shard()], [p.shard_numel], out=self._slot(index))
 
-    def row_for_trace(self, params: list[ShardedParam]) -> Optional[torch.Tensor]:
-        """`flat` if every parameter's local tensor is a view of it, read as a trace reads it: by the
-        attribute each sharded parameter carries, so Dynamo guards on it ([Note: Traced gathers read
-        the shard buffer] in runtime/traced.py); else None."""
-        flat = self.flat
-        if all(getattr(p.sharded_param, SHARD_BUFFER_ATTR, None) is flat for p in params):
-            return flat
-        return None
+    def row_for_trace(self) -> Optional[torch.Tensor]:
+        """`flat` if every parameter's local tensor was its view at the last `follow`, else None.
+
+        A trace reads this without checking the views again: every trace begins by following the
+        parameters ([Note: Tracing reads what was followed] in runtime/state.py), which runs
+        `follow`, and a parameter replaced between compiled steps recompiles the step, which
+        follows it first. Dynamo guards the flag, not the views: a guard on an attribute of the
+        DTensor parameter would not survive `fsdp_graph.precompile`'s save and load (a pickled
+        DTensor keeps no Python attributes). See [Note: Traced gathers read the shard buffer] in
+        runtime/traced.py."""
+        return self.flat if self.all_viewed else None
 
 
 def shard_buffer_for(

@@ -361,11 +361,12 @@ def _unshard_bytes(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
 #
 # The shards are inputs for their gradients only (`AllGatherRow` in runtime/traced_ops.py): the
 # reduced row's pieces are their gradients, as the copy-in's backward made them. The graph cannot
-# check at run time that the shards still are views of the buffer, so the trace asks in a form
-# Dynamo guards: each sharded parameter's SHARD_BUFFER_ATTR `is` the buffer. A parameter replaced
-# or swapped since has lost the attribute, the guard fails, and Dynamo compiles again; before it
-# does, the runtime follows the parameters (runtime/state.py, `_follow_all_roots`), which puts the
-# new shard into the buffer and views it again. A group with a shard that is not a view (sharded on
+# check at run time that the shards still are views of the buffer. It need not: every trace begins
+# by following the parameters ([Note: Tracing reads what was followed] in runtime/state.py), which
+# puts each replaced or swapped shard back into the buffer and views it again, and the trace reads
+# the buffer's `all_viewed` as that left it (Dynamo guards the flag). A parameter assigned between
+# compiled steps recompiles the step (`parameters_replaced`), which follows it first; `swap_tensors`
+# refuses a compiled step's parameters. A group with a shard that is not a view (sharded on
 # dim k > 0) or without a buffer traces the copy-in. Ranks may trace one and run the other: the
 # row is the same bytes either way.
 
@@ -375,7 +376,7 @@ def _shard_buffer_row(group: TracedGroup, layout: BucketLayout) -> Optional[torc
     shard_buffer = group.shard_buffer
     if shard_buffer is None or shard_buffer.layout is not layout:
         return None
-    return shard_buffer.row_for_trace(group.params)
+    return shard_buffer.row_for_trace()
 
 
 def _replicate_group_name(mesh_info) -> Optional[str]:
