@@ -165,7 +165,7 @@ def predict_step(graphs: dict[str, GraphModule], cost_model: CostModel, resident
         program = program_of(gm)
         sims[kind] = sim = simulate(program, cost_model)
         for c in sim.collectives:
-            comm[c.parallelism] += c.end_s - c.start_s
+            comm[c.parallelism] += c.busy_s
             exposed_by[c.parallelism] += c.exposed_s
             count[c.parallelism] += 1
         peaks[kind] = sim.memory.peak_bytes

@@ -37,6 +37,7 @@ reason and recorded in `gm.meta[SCHEDULE_META]`.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -50,7 +51,8 @@ from .nodes import (
     PASS_META, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_reduce_scatter,
     is_wait_tensor, tensor_bytes, wait_of,
 )
-from .simulator import Op, OpKind, OrderCost, _kind, op_of
+from .measured_order import MeasuredOrder
+from .simulator import OpKind, OrderCost, _kind, op_of
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,9 @@ class ScheduleReport:
     kept), sunk_waits (collectives whose wait moved to the end), hoisted (reduce-scatters issued
     before an earlier one, once per step up), rejected ([collective, reason]),
     peak_bytes and exposed_s before/after (simulated), max_in_flight_bytes,
-    max_in_flight_collectives and max_in_flight_all_gathers after."""
+    max_in_flight_collectives and max_in_flight_all_gathers after; num_measured (candidate orders
+    measured) and num_simulated (node positions simulated to measure them and the first order: what
+    the pass's time grows with, see [Note: Measuring a move] in passes/measured_order.py)."""
 
     prefetch_depth: dict[str, int] = field(default_factory=dict)
     sunk_waits: list[str] = field(default_factory=list)
@@ -80,30 +84,64 @@ class ScheduleReport:
     max_in_flight_bytes: int = 0
     max_in_flight_collectives: int = 0
     max_in_flight_all_gathers: int = 0
+    num_measured: int = 0
+    num_simulated: int = 0
+
+
+@dataclass(frozen=True)
+class _Move:
+    """A candidate order: the current body with positions lo..hi-1 replaced by `window`."""
+
+    window: list[Node]
+    lo: int
+    hi: int
 
 
 class _Order:
-    """The candidate order of a graph's nodes (placeholders and output fixed at the ends)."""
+    """The current order of a graph's nodes (placeholders and output fixed at the ends), each
+    node's position in it, and its measure, which also measures a move of it."""
 
     def __init__(self, gm: GraphModule, cost_model: CostModel) -> None:
         nodes = list(gm.graph.nodes)
         self.head = [n for n in nodes if n.op == "placeholder"]
         self.body = [n for n in nodes if n.op not in ("placeholder", "output")]
         self.tail = [n for n in nodes if n.op == "output"]
-        self.ops: dict[Node, Op] = {n: op_of(n) for n in nodes}
-        self.cost = OrderCost(self.ops, cost_model)  # see [Note: Measuring candidate orders]
+        self.index = {n: i for i, n in enumerate(self.body)}
+        cost = OrderCost({n: op_of(n) for n in nodes}, cost_model)  # see [Note: Measuring candidate orders]
+        self.measured = MeasuredOrder(cost, self.head + self.body + self.tail)  # see [Note: Measuring a move]
 
-    def measure(self, body: list[Node]) -> tuple[int, float, tuple[int, int, int]]:
-        """(simulated peak bytes, exposed seconds, (bytes, collectives, all-gathers) most in flight)."""
-        return self.cost.measure(self.head + body + self.tail)
+    def measure(self, move: _Move) -> tuple[int, float, tuple[int, int, int]]:
+        """(simulated peak bytes, exposed seconds, (bytes, collectives, all-gathers) most in flight)
+        of the order after `move`."""
+        offset = len(self.head)
+        return self.measured.measure(move.window, move.lo + offset, move.hi + offset)
 
+    def accept(self, move: _Move) -> None:
+        """Make the order after `move` the current one."""
+        offset = len(self.head)
+        self.measured.accept(move.window, move.lo + offset, move.hi + offset)
+        self.body[move.lo : move.hi] = move.window
+        for i in range(move.lo, move.hi):
+            self.index[self.body[i]] = i
 
-def _moved(body: list[Node], nodes: list[Node], before: Optional[Node]) -> list[Node]:
-    """`body` with `nodes` (kept in their order) moved to just before `before` (None: the end)."""
-    moving = set(nodes)
-    rest = [n for n in body if n not in moving]
-    at = rest.index(before) if before is not None else len(rest)
-    return rest[:at] + nodes + rest[at:]
+    def moved(self, nodes: list[Node], before: Optional[Node]) -> _Move:
+        """The body with `nodes` (kept in their order) moved to just before `before` (None: the
+        end), as the window of positions that changes: from the first place a node leaves or
+        enters to the last."""
+        at = self.index[before] if before is not None else len(self.body)
+        positions = [self.index[n] for n in nodes]
+        lo, hi = min(min(positions), at), max(max(positions) + 1, at)
+        moving = set(nodes)
+        assert before not in moving, before
+        window = []
+        for n in self.body[lo:hi]:
+            if n is before:
+                window.extend(nodes)
+            if n not in moving:
+                window.append(n)
+        if at == hi:
+            window.extend(nodes)
+        return _Move(window, lo, hi)
 
 
 def _inputs_after(node: Node, anchor_index: int, index: dict[Node, int]) -> Optional[list[Node]]:
@@ -206,7 +244,8 @@ class _Scheduler:
         self.max_bytes_in_flight = max_bytes_in_flight
         self.max_collectives_in_flight = max_collectives_in_flight
         self.memory_budget_bytes = memory_budget_bytes
-        self.body = self.order.body
+        self.body = self.order.body  # the current order, changed in place as moves are accepted
+        self.index = self.order.index  # node -> its position in `body`
         self.report = ScheduleReport()
         self._measure_current()
         self.report.peak_bytes_before, self.report.exposed_s_before = self.peak, self.exposed
@@ -216,13 +255,14 @@ class _Scheduler:
             # keeps sunk reduce-scatter waits from holding every full gradient to the graph's end.
             self.memory_budget_bytes = self.peak + 2 * _largest_bucket_bytes(self.body)
 
-    def _measure(self, body: list[Node]) -> tuple[int, float, tuple[int, int, int]]:
+    def _measure(self, move: _Move) -> tuple[int, float, tuple[int, int, int]]:
         """(simulated peak bytes, exposed seconds, (bytes, collectives, all-gathers) most in flight)."""
-        return self.order.measure(body)
+        self.report.num_measured += 1
+        return self.order.measure(move)
 
-    def _accept(self, body: list[Node]) -> None:
-        self.body = body
-        self.peak, self.exposed, self.in_flight = self._measure(body)
+    def _accept(self, move: _Move) -> None:
+        self.order.accept(move)
+        self._measure_current()
 
     def _too_many_in_flight(self, flight: tuple[int, int, int]) -> Optional[str]:
         """Why `flight` (the last of what `_measure` gives) breaks a limit on how many are in flight, or None;
@@ -233,9 +273,9 @@ class _Scheduler:
             return f"{count} collectives in flight > max_collectives_in_flight={limit}"
         return None
 
-    def _check(self, body: list[Node]) -> tuple[Optional[str], float]:
-        """(why `body` is rejected or None, its exposed seconds)."""
-        peak, exposed, flight = self._measure(body)
+    def _check(self, move: _Move) -> tuple[Optional[str], float]:
+        """(why the order after `move` is rejected or None, its exposed seconds)."""
+        peak, exposed, flight = self._measure(move)
         limit = self.max_bytes_in_flight
         if limit is not None and flight[0] > limit and flight[0] > self.in_flight[0]:
             return f"{flight[0]} bytes in flight > max_bytes_in_flight={limit}", exposed
@@ -248,27 +288,34 @@ class _Scheduler:
         return None, exposed
 
     def _measure_current(self) -> None:
-        self.peak, self.exposed, self.in_flight = self._measure(self.body)
+        measured = self.order.measured
+        self.peak, self.exposed, self.in_flight = measured.peak, measured.exposed, measured.flight
+
+    def _first_not_in(self, start: int, nodes: list[Node]) -> Optional[Node]:
+        """The first node of the body from position `start` on that is not one of `nodes`."""
+        return next((self.body[i] for i in range(start, len(self.body)) if self.body[i] not in nodes), None)
+
+    def _fsdp_reduce_scatters(self) -> list[Node]:
+        return [n for n in self.body if is_reduce_scatter(n) and is_fsdp_collective(n)]
 
     def issue_reduce_scatters_early(self) -> None:
-        for rs in [n for n in self.body if is_reduce_scatter(n) and is_fsdp_collective(n)]:
-            index = {n: i for i, n in enumerate(self.body)}
+        for rs in self._fsdp_reduce_scatters():
+            index = self.index
             producer = max(rs.all_input_nodes, key=lambda n: index.get(n, -1))
             if producer not in index or index[producer] + 1 == index[rs]:
                 continue
-            following = self.body[index[producer] + 1]
-            candidate = _moved(self.body, [rs], following)
+            move = self.order.moved([rs], self.body[index[producer] + 1])
             # Only a collective limit needs the candidate measured; the caller re-measures after.
             if self.max_collectives_in_flight is not None:
-                if self._too_many_in_flight(self.order.measure(candidate)[2]):
+                if self._too_many_in_flight(self._measure(move)[2]):
                     continue
-            self.body = candidate
+            self.order.accept(move)
             rs.meta[PASS_META] = "reorder_for_overlap"
 
-    def _hoist_candidate(self, earlier: Node, later: Node) -> Optional[tuple[list[Node], list[Node]]]:
-        """(the body with `later` and what computes its input moved before what computes only
-        `earlier`'s input, the nodes moved), or None when that input is not ready there."""
-        index = {n: i for i, n in enumerate(self.body)}
+    def _hoist_candidate(self, earlier: Node, later: Node) -> Optional[tuple[_Move, list[Node]]]:
+        """(the move of `later` and what computes its input before what computes only `earlier`'s
+        input, the nodes moved), or None when that input is not ready there."""
+        index = self.index
         own = _own_inputs(earlier, index)
         if not own:
             return None
@@ -279,7 +326,7 @@ class _Scheduler:
         moving = _inputs_after(later, index[own[0]], index)
         if moving is None or not set(moving).isdisjoint(own):
             return None
-        return _moved(self.body, moving, own[0]), moving
+        return self.order.moved(moving, own[0]), moving
 
     def hoist_reduce_scatters(self) -> None:
         """RS(i+1), with what computes its input, moves before what computes only RS(i)'s input,
@@ -287,15 +334,16 @@ class _Scheduler:
         bucket (embedding and output weights, the largest) needs only the first block's input
         gradient, so it is issued before the first block's weight gradients are reduced into their
         bucket, and runs under that."""
+        found_reduces = self._fsdp_reduce_scatters()  # the same nodes throughout, in the current order
         k = 1
-        while k < len(reduces := [n for n in self.body if is_reduce_scatter(n) and is_fsdp_collective(n)]):
+        while k < len(reduces := sorted(found_reduces, key=self.index.__getitem__)):
             earlier, later = reduces[k - 1], reduces[k]
             found = self._hoist_candidate(earlier, later)
             if found is not None:
-                candidate, moving = found
-                why, exposed = self._check(candidate)
+                move, moving = found
+                why, exposed = self._check(move)
                 if why is None and exposed < self.exposed - 1e-12:
-                    self._accept(candidate)
+                    self._accept(move)
                     self.report.hoisted.append(later.name)
                     for n in moving:
                         n.meta[PASS_META] = "reorder_for_overlap"
@@ -312,29 +360,29 @@ class _Scheduler:
         (its full-size gradient input dies soonest). When none passes the memory limits, as late
         before RS(i+1) as they allow (`_sink_partway`): some overlap rather than none."""
         reduces = [n for n in self.body if is_fsdp_collective(n) and not is_all_gather(n)]
+        index = self.index
         for k, rs in enumerate(reduces):
             wait = wait_of(rs)
             tail = _output_tail(wait) if wait is not None else None
             if tail is None:
                 continue
-            index = {n: i for i, n in enumerate(self.body)}
             tail.sort(key=index.__getitem__)
             ready = _last_outside_input(tail, index)
-            best: Optional[tuple[float, list[Node]]] = None
+            best: Optional[tuple[float, _Move]] = None
             reasons = []
             for anchor in reduces[k + 1 : k + 3] + [None]:
                 if anchor is not None and (anchor in tail or index[anchor] <= index[tail[0]]):
                     continue  # (HSDP: the all-reduce that follows a reduce-scatter is in its tail)
                 if anchor is not None and ready >= index[anchor]:
                     continue  # a tail node also reads something computed after the anchor
-                candidate = _moved(self.body, tail, anchor)
-                why, exposed = self._check(candidate)
+                move = self.order.moved(tail, anchor)
+                why, exposed = self._check(move)
                 if why is not None:
                     reasons.append(why)
                 elif exposed <= self.exposed + 1e-12 and (best is None or exposed < best[0] - 1e-12):
-                    best = (exposed, candidate)
+                    best = (exposed, move)
             if best is None and reasons:
-                best = self._sink_partway(tail, reduces[k + 1] if k + 1 < len(reduces) else None, index)
+                best = self._sink_partway(tail, reduces[k + 1] if k + 1 < len(reduces) else None)
             if best is not None:
                 self._accept(best[1])
                 self.report.sunk_waits.append(rs.name)
@@ -345,22 +393,23 @@ class _Scheduler:
                 self.report.rejected.append((rs.name, f"wait not sunk: {reason}"))
                 logger.debug("fsdp_graph::reorder (%s) wait not sunk: %s", rs.name, reason)
 
-    def _sink_partway(self, tail: list[Node], until: Optional[Node], index: dict[Node, int]) -> Optional[tuple[float, list[Node]]]:
+    def _sink_partway(self, tail: list[Node], until: Optional[Node]) -> Optional[tuple[float, _Move]]:
         """The latest compute node before `until` (the next reduce-scatter, or the end) to move
         `tail` (a wait and what only feeds outputs from it) before, such that the limits hold and
         less communication is exposed; found by bisection, as memory grows the later the wait."""
+        index = self.index
         end = index[until] if until is not None else len(self.body)
         ready = max(index[tail[-1]], _last_outside_input(tail, index))
         positions = [i for i in range(ready + 1, end) if _kind(self.body[i]) is OpKind.COMPUTE]
-        best: Optional[tuple[float, list[Node]]] = None
+        best: Optional[tuple[float, _Move]] = None
         lo, hi = 0, len(positions) - 1
         while lo <= hi:
             mid = (lo + hi) // 2
-            candidate = _moved(self.body, tail, self.body[positions[mid]])
-            why, exposed = self._check(candidate)
+            move = self.order.moved(tail, self.body[positions[mid]])
+            why, exposed = self._check(move)
             if why is None:
                 if exposed < self.exposed - 1e-12:
-                    best = (exposed, candidate)
+                    best = (exposed, move)
                 lo = mid + 1
             else:
                 hi = mid - 1
@@ -368,11 +417,11 @@ class _Scheduler:
 
     def prefetch_all_gathers(self) -> None:
         gathers = [n for n in self.body if is_all_gather(n) and is_fsdp_collective(n) and wait_of(n) is not None]
+        index = self.index
         for j, ag in enumerate(gathers):
-            best: Optional[tuple[float, int, list[Node]]] = None
+            best: Optional[tuple[float, int, _Move]] = None
             reasons = []
             for depth in range(1, _MAX_PREFETCH_DEPTH + 1):
-                index = {n: i for i, n in enumerate(self.body)}
                 anchor = wait_of(gathers[j - depth]) if j - depth >= 0 else (self.body[0] if j - depth == -1 else None)
                 if anchor is None or index[anchor] >= index[ag]:
                     continue
@@ -380,16 +429,16 @@ class _Scheduler:
                 if moving is None:
                     reasons.append(f"depth {depth}: its inputs are not ready")
                     continue
-                anchor = next((n for n in self.body[index[anchor]:] if n not in moving), None)
+                anchor = self._first_not_in(index[anchor], moving)
                 if anchor is None or index[anchor] > index[moving[0]]:
                     continue
-                candidate = _moved(self.body, moving, anchor)
-                why, exposed = self._check(candidate)
+                move = self.order.moved(moving, anchor)
+                why, exposed = self._check(move)
                 if why is not None:
                     reasons.append(f"depth {depth}: {why}")
                     continue
                 if exposed < self.exposed - 1e-12 and (best is None or exposed < best[0] - 1e-12):
-                    best = (exposed, depth, candidate)
+                    best = (exposed, depth, move)
             if best is None and j >= 1:
                 best = self._prefetch_after_wait(ag, wait_of(gathers[j - 1]), reasons)
             if best is None:
@@ -398,28 +447,28 @@ class _Scheduler:
                     self.report.rejected.append((ag.name, "not prefetched: " + "; ".join(reasons)))
                     logger.debug("fsdp_graph::reorder (%s) not prefetched: %s", ag.name, "; ".join(reasons))
                 continue
-            _, depth, candidate = best
-            self._accept(candidate)
+            _, depth, move = best
+            self._accept(move)
             self.report.prefetch_depth[ag.name] = depth
             ag.meta[PASS_META] = "reorder_for_overlap"
 
-    def _prefetch_after_wait(self, ag: Node, wait: Node, reasons: list[str]) -> Optional[tuple[float, int, list[Node]]]:
+    def _prefetch_after_wait(self, ag: Node, wait: Node, reasons: list[str]) -> Optional[tuple[float, int, _Move]]:
         """AG(i+1) issued just after wait(AG(i)) instead of before it: still under compute(i), with
         one collective in flight, where issuing it earlier was rejected (e.g. by `max_collectives_in_flight`). Returns
-        (exposed, 1, body) when that hides some of it, else None."""
-        index = {n: i for i, n in enumerate(self.body)}
+        (exposed, 1, move) when that hides some of it, else None."""
+        index = self.index
         moving = _inputs_after(ag, index[wait], index)
         if not moving:  # an input that must stay put, or AG(i+1) is issued before the wait already
             return None
-        anchor = next((n for n in self.body[index[wait] + 1 :] if n not in moving), None)
+        anchor = self._first_not_in(index[wait] + 1, moving)
         if anchor is None or index[anchor] > index[moving[0]]:
             return None
-        candidate = _moved(self.body, moving, anchor)
-        why, exposed = self._check(candidate)
+        move = self.order.moved(moving, anchor)
+        why, exposed = self._check(move)
         if why is not None:
             reasons.append(f"after the previous wait: {why}")
             return None
-        return (exposed, 1, candidate) if exposed < self.exposed - 1e-12 else None
+        return (exposed, 1, move) if exposed < self.exposed - 1e-12 else None
 
     def apply(self, gm: GraphModule) -> None:
         output = self.order.tail[0]
@@ -429,6 +478,7 @@ class _Scheduler:
         self.report.peak_bytes_after, self.report.exposed_s_after = self.peak, self.exposed
         flight = self.in_flight
         self.report.max_in_flight_bytes, self.report.max_in_flight_collectives, self.report.max_in_flight_all_gathers = flight
+        self.report.num_simulated = self.order.measured.num_simulated
 
 
 def reorder_for_overlap(
@@ -467,15 +517,32 @@ def reorder_for_overlap(
     return gm
 
 
-def _ancestors(node: Node) -> set[Node]:
+def _last_compute_not_feeding(node: Node, nodes: list[Node], compute: list[int], k: int,
+                               index: dict[Node, int]) -> Optional[Node]:
+    """The last compute node of `nodes` at positions compute[:k] (before `node`) that `node` does not
+    depend on, or None. A node on a path into `node` lies between the two, so the search back from
+    `node` goes only as far as the compute node it has reached: usually the one just before (a
+    bucket's copy-in), not the whole graph before `node`."""
     seen: set[Node] = set()
-    stack = list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
+    deferred: list[tuple[int, int, Node]] = []  # inputs not searched yet, latest first (a heap)
+
+    def defer(n: Node) -> None:
+        heapq.heappush(deferred, (-index.get(n, -1), id(n), n))  # placeholders (-1) are never searched
+
+    for n in node.all_input_nodes:
+        defer(n)
+    for j in range(k - 1, -1, -1):
+        candidate = nodes[compute[j]]
+        while deferred and -deferred[0][0] >= compute[j]:
+            n = heapq.heappop(deferred)[2]
+            if n not in seen:
+                seen.add(n)
+                for i in n.all_input_nodes:
+                    if i not in seen:
+                        defer(i)
+        if candidate not in seen:
+            return candidate
+    return None
 
 
 def _anchor(node: Node) -> Optional[Node]:
@@ -494,7 +561,8 @@ def _anchor(node: Node) -> Optional[Node]:
 def _first_compute_not_reading(nodes: list[Node], i: int) -> Optional[Node]:
     """The first compute node after `nodes[i]` that reads nothing computed from it, or None."""
     reading = {nodes[i]}
-    for node in nodes[i + 1 :]:
+    for j in range(i + 1, len(nodes)):
+        node = nodes[j]
         if any(a in reading for a in node.all_input_nodes):
             reading.add(node)
         elif _kind(node) is OpKind.COMPUTE:
@@ -520,6 +588,7 @@ def pin_order(gm: GraphModule) -> GraphModule:
     if not any(is_collective(n) for n in nodes):
         return gm
     compute = [i for i, n in enumerate(nodes) if _kind(n) is OpKind.COMPUTE]
+    index = {n: i for i, n in enumerate(nodes)}
     issued = [i for i, n in enumerate(nodes) if is_collective(n)]
     deps: dict[Node, OrderedSet[Node]] = {}
     import bisect
@@ -534,12 +603,9 @@ def pin_order(gm: GraphModule) -> GraphModule:
             # The compute before it that is not its own input (copy-in): Inductor may fuse the
             # copy-ins of several buckets into one kernel, which frees the later collectives to
             # move up to it.
-            ancestors = _ancestors(node)
-            j = k - 1
-            while j >= 0 and nodes[compute[j]] in ancestors:
-                j -= 1
-            if j >= 0:
-                deps.setdefault(node, OrderedSet()).add(nodes[compute[j]])
+            before = _last_compute_not_feeding(node, nodes, compute, k, index)
+            if before is not None:
+                deps.setdefault(node, OrderedSet()).add(before)
         elif is_wait_tensor(node) and collective_of(node) is not None:
             k = bisect.bisect_left(compute, i) - 1
             if k >= 0:

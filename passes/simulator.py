@@ -24,10 +24,20 @@ inspector can replay a CPU run's schedule on a GPU profile.
   its scratch (`Op.scratch_bytes`) from its issue to its wait.
 This is the model the scheduling passes optimise against; it ignores contention between the
 streams, allocator caching and fragmentation.
+
+[Note: Exact simulated time]
+The simulator keeps time as whole ticks of 2**-100 s (`ticks`). A duration from the cost model (a
+float of seconds) converts exactly: any float above 2**-48 s is a whole number of ticks. Sums and
+maxima of integers are exact, so a clock does not depend on the order in which the same durations
+were added, and times are rounded to float seconds once, when reported (`seconds`). The reorder pass
+relies on this: it measures a candidate order as the current order's remainder applied to the
+candidate's state ([Note: Measuring a move] in passes/measured_order.py), the same number a whole
+simulation gives only when the arithmetic is exact.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -103,6 +113,18 @@ def _facts_from_json(data: dict) -> OpFacts:
 
 
 Program = list[Op]
+
+TICKS_PER_S = 1 << 100  # see [Note: Exact simulated time]
+
+
+def ticks(seconds: float) -> int:
+    """`seconds` as whole ticks: exact for any float above 2**-48 s."""
+    return round(math.ldexp(seconds, 100))
+
+
+def seconds(num_ticks: int) -> float:
+    """Ticks as float seconds, correctly rounded."""
+    return num_ticks / TICKS_PER_S
 
 
 def _kind(node: Node) -> OpKind:
@@ -284,7 +306,9 @@ def memory_profile(program: Program) -> MemoryProfile:
 class CollectiveSpan:
     """One collective on its communication stream. Attributes: name, kind, group, num_bytes,
     issue_index / wait_index (positions in the program), prefetch_distance (compute nodes between
-    issue and wait: what can hide it), issue_s / start_s / end_s, exposed_s (the stall at its wait)."""
+    issue and wait: what can hide it), issue_s / start_s / end_s, exposed_s (the stall at its wait),
+    busy_s (its time on the stream: end_s - start_s, rounded once, so that a wholly exposed collective
+    has busy_s == exposed_s)."""
 
     name: str
     kind: str
@@ -298,6 +322,7 @@ class CollectiveSpan:
     end_s: float
     exposed_s: float = 0.0
     parallelism: str = "fsdp"  # its stream: see [Note: Simulator model]
+    busy_s: float = 0.0
 
 
 @dataclass
@@ -326,28 +351,30 @@ def simulate(program: "Program | GraphModule", cost_model: CostModel) -> Simulat
     """Run `program` on `cost_model`'s machine. See [Note: Simulator model]."""
     if isinstance(program, GraphModule):
         program = program_of(program)
-    clock = compute_s = comm_s = exposed = 0.0
-    comm_free: dict[str, float] = {}  # per stream (parallelism): when its last collective ends
-    spans: list[tuple[str, float, float]] = []
+    clock = compute = comm = exposed = 0  # ticks: [Note: Exact simulated time]
+    comm_free: dict[str, int] = {}  # per stream (parallelism): when its last collective ends
+    spans: list[tuple[str, int, int]] = []
     by_name: dict[str, CollectiveSpan] = {}
+    ends: dict[str, int] = {}  # collective -> when it ends
     collectives: list[CollectiveSpan] = []
     num_compute = 0
     compute_seen: dict[str, int] = {}
-    clocks: list[float] = []
+    clocks: list[int] = []
     for i, op in enumerate(program):
         if op.kind is OpKind.COMPUTE:
-            duration = cost_model.seconds(op.facts)
+            duration = ticks(cost_model.seconds(op.facts))
             spans.append((op.name, clock, clock + duration))
             clock += duration
-            compute_s += duration
+            compute += duration
             num_compute += 1
         elif op.kind is OpKind.COLLECTIVE:
-            duration = cost_model.seconds(op.facts)
-            start = max(clock, comm_free.get(op.facts.parallelism, 0.0))
-            end = comm_free[op.facts.parallelism] = start + duration
-            comm_s += duration
+            duration = ticks(cost_model.seconds(op.facts))
+            start = max(clock, comm_free.get(op.facts.parallelism, 0))
+            end = ends[op.name] = comm_free[op.facts.parallelism] = start + duration
+            comm += duration
             span = CollectiveSpan(op.name, op.facts.collective.value, op.group, op.facts.collective_bytes,
-                                  i, -1, 0, clock, start, end, parallelism=op.facts.parallelism)
+                                  i, -1, 0, seconds(clock), seconds(start), seconds(end),
+                                  parallelism=op.facts.parallelism, busy_s=seconds(duration))
             by_name[op.name] = span
             compute_seen[op.name] = num_compute
             collectives.append(span)
@@ -355,15 +382,18 @@ def simulate(program: "Program | GraphModule", cost_model: CostModel) -> Simulat
             span = by_name[op.inputs[0]]
             span.wait_index = i
             span.prefetch_distance = num_compute - compute_seen[span.name]
-            if span.end_s > clock:
-                span.exposed_s = span.end_s - clock
-                exposed += span.exposed_s
-                clock = span.end_s
+            end = ends[span.name]
+            if end > clock:
+                span.exposed_s = seconds(end - clock)
+                exposed += end - clock
+                clock = end
         clocks.append(clock)
     total = max([clock, *comm_free.values()])
     memory = memory_profile(program)
-    points = list(zip(clocks, memory.live_bytes))
-    return Simulation(total, compute_s, comm_s, exposed, spans, collectives, memory, cost_model.profile.name, points)
+    points = [(seconds(c), live) for c, live in zip(clocks, memory.live_bytes)]
+    spans_s = [(name, seconds(start), seconds(end)) for name, start, end in spans]
+    return Simulation(seconds(total), seconds(compute), seconds(comm), seconds(exposed), spans_s, collectives, memory,
+                      cost_model.profile.name, points)
 
 
 def in_flight(program: Program) -> tuple[int, int]:
@@ -412,9 +442,11 @@ class OrderCost:
     number of blocks, as does the program: a full `simulate` per candidate made the pass quadratic in
     depth. Everything that does not depend on the order is found
     once here: each node's duration, its stream, which storage it allocates and which storages it
-    reads (a view reads its base's; see [Note: Simulator model]). A candidate then costs one pass over
-    its nodes for the clocks and the collectives in flight and one sweep for live memory, with the same
-    arithmetic in the same order as `simulate`, so the decisions are the same.
+    reads (a view reads its base's; see [Note: Simulator model]). A whole order then costs one pass
+    over its nodes for the clocks and the collectives in flight and one sweep for live memory, with
+    `simulate`'s exact arithmetic ([Note: Exact simulated time]), so the decisions are the ones whole
+    simulations would make. The scheduler measures a move from the order it has measured, over the
+    positions the move changes: [Note: Measuring a move] in passes/measured_order.py.
     tests/test_passes_schedule.py checks every order the scheduler measures against `simulate`.
 
     Assumes the orders are topological (every node after its inputs), as the scheduler's are.
@@ -437,7 +469,7 @@ class OrderCost:
                 owner_of[op.name] = key
         for key, op in ops.items():
             reads = tuple(owner_of[name] for name in op.inputs if name in owner_of)
-            duration = cost_model.seconds(op.facts) if op.kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) else 0.0
+            duration = ticks(cost_model.seconds(op.facts)) if op.kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) else 0
             allocates = op.out_bytes if owner_of.get(op.name) is key else -1
             waited = key_of.get(op.inputs[0]) if op.kind is OpKind.WAIT and op.inputs else None
             is_all_gather = op.facts.collective is CollectiveKind.ALL_GATHER
@@ -448,9 +480,9 @@ class OrderCost:
         """(peak bytes, exposed seconds, (bytes, collectives, all-gathers) most in flight) of `order`."""
         compute, collective, wait, output = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.WAIT, OpKind.OUTPUT
         facts = self._facts
-        clock = exposed = 0.0
-        stream_free: dict[str, float] = {}
-        ends: dict[object, float] = {}  # issued collective -> when it finishes
+        clock = exposed = 0  # ticks: [Note: Exact simulated time]
+        stream_free: dict[str, int] = {}
+        ends: dict[object, int] = {}  # issued collective -> when it finishes
         pending: dict[object, int] = {}  # collective in flight -> its bytes
         pending_bytes = worst_bytes = worst_count = 0
         gathers: set = set()
@@ -469,7 +501,7 @@ class OrderCost:
             if kind is compute:
                 clock += duration
             elif kind is collective:
-                start = max(clock, stream_free.get(stream, 0.0))
+                start = max(clock, stream_free.get(stream, 0))
                 ends[key] = stream_free[stream] = start + duration
                 if key in pending:
                     pending_bytes -= pending[key]
@@ -512,4 +544,4 @@ class OrderCost:
                 if live > peak:
                     peak = live
             live -= freed.get(i, 0) - min(scratch_at.get(i, 0), 0)
-        return peak, exposed, (worst_bytes, worst_count, worst_gathers)
+        return peak, seconds(exposed), (worst_bytes, worst_count, worst_gathers)
