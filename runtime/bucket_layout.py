@@ -200,12 +200,25 @@ def copy_in(shards: list[torch.Tensor], shard_numels: list[int]) -> torch.Tensor
 
 @torch.library.impl(_OUT_OVERLOADS, "copy_in.out", "CompositeExplicitAutograd")
 def _copy_in_out(shards: list[torch.Tensor], shard_numels: list[int], *, out: torch.Tensor) -> None:
-    """`copy_in` into `out` (of `sum(shard_numels)` elements), casting to its dtype and device."""
-    offset = 0
+    """`copy_in` into `out` (of `sum(shard_numels)` elements), casting to its dtype and device.
+
+    One `cat` writes the whole row, each piece's padding included (a zero broadcast to the
+    padding's length), so a row costs one kernel however many parameters it holds. Pieces on
+    another device than `out` (CPU-offloaded shards) are copied one by one instead."""
+    if any(shard.device != out.device for shard in shards):
+        offset = 0
+        for shard, shard_numel in zip(shards, shard_numels):
+            out[offset : offset + shard.numel()].copy_(shard)
+            out[offset + shard.numel() : offset + shard_numel].zero_()
+            offset += shard_numel
+        return
+    zero = out.new_zeros(())
+    pieces = []
     for shard, shard_numel in zip(shards, shard_numels):
-        out[offset : offset + shard.numel()].copy_(shard)
-        out[offset + shard.numel() : offset + shard_numel].zero_()
-        offset += shard_numel
+        pieces.append(shard.reshape(-1))
+        if shard.numel() < shard_numel:
+            pieces.append(zero.expand(shard_numel - shard.numel()))
+    torch.cat(pieces, out=out)
 
 
 @copy_in.register_fake
@@ -285,29 +298,35 @@ def _pack_grads_out(
     out: torch.Tensor,
 ) -> None:
     """`pack_grads` into `out` (world * sum(shard_numels) elements), casting to its dtype. A
-    gradient is flat or in the layout the collectives move (a shard dim k > 0 moved first)."""
+    gradient is flat or in the layout the collectives move (a shard dim k > 0 moved first).
+
+    Block i of `out.view(world, -1)` is (world, shard_numels[i]): a gradient of exactly that many
+    elements is that block row by row, so one `cat` along the columns writes every such block, the
+    flags and the zeros of a missing gradient (a zero broadcast to the block). A padded gradient
+    (fewer rows than world slots) gets zeros there first and its rows after, row by row."""
     packed = out.view(world, -1)
-    offset = 0
+    zero = out.new_zeros(())
+    blocks, padded = [], []
     for i, (grad, shard_numel, numel) in enumerate(zip(grads, shard_numels, numels)):
-        # The gradient fills the block (world, shard_numel) row by row; the rest is padding.
-        block = packed[:, offset : offset + shard_numel]
-        offset += shard_numel
         if i == flags_at:
             flags = torch.tensor([float(g is not None) for g in grads[:i]], dtype=out.dtype, device=out.device)
-            block.copy_(flags.expand(world, -1))
-            continue
-        if grad is None or numel == 0:
-            block.zero_()
-            continue
+            blocks.append(flags.expand(world, -1))
+        elif grad is None or numel == 0:
+            blocks.append(zero.expand(world, shard_numel))
+        elif numel == world * shard_numel:
+            blocks.append(grad.reshape(world, shard_numel))
+        else:
+            blocks.append(zero.expand(world, shard_numel))
+            padded.append((sum(shard_numels[:i]), grad, shard_numel, numel))
+    torch.cat(blocks, dim=1, out=packed)
+    for offset, grad, shard_numel, numel in padded:
+        block = packed[:, offset : offset + shard_numel]
         flat = grad.reshape(-1)
         full_rows, rest = divmod(numel, shard_numel)
         if full_rows:
             block[:full_rows].copy_(flat[: full_rows * shard_numel].view(full_rows, shard_numel))
         if rest:
             block[full_rows, :rest].copy_(flat[full_rows * shard_numel :])
-            block[full_rows, rest:].zero_()
-            full_rows += 1
-        block[full_rows:].zero_()
 
 
 @pack_grads.register_fake

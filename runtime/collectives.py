@@ -27,6 +27,7 @@ from .bucket_layout import FLAGS, BucketLayout
 from .custom_comms import AllGather, Comm, ReduceScatter
 from .mesh_info import MeshInfo
 from .param import ShardedParam
+from .shard_buffer import ShardBuffer
 
 # (packed gradient, output shard, shard process group) -> None: writes the summed shard to output.
 CommHook = Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup], None]
@@ -100,7 +101,8 @@ class AllGatherWork:
     """An issued all-gather: its output (world rows of the bucket) and how to wait for it."""
 
     output: torch.Tensor
-    input: torch.Tensor  # a view of `output`, or a post-forward shard kept until the gather ends
+    # A view of `output`, the group's shard buffer, or a post-forward shard; kept until the gather ends.
+    input: torch.Tensor
     widths: list[int]  # each block's elements per rank, as `copy_out` splits the rows
     layout: BucketLayout  # the layout the row was built in
     handle: Optional[dist.Work] = None  # CPU: the async work handle
@@ -131,13 +133,33 @@ def _copy_in(
     rank: int,
     buffers: Optional[Comm],
     device: torch.device,
+    shard_buffer: Optional[ShardBuffer] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Allocate the all-gather output and copy (and cast) the shards into this rank's slot with
-    `fsdp_graph::copy_in`; return the output, the slot and the blocks' widths.
+    """Allocate the all-gather output and this rank's row of it; return the output, the row (the
+    all-gather's input) and the blocks' widths.
 
-    The all-gather runs in place (its input is a view of its output), so a bucket in flight costs
-    one buffer, not two.
+    With a shard buffer ([Note: Sharded parameters live in their group's row] in
+    runtime/shard_buffer.py) the row is the buffer itself: nothing is copied, and the all-gather
+    reads it in place into its own output. It is copied (one `fsdp_graph::copy_in` of the whole
+    row) only where it must change: cast to `param_dtype`, moved to the device (CPU offload), or
+    into a custom comm's or the process group's buffer. Without one, the shards are copied (and
+    cast) into the output's slot with `fsdp_graph::copy_in`, and the all-gather runs in place (its
+    input is a view of its output), so a bucket in flight costs one buffer, not two.
     """
+    if shard_buffer is not None and shard_buffer.layout is layout:
+        shard_buffer.copy_in_others(params)
+        flat = shard_buffer.flat
+        total = flat.numel()
+        # `device` names an accelerator with its index (`_mesh_device`), as the buffer's device does.
+        in_place = buffers is None and flat.dtype == layout.dtype and flat.device == device
+        if in_place and world == 1:  # the bucket is the row: [Note: One rank issues no collectives]
+            return flat, flat, list(layout.widths)
+        output = _allocate(buffers, world * total, layout.dtype, device)
+        if in_place:
+            return output, flat, list(layout.widths)
+        row = output[rank * total : (rank + 1) * total]
+        torch.ops.fsdp_graph.copy_in.out([flat], [total], out=row)
+        return output, row, list(layout.widths)
     if layout.as_bytes:
         pieces, widths = layout.byte_pieces(params, lambda i: params[i].pre_all_gather())
     else:  # the flags' block gets an empty piece: zeros
@@ -168,17 +190,19 @@ def all_gather(
     input: Optional[torch.Tensor] = None,
     comm: Optional[AllGather] = None,
     allocator: Optional[Comm] = None,
+    shard_buffer: Optional[ShardBuffer] = None,
 ) -> AllGatherWork:
     """Gather `params` (the group's) as one bucket laid out by `layout`. `input` replaces the
-    copy-in (a post-forward shard, in the layout's blocks); `comm` replaces `all_gather_single` and
-    its buffer (`set_custom_all_gather`); `allocator` only the buffer (`ProcessGroupAllocator`)."""
+    copy-in (a post-forward shard, in the layout's blocks); `shard_buffer` is the row the shards
+    live in, gathered as it is; `comm` replaces `all_gather_single` and its buffer
+    (`set_custom_all_gather`); `allocator` only the buffer (`ProcessGroupAllocator`)."""
     device = comm_ctx.device
     buffers = comm if comm is not None else allocator
     rank = 0 if world == 1 else dist.get_rank(group)
 
     def output_and_row() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         if input is None:
-            return _copy_in(layout, params, world, rank, buffers, device)
+            return _copy_in(layout, params, world, rank, buffers, device, shard_buffer)
         return _allocate(buffers, world * input.numel(), input.dtype, device), input, list(layout.widths)
 
     if world == 1:  # [Note: One rank issues no collectives]

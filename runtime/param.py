@@ -159,11 +159,28 @@ class ShardedParam(AllGatherExtensions):
     # -- sharded side --------------------------------------------------------------------------
 
     def pin_shard(self) -> None:
-        """Pin the (CPU-offloaded) shard in page-locked memory: its copies to the GPU can overlap."""
+        """Pin the (CPU-offloaded) shard in page-locked memory: its copies to the GPU can overlap.
+        A shard living in its group's buffer is pinned with the buffer instead
+        (`ParamGroup.pin_shards`)."""
         if not self.local_shard.is_meta:
             pinned = self.local_shard.pin_memory()
             self._sharded_param = nn.Parameter(self._to_dtensor(pinned), requires_grad=self.requires_grad)
         self.pinned = True
+
+    def live_in(self, view: torch.Tensor) -> None:
+        """Make `view`, this shard's slot in its group's shard buffer (of the local tensor's shape),
+        the sharded parameter's local tensor, with its values, as FSDP2 points a replaced shard's
+        local tensor at its padded storage. The parameter object stays (its identity, hooks and
+        `.grad`), so the optimizer's state and the module keep it. See [Note: Sharded parameters
+        live in their group's row] in runtime/shard_buffer.py."""
+        param = self.sharded_param
+        view.copy_(param._local_tensor)
+        # A DTensor records its local tensor's storage offset, and Dynamo fakes a parameter whose
+        # local tensor disagrees with it wrongly: `.data =` takes the metadata of a DTensor built on
+        # the view (the tensor object, its autograd hooks and `.grad` stay), then the view itself
+        # becomes the local tensor.
+        param.data = self._to_dtensor(view)
+        param._local_tensor = view
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(

@@ -17,6 +17,7 @@ from .custom_comms import AllGather, ProcessGroupAllocator, ReduceScatter, has_o
 from .mesh_info import MeshInfo
 from .param import ShardedParam, hook_even_if_frozen
 from .policies import MixedPrecisionPolicy
+from .shard_buffer import ShardBuffer, shard_buffer_for
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,11 @@ class ParamGroup:
         # collectives and the traced path alike; rebuilt by `refresh_layout` when the parameters
         # change. See [Note: One bucket layout for eager and traced steps] in runtime/bucket_layout.py.
         self.layout = BucketLayout.build(params, mesh_info.shard_size)
+        # This rank's all-gather row, which the shards are views of, for the group's life (None where
+        # the group keeps the copy-in); rebuilt with the layout by `refresh_shard_buffer`. See
+        # [Note: Sharded parameters live in their group's row] in runtime/shard_buffer.py.
+        self._pin_shard_buffer = False  # CPUOffloadPolicy(pin_memory=True): `pin_shards`
+        self.shard_buffer: Optional[ShardBuffer] = shard_buffer_for(self.layout, params, None)
         self.device = device
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward  # None until the root is known
@@ -148,6 +154,30 @@ class ParamGroup:
             self.layout = BucketLayout.build(self.params, self.world)
         return self.layout
 
+    def refresh_shard_buffer(self) -> Optional[ShardBuffer]:
+        """The group's shard buffer for its current layout, after the parameters were followed:
+        replaced shards copied in and viewed again, rebuilt where the layout, dtype or device
+        changed. Eager only (a trace reads the buffer, never writes it): the eager unshard, and
+        `follow_registered_params`, which runs before Dynamo traces."""
+        before = self.shard_buffer
+        self.shard_buffer = shard_buffer_for(self.layout, self.params, before, self._pin_shard_buffer)
+        if self.shard_buffer is not before:
+            reason = ShardBuffer.reason_not(self.layout, self.params) if self.shard_buffer is None else None
+            logger.debug("fsdp_graph::shard_buffer (%s): %s", self.name, f"none, copies in: {reason}"
+                         if reason else f"{self.shard_buffer.flat.numel()} elements, gathered in place")
+        return self.shard_buffer
+
+    def pin_shards(self) -> None:
+        """`CPUOffloadPolicy(pin_memory=True)`: pin the CPU shards: the shard buffer where the group
+        has one (its dim-0 shards are views of it), and each shard with storage of its own."""
+        self._pin_shard_buffer = True
+        if self.shard_buffer is not None:
+            self.shard_buffer = ShardBuffer(self.layout, self.params, pin_memory=True)
+        for p in self.params:
+            if self.shard_buffer is None or not ShardBuffer.viewable(p):
+                p.pin_shard()  # a shard with its own storage
+            p.pinned = True
+
     def set_reshard_after_forward(self, value: Union[bool, int]) -> None:
         if isinstance(value, int) and not isinstance(value, bool):
             if value == self.world:
@@ -178,9 +208,11 @@ class ParamGroup:
                     p.follow_registered_param()  # [Note: The sharded parameter is the one its module holds]
                     p.check_gatherable()
                     p.refresh_gather_hooks()  # [Note: Extensions found on the tensor instance]
+                layout = self.refresh_layout()
                 self._all_gather = all_gather(
-                    self.refresh_layout(), self.params, self.mesh_info.shard_group, self.world, self.comm,
+                    layout, self.params, self.mesh_info.shard_group, self.world, self.comm,
                     async_op, comm=self.custom_all_gather, allocator=self._allocator(self.mesh_info.shard_group),
+                    shard_buffer=self.refresh_shard_buffer(),
                 )
 
     def follow_registered_params(self) -> None:
@@ -197,6 +229,7 @@ class ParamGroup:
             traced.new_flags_leaf(self)
         if self.state is ShardedState.SHARDED:  # a post-forward shard keeps the layout it was cut in
             self.refresh_layout()
+            self.refresh_shard_buffer()
 
     def wait_for_unshard(self) -> None:
         """Wait for the issued all-gather, copy out, and register the unsharded parameters."""

@@ -14,6 +14,8 @@ runtime/bucket_layout.py):
     params = fsdp_graph::copy_out(full, ...)               # one op for the whole group, where each
     param  = full.view(world, -1)[:, offset:offset + shard_numel].reshape(world * padded_dim0, ...)[:dim0]
 
+Where the group's shards are views of its persistent shard buffer, `flat` is that buffer, a graph
+input, and no copy-in is traced ([Note: Traced gathers read the shard buffer]).
 `copy_in`, `copy_out` and its gradient, `pack_grads` (each parameter's gradient into its columns of
 the reduce-scatter input, zeros in the padding), are custom ops, so Inductor runs each as one ATen
 call. Written as slices and cats, every parameter's copy became a kernel of its own (or was fused
@@ -55,7 +57,8 @@ from .mesh_info import MeshInfo
 from . import peer_log
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy
-from .traced_ops import C10D, AllGatherShards, GradientBucket, route_gradients
+from .shard_buffer import ShardBuffer
+from .traced_ops import C10D, AllGatherRow, AllGatherShards, GradientBucket, RowGradients, route_gradients
 from .trees import cast_floats
 
 
@@ -78,6 +81,7 @@ class TracedGroup(Protocol):
     gradient_divide_factor: Optional[float]
     reduce_controls: ReduceControls
     grad_flags: Optional[torch.Tensor]  # written by `new_flags_leaf`
+    shard_buffer: Optional[ShardBuffer]
 
     @property
     def world(self) -> int: ...
@@ -218,19 +222,35 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
     flags = _trainable_flags(group.grad_flags, layout.reduced).to(flat_dtype) if layout.reduced else None
     num_reduced = layout.flags_at + 1 if flags is not None else len(layout.blocks)
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
+    row = _shard_buffer_row(group, layout)
     with annotate(annotation):
-        pieces = [piece.to(flat_dtype) for piece in layout.shard_pieces(group.params, flags)]
-        gathered = AllGatherShards.apply(
-            _flat_row(pieces[:num_reduced], layout.widths[:num_reduced]),
-            _flat_row(pieces[num_reduced:], layout.widths[num_reduced:]) if num_reduced < len(pieces) else None,
-            layout.dtype,
-            group.mp_policy.reduce_dtype,
-            world,
-            mesh_info.shard_group_name,
-            replicate,
-            divide_factor,
-            _reduce_group_name(group),
-        )
+        if row is not None:  # [Note: Traced gathers read the shard buffer]
+            trainable = [group.params[i] for i in layout.reduced]
+            spec = RowGradients(
+                group.mp_policy.reduce_dtype,
+                row.dtype,
+                world,
+                _reduce_group_name(group),
+                replicate,
+                divide_factor,
+                layout.reduce_widths if layout.reduced else (),
+                tuple(p.num_valid_rows * p.row_numel for p in trainable),
+            )
+            shards = [p.flat_local_shard() for p in trainable]
+            gathered = AllGatherRow.apply(row, spec, layout.dtype, mesh_info.shard_group_name, flags, *shards)
+        else:
+            pieces = [piece.to(flat_dtype) for piece in layout.shard_pieces(group.params, flags)]
+            gathered = AllGatherShards.apply(
+                _flat_row(pieces[:num_reduced], layout.widths[:num_reduced]),
+                _flat_row(pieces[num_reduced:], layout.widths[num_reduced:]) if num_reduced < len(pieces) else None,
+                layout.dtype,
+                group.mp_policy.reduce_dtype,
+                world,
+                mesh_info.shard_group_name,
+                replicate,
+                divide_factor,
+                _reduce_group_name(group),
+            )
         if flags is None and len(group.params) == 1:  # the rows are the padded parameter: a view, no copy
             p = group.params[0]
             return [_to_param_layout(p, gathered.view(world * p.padded_dim0, *p.moved_size[1:])[: p.moved_size[0]])]
@@ -330,6 +350,33 @@ def _unshard_bytes(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
         for i, tensor in zip(layout.reduced, routed):
             rebuilt[i] = tensor
     return [_to_param_layout(p, tensor) for p, tensor in zip(group.params, rebuilt)]
+
+
+# [Note: Traced gathers read the shard buffer]
+# Where every parameter of a group is a view of its shard buffer ([Note: Sharded parameters live in
+# their group's row] in runtime/shard_buffer.py), the traced gather takes the buffer itself as the
+# all-gather's input, a graph input beside the sharded parameters, and copies nothing in:
+#
+#     gathered = AllGatherRow(flat, ..., flags, *shards)   # all_gather_into_tensor(flat), wait
+#
+# The shards are inputs for their gradients only (`AllGatherRow` in runtime/traced_ops.py): the
+# reduced row's pieces are their gradients, as the copy-in's backward made them. The graph cannot
+# check at run time that the shards still are views of the buffer. It need not: every trace begins
+# by following the parameters ([Note: Tracing reads what was followed] in runtime/state.py), which
+# puts each replaced or swapped shard back into the buffer and views it again, and the trace reads
+# the buffer's `all_viewed` as that left it (Dynamo guards the flag). A parameter assigned between
+# compiled steps recompiles the step (`parameters_replaced`), which follows it first; `swap_tensors`
+# refuses a compiled step's parameters. A group with a shard that is not a view (sharded on
+# dim k > 0) or without a buffer traces the copy-in. Ranks may trace one and run the other: the
+# row is the same bytes either way.
+
+
+def _shard_buffer_row(group: TracedGroup, layout: BucketLayout) -> Optional[torch.Tensor]:
+    """The group's shard buffer, if every parameter is a view of it in `layout`; else None."""
+    shard_buffer = group.shard_buffer
+    if shard_buffer is None or shard_buffer.layout is not layout:
+        return None
+    return shard_buffer.row_for_trace()
 
 
 def _replicate_group_name(mesh_info) -> Optional[str]:

@@ -7,6 +7,7 @@ calls too. See [Note: Traced unshard] in runtime/traced.py.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple, Optional
 
 import torch
@@ -51,6 +52,55 @@ class AllGatherShards(torch.autograd.Function):
             grad.to(ctx.reduce_dtype or grad.dtype), ctx.world, ctx.reduce_group, ctx.replicate, ctx.divide_factor
         )
         return reduced.to(ctx.flat_dtype), None, None, None, None, None, None, None, None
+
+
+class RowGradients(NamedTuple):
+    """How `AllGatherRow`'s backward hands the reduced row to the shards."""
+
+    reduce_dtype: Optional[torch.dtype]  # the policy's reduce_dtype, None: the gradient's own
+    row_dtype: torch.dtype  # the shards' dtype, which their gradients are cast back to
+    world: int
+    reduce_group: str  # the shard group, or its separate reduce-scatter group
+    replicate: Optional[str]  # HSDP: the replicate axis' group name; else None
+    divide_factor: tuple[float, float]  # (pre, post), see `divide_factors` in collectives
+    reduce_widths: tuple[int, ...]  # the reduced blocks' widths: the trainable shards', the flags' last
+    valid_numels: tuple[int, ...]  # per trainable shard: its elements, padding excluded
+
+
+class AllGatherRow(torch.autograd.Function):
+    """Forward: all-gather a group's shard buffer, the row its shards are views of ([Note: Traced
+    gathers read the shard buffer] in runtime/traced.py). Backward: what `AllGatherShards` does
+    with the columns it reduces, then each trainable shard's piece of the reduced row, and the
+    flags', as their gradients.
+
+    Arguments: the row, the `RowGradients`, the all-gather's dtype and group name, the flags (None
+    without trainable parameters), then the trainable parameters' flat shards in the layout's
+    order. The forward reads only the row: the flags and shards are inputs so that autograd hands
+    them their gradients (the row, a buffer, gets none).
+    """
+
+    @staticmethod
+    def forward(ctx, row, spec, all_gather_dtype, group_name, flags, *shards):
+        ctx.spec = spec
+        if spec.world == 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
+            return row.to(all_gather_dtype, copy=True)
+        return C10D.wait_tensor(C10D.all_gather_into_tensor(row.to(all_gather_dtype), spec.world, group_name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        reduced_numel = sum(spec.reduce_widths)
+        if grad.numel() != spec.world * reduced_numel:  # leave the frozen columns out
+            grad = grad.view(spec.world, -1)[:, :reduced_numel].contiguous().view(-1)
+        reduced = _reduce_scatter(
+            grad.to(spec.reduce_dtype or grad.dtype), spec.world, spec.reduce_group, spec.replicate, spec.divide_factor
+        ).to(spec.row_dtype)
+        # Each shard's valid elements and the flags, as slices: the copy-in's backward, for a row
+        # that was never copied.
+        *offsets, flags_at, end = itertools.accumulate(spec.reduce_widths, initial=0)
+        shard_grads = [reduced[offset : offset + numel] for offset, numel in zip(offsets, spec.valid_numels)]
+        flags = reduced[flags_at:end]
+        return None, None, None, None, flags, *shard_grads
 
 
 def _reduce_scatter(

@@ -45,8 +45,10 @@ def _profiled_layout_ops(rank, world_size):
 
 def test_an_eager_step_runs_the_registered_ops_the_compiled_graph_runs():
     eager, compiled = run_ranks(_profiled_layout_ops, 2)
-    assert eager == LAYOUT_OPS
-    assert compiled == LAYOUT_OPS
+    # Neither copies in: both gather the group's shard buffer, which the shards are views of
+    # ([Note: Sharded parameters live in their group's row] in runtime/shard_buffer.py).
+    assert eager == LAYOUT_OPS - {"fsdp_graph::copy_in"}
+    assert compiled == LAYOUT_OPS - {"fsdp_graph::copy_in"}
 
 
 class Mixed(nn.Module):

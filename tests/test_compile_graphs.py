@@ -89,13 +89,12 @@ primals_1: float32[2, 16]
 primals_2: float32[2, 16]
 primals_3: 
 primals_4: float32[1]
-primals_5: float32[1, 16]
-primals_6: 
-primals_7: float32[1]
-view = aten.view(primals_2, [2, 16]) : float32[2, 16]  # recompute
-view_1 = aten.view(view, [-1]) : float32[32]  # recompute
-copy_in = fsdp_graph.copy_in([view_1, primals_4], [32, 1]) : float32[33]  # recompute
-all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(copy_in, 8, '0') : float32[264]  # fc1 recompute
+primals_5: float32[33]
+primals_6: float32[1, 16]
+primals_7: 
+primals_8: float32[1]
+primals_9: float32[17]
+all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(primals_5, 8, '0') : float32[264]  # fc1 recompute
 wait_tensor = _c10d_functional.wait_tensor(all_gather_into_tensor) : float32[264]  # recompute
 copy_out = fsdp_graph.copy_out(wait_tensor, 8, [32, 1], [256, 0], 1) :   # recompute
 getitem = <built-in function getitem>(copy_out, 0) : float32[256]  # recompute
@@ -103,34 +102,26 @@ view_2 = aten.view(getitem, [16, 16]) : float32[16, 16]  # recompute
 t = aten.t(view_2) : float32[16, 16]
 mm = aten.mm(primals_1, t) : float32[2, 16]
 relu = aten.relu(mm) : float32[2, 16]
-view_3 = aten.view(primals_5, [1, 16]) : float32[1, 16]  # recompute
-view_4 = aten.view(view_3, [-1]) : float32[16]  # recompute
-copy_in_1 = fsdp_graph.copy_in([view_4, primals_7], [16, 1]) : float32[17]  # recompute
-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(copy_in_1, 8, '0') : float32[136]  # fc2 recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_9, 8, '0') : float32[136]  # fc2 recompute
 wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[136]  # recompute
 copy_out_1 = fsdp_graph.copy_out(wait_tensor_1, 8, [16, 1], [64, 0], 1) :   # recompute
 getitem_2 = <built-in function getitem>(copy_out_1, 0) : float32[64]  # recompute
 view_5 = aten.view(getitem_2, [4, 16]) : float32[4, 16]  # recompute
 t_1 = aten.t(view_5) : float32[16, 4]
 mm_1 = aten.mm(relu, t_1) : float32[2, 4]
-return [mm_1, primals_1, primals_2, primals_4, primals_5, primals_7, relu, primals_3]
+return [mm_1, primals_1, primals_5, primals_9, relu, primals_3]
 """)
         self.assertExpectedInline(graphs["backward"], """\
 primals_1: float32[2, 16]
-primals_2: float32[2, 16]
-primals_4: float32[1]
-primals_5: float32[1, 16]
-primals_7: float32[1]
+primals_5: float32[33]
+primals_9: float32[17]
 relu: float32[2, 16]
 primals_3: 
 tangents_1: float32[2, 4]
 t_2 = aten.t(tangents_1) : float32[4, 2]
 mm_2 = aten.mm(t_2, relu) : float32[4, 16]
 t_3 = aten.t(mm_2) : float32[16, 4]
-view_3 = aten.view(primals_5, [1, 16]) : float32[1, 16]  # recompute
-view_4 = aten.view(view_3, [-1]) : float32[16]  # recompute
-copy_in_1 = fsdp_graph.copy_in([view_4, primals_7], [16, 1]) : float32[17]  # recompute
-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(copy_in_1, 8, '0') : float32[136]  # fc2 recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_9, 8, '0') : float32[136]  # fc2 recompute
 wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[136]  # recompute
 copy_out_1 = fsdp_graph.copy_out(wait_tensor_1, 8, [16, 1], [64, 0], 1) :   # recompute
 getitem_2 = <built-in function getitem>(copy_out_1, 0) : float32[64]  # recompute
@@ -164,7 +155,7 @@ slice_3 = aten.slice.Tensor(div_1, 0, 0, 32) : float32[32]
 slice_4 = aten.slice.Tensor(div_1, 0, 32, 33) : float32[1]
 view_10 = aten.view(slice_3, [2, 16]) : float32[2, 16]
 view_11 = aten.view(view_10, [2, 16]) : float32[2, 16]
-return [None, view_11, primals_3, slice_4, view_8, primals_3, slice_2]
+return [None, view_11, primals_3, slice_4, None, view_8, primals_3, slice_2, None]
 """)
 
     def test_no_reshard_after_forward_saves_unsharded_and_never_regathers(self):
@@ -189,7 +180,8 @@ backward reduce_scatter_tensor fc1""")
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         graphs = self.compile_step(reshard_after_forward=True, mp_policy=policy)
         forward, backward = graphs["forward"], graphs["backward"]
-        self.assertRegex(forward, r"_to_copy = aten._to_copy\(copy_in, dtype=bfloat16\).*\n.*all_gather_into_tensor\(_to_copy,")
+        # The cast reads the group's shard buffer (a graph input: no copy-in) and feeds the all-gather.
+        self.assertRegex(forward, r"_to_copy = aten._to_copy\(primals_\d+, dtype=bfloat16\).*\n.*all_gather_into_tensor\(_to_copy,")
         self.assertEqual(re.findall(r"all_gather_into_tensor\(.*: (\w+)\[", forward), ["bfloat16", "bfloat16"])
         self.assertEqual(re.findall(r"reduce_scatter_tensor\(.*: (\w+)\[", backward), ["float32", "float32"])
 
@@ -215,13 +207,14 @@ backward reduce_scatter_tensor fc1""")
                                  ("backward", "reduce_scatter_tensor"): (16 + 1) * 4})
 
     def test_group_of_several_parameters_copies_in_and_out_in_one_op(self):
-        """One group (fc1, fc2): one `copy_in` and one `copy_out` per gather and one `pack_grads` per
-        reduce-scatter, no per-parameter slicing for Inductor to turn into kernels."""
+        """One group (fc1, fc2): no `copy_in` (the all-gather reads the group's shard buffer), one
+        `copy_out` per gather and one `pack_grads` per reduce-scatter, no per-parameter slicing for
+        Inductor to turn into kernels."""
         graphs = self.compile_step(shard=lambda model: fully_shard(model))
         ops = {kind: re.findall(r"= (fsdp_graph\.\w+|aten\.slice\w*)", graphs[kind]) for kind in ("forward", "backward")}
         # The root keeps its parameters for backward (no re-gather); the three slices there are
         # views of the reduced shard: one per parameter's gradient shard, one for the gradient flags.
-        self.assertEqual(ops, {"forward": ["fsdp_graph.copy_in", "fsdp_graph.copy_out"],
+        self.assertEqual(ops, {"forward": ["fsdp_graph.copy_out"],
                                "backward": ["fsdp_graph.pack_grads", "aten.slice", "aten.slice", "aten.slice"]})
 
 

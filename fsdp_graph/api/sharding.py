@@ -106,9 +106,9 @@ def fully_shard(
             )
         )
     group = ParamGroup(params, mesh_info, device, mp_policy, reshard_after_forward) if params else None
+    if pin_memory and group is not None:
+        group.pin_shards()
     for param, sharded in zip((o[0] for o in owners), params):
-        if pin_memory:
-            sharded.pin_shard()
         setattr(param, OWNER_ATTR, sharded)
         sharded.install(sharded=True)
         sharded.follow_registered_param()  # our attribute and hooks on the installed shard
