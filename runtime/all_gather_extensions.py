@@ -58,8 +58,9 @@ class AllGatherExtensions:
         self._gather_outputs: list[torch.Tensor] = []  # one per pre-hook input, (world * rows, ...)
         self._to_free: tuple[torch.Tensor, ...] = ()  # what the post-hook asked to free on reshard
 
-    def _find_hook(self, name: str):
-        """`(hook, on_instance)`: the all-gather extension `name` of the local shard, or `(None, False)`.
+    def _find_hook(self, name: str, owner: torch.Tensor):
+        """`(hook, on_instance)`: the all-gather extension `name` of `owner`, the sharded parameter's local
+        tensor, or `(None, False)`.
 
         [Note: Extensions found on the tensor instance]
         FSDP2 looks the hooks up on the sharded parameter's local tensor at every all-gather, as
@@ -72,7 +73,6 @@ class AllGatherExtensions:
         Dynamo inlines (a method call on a subclass instance is an op to Dynamo), and under Dynamo
         `getattr` on a subclass instance does not see the class's hook at all, hence the fallback.
         """
-        owner = self.sharded_param._local_tensor
         class_hook = getattr(type(owner), name, None)
         hook = getattr(owner, name, None)
         if hook is None or (class_hook is not None and getattr(hook, "__func__", None) is class_hook):
@@ -82,11 +82,12 @@ class AllGatherExtensions:
     def has_gather_hooks(self) -> bool:
         """Whether the local shard has all-gather extensions now, checked; both runtimes ask before
         each all-gather. See [Note: Extensions found on the tensor instance]."""
-        pre, pre_on_instance = self._find_hook("fsdp_pre_all_gather")
-        post, _ = self._find_hook("fsdp_post_all_gather")
+        local = self.sharded_param._local_tensor
+        pre, pre_on_instance = self._find_hook("fsdp_pre_all_gather", local)
+        post, _ = self._find_hook("fsdp_post_all_gather", local)
         if (pre is None) != (post is None):
             raise ValueError(
-                f"Parameter '{self.fqn}' is a {type(self.sharded_param._local_tensor).__name__}, which defines only "
+                f"Parameter '{self.fqn}' is a {type(local).__name__}, which defines only "
                 f"one of fsdp_pre_all_gather and fsdp_post_all_gather; define both or neither"
             )
         if pre is None:
@@ -147,7 +148,7 @@ class AllGatherExtensions:
     def call_pre_all_gather(self, local: torch.Tensor) -> tuple[list[torch.Tensor], object]:
         """`(inputs, metadata)` of the pre-hook on this rank's shard `local`, checked. Both
         runtimes call it; see [Note: All-gather extensions]."""
-        hook, on_instance = self._find_hook("fsdp_pre_all_gather")
+        hook, on_instance = self._find_hook("fsdp_pre_all_gather", self.sharded_param._local_tensor)
         if _num_hook_args(hook, on_instance) == 1:  # FSDP2's older signature: the mesh only
             args = (self._shard_mesh,)
         else:
@@ -170,7 +171,7 @@ class AllGatherExtensions:
     ):
         """The post-hook, found as the pre-hook. Its first-time form (no `out`) returns the unsharded
         parameter (its valid rows) and what to free on reshard, checked; with `out` it refills it."""
-        hook, on_instance = self._find_hook("fsdp_post_all_gather")
+        hook, on_instance = self._find_hook("fsdp_post_all_gather", self.sharded_param._local_tensor)
         args = (outputs, metadata, self.unsharded_dtype)
         kwargs = {} if out is None else {"out": out}
         result = hook(*args, **kwargs) if on_instance else hook(local, *args, **kwargs)

@@ -260,10 +260,14 @@ class ShardedParam(AllGatherExtensions):
         holds the unsharded parameter, or full ones inside `summon_full_params`) the last one
         followed. While Dynamo traces, the last one followed: the trace began by following every
         parameter (see the note above)."""
-        if torch.compiler.is_compiling():
-            return self._sharded_param
-        replacement = self.replacement()
-        return replacement if isinstance(replacement, DTensor) else self._sharded_param
+        current = self._sharded_param
+        if not self._installed or torch.compiler.is_compiling():
+            return current
+        module, name = self.owners[0]
+        live = module._parameters.get(name)
+        if live is current or not isinstance(live, DTensor):  # the usual case first: nothing replaced it
+            return current
+        return live if live is not self.unsharded_param else current
 
     def replacement(self) -> torch.Tensor | None:
         """What the first owner module holds in place of the sharded parameter, if anything else
