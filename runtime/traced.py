@@ -578,6 +578,15 @@ def skip_when_not_inlined(*hooks) -> None:
         set_code_exec_strategy(hook.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
 
 
+def skip_own_frame(*fns) -> None:
+    """For functions wrapped in `torch._dynamo.disable(recursive=False)`: mark the function's own
+    code as skipped once, so that Dynamo does not look at its frame again on every call (that
+    costs a bytecode scan per call: 8 of them per step of an 8-block model compiled block by
+    block), while the frames it calls are still Dynamo's to compile."""
+    for fn in fns:
+        torch._dynamo.eval_frame.skip_code(fn.__wrapped__.__code__)
+
+
 def in_compiled_call() -> bool:
     """True inside a call of a `torch.compile`d module (whose frames Dynamo may or may not trace)."""
     return torch._dynamo.eval_frame._is_in_optimized_module()

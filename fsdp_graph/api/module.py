@@ -388,6 +388,9 @@ def _call_in_block_scope(module: nn.Module, args: tuple, kwargs: dict):
         state.calling_in_block_scope = False
 
 
+traced.skip_own_frame(_call_around_compiled_body, _call_in_block_scope)
+
+
 @torch.compiler.nested_compile_region
 def _forward_region(module: nn.Module, layout: str, *leaves):
     """A block's forward as one compile region over its gathered parameters ([Note: Blocks as
