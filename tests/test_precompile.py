@@ -17,10 +17,13 @@ import pytest
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.distributed.tensor import distribute_tensor
 
 import fsdp_graph
 from _harness import run_ranks
-from _models import batch_for_step, shard_blocks_then_root, train_and_compare
+from _models import (
+    batch_for_step, check_grads_match, check_params_match, global_mean, loss_fn, shard_blocks_then_root, train_and_compare,
+)
 from fsdp_graph import fully_shard
 from fsdp_graph.predict import fake_world
 
@@ -182,3 +185,58 @@ def test_a_change_to_fsdp_graph_itself_changes_the_saved_header(monkeypatch):
 
     monkeypatch.setattr(cache_key, "open", open_edited, raising=False)
     assert cache_key.own_sources_digest.__wrapped__() != before
+
+
+
+def _launch_assigning(rank, world_size, model_dir, save_dir):
+    """A step saved or loaded by `fsdp_graph.precompile`, then every shard replaced by a DTensor with
+    new values before the first call (`load_state_dict(assign=True)`, as Accelerate's loading
+    does), then steps against an unsharded reference given the same values."""
+    sys.path.insert(0, model_dir)
+    import precompiled_net
+
+    torch.manual_seed(0)
+    reference = precompiled_net.Net()
+    model = copy.deepcopy(reference)
+    shard_blocks_then_root(model)
+    example = batch_for_step(model, 0, 8, rank, world_size)[2]
+    compiled = fsdp_graph.precompile(model, (example,), save_dir=save_dir)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.mul_(0.5).add_(0.125)
+    new = {name: distribute_tensor(reference.get_parameter(name).detach().clone(), p.device_mesh, p.placements)
+           for name, p in model.named_parameters()}
+    model.load_state_dict(new, assign=True)
+    counters.clear()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        x, y, lx, ly = batch_for_step(reference, step, 8, rank, world_size)
+        ref_loss = loss_fn(reference, reference(x), y)
+        ref_loss.backward()
+        loss = loss_fn(model, compiled(lx), ly)
+        loss.backward()
+        losses.append((global_mean(loss), ref_loss.item()))
+        check_grads_match(model, reference)
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+    check_params_match(model, reference, atol=1e-5)
+    return compiled.source, losses, counters["stats"]["unique_graphs"]
+
+
+def test_shards_assigned_after_a_saved_step_is_loaded_are_the_ones_trained(tmp_path):
+    # The loaded step gathers the groups' shard buffers in place ([Note: Sharded parameters live in
+    # their group's row] in runtime/shard_buffer.py): shards replaced after the load must be what
+    # it gathers, and what the optimizer steps.
+    (tmp_path / "precompiled_net.py").write_text(_MODEL.format(activation="tanh"))
+    launch = lambda: run_ranks(_launch_assigning, 2, str(tmp_path), str(tmp_path / "saved"))
+    first = launch()
+    relaunch = launch()
+    assert (first[0], relaunch[0]) == ("compiled", "loaded")
+    # The saved step's guards reject the new parameters, so the loaded launch compiles once more.
+    assert relaunch[2] == 1, relaunch
+    for source, losses, _ in (first, relaunch):
+        for got, expected in losses:
+            assert abs(got - expected) <= 1e-5 * abs(expected), (source, losses)
