@@ -213,3 +213,59 @@ def test_per_rank_padding_recompiles_on_one_rank_at_a_time_without_waiting():
     for name, grad in reference_grads.items():
         assert torch.equal(grads[name], grad), name
     assert asked == 1  # the first graph only: the recompiles asked nobody
+
+
+def _per_rank_padding_inductor(rank, world_size, cache_dir):
+    """Rank r pads to its own lengths (a recompile on rank 1 alone at step 1), whole step compiled
+    with Inductor with its caches in `cache_dir`, against an unsharded reference on both ranks'
+    batches. Returns how many times this rank asked the others about a graph."""
+    import copy
+    import os
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # ranks fork from a server started before the test
+
+    import torch.nn.functional as F
+
+    from _models import shard_llama, tiny_llama
+    from fsdp_graph.compile import agreement
+
+    asked = []
+    diverged = agreement.AGREEMENT.diverged
+    agreement.AGREEMENT.diverged = lambda *a, **k: asked.append(1) or diverged(*a, **k)
+    torch.manual_seed(0)
+    reference = tiny_llama(2)
+    model = shard_llama(copy.deepcopy(reference), fully_shard)
+    run = torch.compile(model, backend=fsdp_graph.backend(compiler="inductor"))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lengths = ([8, 8, 8, 9], [8, 12, 12, 15])
+    for step in range(4):
+        tokens = [torch.randint(0, 64, (2, lengths[r][step] + 1), generator=torch.Generator().manual_seed(10 * step + r))
+                  for r in range(world_size)]
+        ref_loss = sum(F.cross_entropy(reference(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()) for t in tokens) / world_size
+        ref_loss.backward()
+        mine = tokens[rank]
+        loss = F.cross_entropy(run(mine[:, :-1]).flatten(0, 1), mine[:, 1:].flatten())
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total.item() / world_size, ref_loss.item(), rtol=1e-4, atol=1e-5)
+        for name, p in model.named_parameters():
+            expected = reference.get_parameter(name).grad
+            torch.testing.assert_close(p.grad.full_tensor(), expected, rtol=1e-4, atol=1e-5, msg=name)
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+    assert model._fsdp_state.ctx.fallbacks == {}, model._fsdp_state.ctx.fallbacks
+    return len(asked)
+
+
+def test_a_relaunch_with_warm_caches_keeps_the_frames_wire_orders(tmp_path):
+    """The relaunch's first graph comes from Inductor's caches, so none of our passes run for it:
+    the wire orders its cold compile recorded are read from beside the caches ([Note: Wire orders
+    beside the compile caches] in fsdp_graph/compile/agreement.py). Without them, rank 1's
+    recompile asked the others again, waited 30 s, and gloo aborted ("23242 vs 4134")."""
+    cache_dir = str(tmp_path / "inductor")
+    assert run_ranks(_per_rank_padding_inductor, 2, cache_dir) == 1  # cold: the first graph asked, the recompile did not
+    assert run_ranks(_per_rank_padding_inductor, 2, cache_dir) == 1  # warm: the same, its first graph from the caches
+    assert list((tmp_path / "inductor" / "fsdp_graph" / "wire_orders").iterdir())

@@ -42,15 +42,26 @@ schedule where that order allows). The records are kept per root (a model gone t
 and per backend options, so another model or backend never takes them, even where Dynamo numbers its
 frame as an earlier one's (after `torch._dynamo.reset()`). With Inductor the recorded order joins
 the compile-cache key.
-A frame whose first graph came from the compile caches recorded nothing (no pass ran): its next
-graph is agreed as a first one.
+
+[Note: Wire orders beside the compile caches]
+A frame whose first graph Inductor's caches hand back runs none of our passes, so nothing would be
+recorded, and the next graph of the frame would be agreed as a first one: in a relaunch with warm
+caches, the rank that recompiled alone waited 30 s for the others, then issued program order
+where they ran their graph's, and gloo aborted ("23242 vs 4134"). So a frame's first graph also
+keeps its recorded orders in a small file beside those caches (`wire_orders_file` in
+fsdp_graph/compile/cache_key.py), named by what the compiled graph depends on, and reads it when
+it compiles: a graph the caches hand back finds the orders its cold compile recorded. The ranks
+that compile the same first graph record the same orders (that is what their agreement is for),
+so they may share the file. A graph whose passes run records its orders again, the same ones.
 Graphs of one group wait for nobody: their collectives cannot be reordered across groups (an MoE
 whose ranks recompile its expert frames at different times stays as fast as before).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 import weakref
 from typing import Any, Optional, Sequence
@@ -104,6 +115,7 @@ class GraphAgreement:
         if known is not None and "forward" in known.orders:
             logger.info("fsdp_graph: graph %s recompiles a frame: its collectives keep the order of the frame's first "
                         "graph ([Note: One wire order per frame])", compile_id)
+            known.recompiling = True
             return known, known.program_order
         program_order = self.diverged(gm, example_inputs, ranks)
         order = FrameWireOrder(program_order)
@@ -208,15 +220,45 @@ class FrameWireOrder:
     Attributes:
         program_order: the frame's first graph kept every group's collectives in program order.
         orders: per kind of graph ("forward", "backward"), the wire order of its first one.
+        saved_at: the file beside the compile caches the orders are kept in, if any.
     """
 
     def __init__(self, program_order: bool) -> None:
         self.program_order = program_order
         self.orders: dict[str, tuple[str, ...]] = {}
+        self.saved_at: Optional[str] = None
+        self.recompiling = False  # a later graph of the frame is being compiled, which the orders bind
+
+    def keep_beside_caches(self, path: str) -> None:
+        """Read the orders a cold compile of the same first graph recorded at `path`, if any, and
+        write there what this one records: [Note: Wire orders beside the compile caches]."""
+        self.saved_at = path
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            return
+        if isinstance(saved, dict):
+            for kind, order in saved.items():
+                self.orders.setdefault(kind, tuple(order))
+
+    def _save(self) -> None:
+        if self.saved_at is None:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.saved_at), exist_ok=True)
+            temporary = f"{self.saved_at}.{os.getpid()}"
+            with open(temporary, "w") as f:
+                json.dump(self.orders, f)
+            os.replace(temporary, self.saved_at)  # whole, even with another rank writing the same
+        except OSError as error:
+            logger.warning("fsdp_graph: could not keep the wire orders in %s (%s); a relaunch that loads this graph "
+                           "from the compile caches agrees its next graph with the other ranks", self.saved_at, error)
 
     def cache_key(self) -> str:
-        """The orders recorded so far, for the compile caches ("" before any)."""
-        return repr(sorted(self.orders.items())) if self.orders else ""
+        """The orders a later graph of the frame keeps, for the compile caches ("" for the first
+        graph, which the orders do not bind: it is what records them)."""
+        return repr(sorted(self.orders.items())) if self.recompiling and self.orders else ""
 
     def keep(self, kind: str, gm: GraphModule) -> None:
         """Record `gm`'s wire order if it is the frame's first graph of its kind, else make it
@@ -224,6 +266,7 @@ class FrameWireOrder:
         recorded, scheduled = self.orders.get(kind), wire_order(gm)
         if recorded is None:
             self.orders[kind] = scheduled
+            self._save()
         elif scheduled == recorded:
             return
         elif order_collectives_as(gm, recorded):

@@ -23,8 +23,8 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule
 
-from .agreement import AGREEMENT, FrameWireOrder
-from .cache_key import local_shapes, own_sources_digest, stable_cache_keys
+from .agreement import AGREEMENT, FrameWireOrder, graph_groups
+from .cache_key import local_shapes, own_sources_digest, stable_cache_keys, wire_orders_file
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
 from ..passes.nodes import fsdp_meta, is_backward_graph, is_region_call
@@ -243,6 +243,9 @@ class FSDPGraphBackend:
         resolved = self.config.resolved_options()
         options = f"{self.config.compiler.value}:{self.config.cache_key((Stage.SCHEDULE,), resolved)}"
         order, program_order = AGREEMENT.frame_order(gm, example_inputs, _ranks_of(owners), root, options)
+        if self.config.compiler is not Compiler.AOT_EAGER and not order.orders and not self._dump():
+            # the graph may come from Inductor's caches: [Note: Wire orders beside the compile caches]
+            order.keep_beside_caches(wire_orders_file(gm, example_inputs, options, graph_groups(gm)))
         backend = FSDPGraphBackend(replace(self.config, rank_divergent_graphs=True)) if program_order else self
         return backend._compile(gm, example_inputs, owners, order)
 

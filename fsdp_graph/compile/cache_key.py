@@ -107,3 +107,20 @@ def stable_cache_keys() -> Iterator[None]:
             del copyreg.dispatch_table[DeviceMesh]
         else:
             copyreg.dispatch_table[DeviceMesh] = previous
+
+
+def wire_orders_file(gm, example_inputs, options: str, groups: list[str]) -> str:
+    """Where the wire orders of a frame's first graph `gm` are kept beside Inductor's caches
+    ([Note: Wire orders beside the compile caches] in fsdp_graph/compile/agreement.py): a file named
+    by what the compiled graphs depend on, the same in every launch and on every rank that compiles
+    the same graph: our sources, the backend's options, the Dynamo graph's code and its inputs'
+    shapes, strides and dtypes (local shards included), and the groups' names."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    digest = hashlib.sha256()
+    for part in (own_sources_digest(), options, gm.code, local_shapes(example_inputs), repr(groups)):
+        digest.update(part.encode())
+    for t in example_inputs:
+        digest.update(repr((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t).encode())
+    return os.path.join(cache_dir(), "fsdp_graph", "wire_orders", digest.hexdigest()[:32] + ".json")
+
