@@ -92,17 +92,18 @@ class SchedulingPassTest(expecttest.TestCase):
 
     def test_reorder_forward_prefetches_the_next_all_gather(self):
         forward = reorder_for_overlap(bucket_by_group(self.graphs()["forward"]), FIXED)
-        # AG(i+1) is issued before wait(AG(i)), hence before compute(i); blocks.2 goes two ahead
-        # because compute(blocks.0) alone cannot hide it on this machine.
+        # AG(i+1) is issued before wait(AG(i)), hence before compute(i). Two ahead would hide no
+        # more (the all-gathers read the shard buffers in place: no copy-in runs before them), and
+        # the smallest depth with the least exposure wins.
         self.assertExpectedInline(schedule_lines(forward), """\
 AG <root>
 AG blocks.0
 wait AG <root>
 AG blocks.1
-AG blocks.2
 wait AG blocks.0
 mm
 mm
+AG blocks.2
 wait AG blocks.1
 mm
 mm
@@ -123,13 +124,13 @@ mm
 mm
 mm
 AG blocks.1
-AG blocks.0
 wait AG blocks.2
 mm
 mm
 mm
 RS blocks.2
 mm
+AG blocks.0
 wait AG blocks.1
 mm
 mm
@@ -379,12 +380,12 @@ AG <root>
 AG blocks.0
 wait AG <root>
 AG blocks.1
-AG blocks.2
 wait AG blocks.0
 mm
 mm
 AR [tp]
 wait AR [tp]
+AG blocks.2
 wait AG blocks.1
 mm
 mm
@@ -404,7 +405,6 @@ mm
 mm
 mm
 AG blocks.1
-AG blocks.0
 wait AG blocks.2
 mm
 mm
@@ -413,6 +413,7 @@ AR [tp]
 wait AR [tp]
 RS blocks.2
 mm
+AG blocks.0
 wait AG blocks.1
 mm
 mm
