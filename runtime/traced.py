@@ -407,12 +407,13 @@ def _flat_row(pieces: list[torch.Tensor], widths: tuple[int, ...]) -> torch.Tens
 
 def install(group: TracedGroup, unsharded: Optional[list[torch.Tensor]]) -> None:
     """Shadow (or un-shadow, with None) every owner's parameter attribute. See [Note: Traced unshard]."""
-    for i, p in enumerate(group.params):
+    # zip, not enumerate: Dynamo runs its enumerate as traced Python, a cost in every layer
+    for p, tensor in zip(group.params, unsharded if unsharded is not None else group.params):
         for module, name in p.owners:
             if unsharded is None:
                 del module.__dict__[name]
             else:
-                module.__dict__[name] = unsharded[i]
+                module.__dict__[name] = tensor
 
 
 def pre_forward(state: TracedState, module: torch.nn.Module, args: tuple, kwargs: dict):
