@@ -260,14 +260,10 @@ class ShardedParam(AllGatherExtensions):
         holds the unsharded parameter, or full ones inside `summon_full_params`) the last one
         followed. While Dynamo traces, the last one followed: the trace began by following every
         parameter (see the note above)."""
-        current = self._sharded_param
-        if not self._installed or torch.compiler.is_compiling():
-            return current
-        module, name = self.owners[0]
-        live = module._parameters.get(name)
-        if live is current or not isinstance(live, DTensor):  # the usual case first: nothing replaced it
-            return current
-        return live if live is not self.unsharded_param else current
+        if torch.compiler.is_compiling():
+            return self._sharded_param
+        replacement = self.replacement()
+        return replacement if isinstance(replacement, DTensor) else self._sharded_param
 
     def replacement(self) -> torch.Tensor | None:
         """What the first owner module holds in place of the sharded parameter, if anything else
@@ -276,7 +272,7 @@ class ShardedParam(AllGatherExtensions):
             return None
         module, name = self.owners[0]
         live = module._parameters.get(name)
-        if live is None or live is self._sharded_param or live is self.unsharded_param:
+        if live is self._sharded_param or live is None or live is self.unsharded_param:  # the usual case first
             return None
         return live
 

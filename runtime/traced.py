@@ -581,9 +581,8 @@ def skip_when_not_inlined(*hooks) -> None:
 
 def skip_own_frame(*fns) -> None:
     """For functions wrapped in `torch._dynamo.disable(recursive=False)`: mark the function's own
-    code as skipped once, so that Dynamo does not look at its frame again on every call (that
-    costs a bytecode scan per call: 8 of them per step of an 8-block model compiled block by
-    block), while the frames it calls are still Dynamo's to compile."""
+    code as skipped once, so that Dynamo does not look at its frame again on every call (a
+    bytecode scan each time), while the frames it calls are still Dynamo's to compile."""
     for fn in fns:
         torch._dynamo.eval_frame.skip_code(fn.__wrapped__.__code__)
 

@@ -46,8 +46,8 @@ the compile-cache key.
 [Note: Wire orders beside the compile caches]
 A frame whose first graph Inductor's caches hand back runs none of our passes, so nothing would be
 recorded, and the next graph of the frame would be agreed as a first one: in a relaunch with warm
-caches, the rank that recompiled alone waited 30 s for the others, then issued program order
-where they ran their graph's, and gloo aborted ("23242 vs 4134"). So a frame's first graph also
+caches, a rank that recompiled alone would ask the others, who are not compiling, and then issue
+program order where they run their graph's order. So a frame's first graph also
 keeps its recorded orders in a small file beside those caches (`wire_orders_file` in
 fsdp_graph/compile/cache_key.py), named by what the compiled graph depends on, and reads it when
 it compiles: a graph the caches hand back finds the orders its cold compile recorded. The ranks

@@ -243,7 +243,7 @@ class FSDPGraphBackend:
         resolved = self.config.resolved_options()
         options = f"{self.config.compiler.value}:{self.config.cache_key((Stage.SCHEDULE,), resolved)}"
         order, program_order = AGREEMENT.frame_order(gm, example_inputs, _ranks_of(owners), root, options)
-        if self.config.compiler is not Compiler.AOT_EAGER and not order.orders and not self._dump():
+        if self.config.compiler is not Compiler.AOT_EAGER and not order.orders:
             # the graph may come from Inductor's caches: [Note: Wire orders beside the compile caches]
             order.keep_beside_caches(wire_orders_file(gm, example_inputs, options, graph_groups(gm)))
         backend = FSDPGraphBackend(replace(self.config, rank_divergent_graphs=True)) if program_order else self
