@@ -220,8 +220,22 @@ def _check_sharded(gm: GraphModule, example_inputs: list) -> list:
 class FSDPGraphBackend:
     """A configured backend: `torch.compile(model, backend=FSDPGraphBackend(config))`."""
 
+    # [Note: Parameters swapped after a compile]
+    # After a frame compiles, Dynamo drops the weak references its tracing context keeps to the
+    # real tensors it traced, unless the backend is a callable it does not know: a backend built
+    # by hand may still read them. Those weak references make `torch.utils.swap_tensors` refuse
+    # the parameters ("Cannot swap t1 because it has weakref associated with it"), and swapping is
+    # how `module.to(dtype)`, `to_empty` and `load_state_dict` under
+    # `torch.__future__.set_swap_module_params_on_conversion(True)` replace DTensor parameters
+    # (examples/repro/swap_after_custom_backend.py, torch alone). Our backend reads nothing of
+    # them after it returns, and it is the backend registered under this name, so it gives that
+    # name where Dynamo looks (`torch._dynamo.backends.registry._is_registered_backend`): as its
+    # `__name__`, which `torch.compile`'s wrapper takes for the backend's name, and as the
+    # `compiler_name` of torch's configured backends, for a call of `torch._dynamo.optimize`.
+
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
+        self.__name__ = self.compiler_name = BACKEND_NAME  # [Note: Parameters swapped after a compile]
         setattr(self, SCOPE_ATTR, config.scope)  # read while Dynamo traces: fsdp_graph/api/scope.py
 
     def __repr__(self) -> str:
