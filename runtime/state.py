@@ -340,10 +340,19 @@ class FSDPState:
         """Whether this module runs under a call in block scope: its own, or its root's."""
         return self.calling_in_block_scope or (self.ctx is not None and self.ctx.root.calling_in_block_scope)
 
-    def traces_as_region(self) -> bool:
+    def region_body(self, every_block: bool) -> Optional[Callable]:
+        """The function a traced call of this state's module runs as a compile region, or None: the
+        forward the user marked as one, or with `every_block` the forward of any block
+        ([Note: Blocks as compile regions] in runtime/traced.py)."""
+        if self.region_forward is not None or not every_block or len(self.modules) != 1:
+            return self.region_forward
+        module = self.modules[0]
+        return None if "forward" in module.__dict__ else type(module).forward  # not a forward patched on the instance
+
+    def traces_as_region(self, every_block: bool = False) -> bool:
         """Whether a traced call of this state's module runs its forward as a compile region: see
         [Note: Blocks as compile regions] in runtime/traced.py."""
-        if self.region_forward is None or self.is_root or self.group is None or len(self.modules) != 1:
+        if self.region_body(every_block) is None or self.is_root or self.group is None or len(self.modules) != 1:
             return False
         module = self.modules[0]
         if len(module._forward_pre_hooks) != 1 or len(module._forward_hooks) != 1:

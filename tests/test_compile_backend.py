@@ -119,6 +119,7 @@ def test_backend_on_a_model_never_sharded_names_fully_shard():
         ({"disabled_passes": "reshard_after_forward"}, ValueError, "collection of pass names"),
         ({"dump_dir": 3}, ValueError, "dump_dir must be a path"),
         ({"scope": "layer"}, ValueError, r"scope must be one of \['step', 'block'\], got 'layer'"),
+        ({"regions": "all"}, ValueError, r"regions must be one of \['marked', 'blocks'\], got 'all'"),
         ({"rank_divergent_graphs": "yes"}, ValueError, "rank_divergent_graphs must be a bool, got 'yes'"),
         ({"compile": "inductor"}, ValueError, r"Unknown fsdp_graph backend option\(s\) \['compile'\]"),
     ],

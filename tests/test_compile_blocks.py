@@ -37,6 +37,9 @@ def _compile_blocks(model, shard, how: str, dump_dir=None):
             block.__class__ = _RegionBlock
         backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=dump_dir) if shard is fully_shard else "aot_eager"
         return model, torch.compile(shard_llama(model, shard), backend=backend)
+    if how == "every_block_a_region":  # no class changed: [Note: Every block a compile region]
+        backend = fsdp_graph.backend(compiler="aot_eager", regions="blocks", dump_dir=dump_dir) if shard is fully_shard else "aot_eager"
+        return model, torch.compile(shard_llama(model, shard), backend=backend)
     if how == "block_scope":  # the whole model compiled, each block's code one graph ([Note: Compile scope])
         backend = fsdp_graph.backend(compiler="aot_eager", scope="block", dump_dir=dump_dir) if shard is fully_shard else "aot_eager"
         return model, torch.compile(shard_llama(model, shard), backend=backend)
@@ -111,20 +114,24 @@ def _blocks_compiled(rank, world_size, how):
         # the regions (two graphs).
         assert (graphs, t_graphs) == (1, 2), (graphs, t_graphs)
         _check_one_region_body(dump_dir)
+    elif how == "every_block_a_region":  # torch's side: fully_shard + torch.compile(model)
+        assert graphs == 1, graphs
+        _check_one_region_body(dump_dir, regions=2)  # the first block inline: [Note: Every block a compile region]
     elif how == "block_scope":
         _check_one_block_graph(dump_dir)
     else:
         assert graphs == t_graphs == 1, (graphs, t_graphs)  # one block graph, reused by all three blocks
 
 
-def _check_one_region_body(dump_dir) -> None:
-    """The forward calls one region body three times, with the gathers outside it; the backward
-    gathers every block again (they reshard after forward) rather than keeping their weights."""
+def _check_one_region_body(dump_dir, regions=3) -> None:
+    """The forward calls one region body `regions` times (the last blocks), with the gathers outside
+    it; the backward gathers every region block again (they reshard after forward) rather than
+    keeping their weights."""
     graphs = dumped_graphs(dump_dir)
     forward = (Path(dump_dir) / "frame_0_0.forward.txt").read_text()
     calls = re.findall(r"invoke_subgraph\(\w+, '(\w+)'", forward)
-    assert len(calls) == 3 and len(set(calls)) == 1, calls
-    for block in ("layers.0", "layers.1", "layers.2"):
+    assert len(calls) == regions and len(set(calls)) == 1, calls
+    for block in ("layers.0", "layers.1", "layers.2")[3 - regions:]:
         assert collective_groups(graphs, "forward", "all_gather_into_tensor").count(block) == 1, block
         assert collective_groups(graphs, "backward", "all_gather_into_tensor").count(block) == 1, block
 
@@ -141,7 +148,7 @@ def _check_one_block_graph(dump_dir) -> None:
             assert graphs[kind]["collectives"] == [], (graph_id, kind, graphs[kind]["collectives"])
 
 
-@pytest.mark.parametrize("how", ["compile_then_shard", "shard_then_compile", "regions", "block_scope"])
+@pytest.mark.parametrize("how", ["compile_then_shard", "shard_then_compile", "regions", "every_block_a_region", "block_scope"])
 def test_blocks_compiled_one_by_one(how):
     run_ranks(_blocks_compiled, 2, how)
 
@@ -182,11 +189,11 @@ def _inductor_with_and_without_regions(rank, world_size):
     torch.manual_seed(0)
     model, layers, region_class = _hf_llama(num_layers=3)
     runs = []
-    for regions in (True, False):
+    for regions in ("marked", "blocks", None):  # the layers' class marked; every block by the backend; none
         copied = copy.deepcopy(model)
-        for layer in copied.hf.model.layers if regions else []:
+        for layer in copied.hf.model.layers if regions == "marked" else []:
             layer.__class__ = region_class
-        backend = fsdp_graph.backend(compiler="inductor")
+        backend = fsdp_graph.backend(compiler="inductor", regions=regions or "marked")
         runs.append(_train((copied, torch.compile(_shard_hf(copied), backend=backend)), rank, world_size))
     return runs, _reference(copy.deepcopy(model), world_size)
 
@@ -197,10 +204,16 @@ def test_regions_compiled_by_inductor():
     regions, and the unsharded model's within Inductor's own differences from eager. (With buffer
     reuse, torch 2.13's Inductor gets region gradients wrong on CPU,
     examples/repro/nested_region_inductor_grads.py: the backend turns it off for graphs with regions.)"""
-    ((losses, grads, params, graphs), (p_losses, p_grads, p_params, _)), (r_losses, r_grads, _) = run_ranks(
+    (marked, every_block, (p_losses, p_grads, p_params, _)), (r_losses, r_grads, _) = run_ranks(
         _inductor_with_and_without_regions, 2
     )
-    assert graphs == 1
+    losses, grads, params, graphs = marked
+    assert graphs == every_block[3] == 1
+    # regions="blocks" traces the same regions as the marked class: the same graph, the same numbers
+    assert every_block[0] == losses, (every_block[0], losses)
+    for step in range(3):
+        for name, grad in grads[step].items():
+            assert torch.equal(grad, every_block[1][step][name]), (step, name)
     torch.testing.assert_close(losses, p_losses, rtol=1e-6, atol=0)
     torch.testing.assert_close(losses, r_losses, rtol=1e-5, atol=0)
     for step in range(3):
@@ -213,8 +226,11 @@ def test_regions_compiled_by_inductor():
 
 
 def _region_variant(rank, world_size, variant):
-    """Regions and the eager runtime, both under `variant`'s settings: (losses, gradients) of each."""
+    """Regions and the eager runtime, both under `variant`'s settings: (losses, gradients) of each.
+    "..., every block": the blocks' class unchanged, the backend makes them regions."""
     from fsdp_graph import MixedPrecisionPolicy
+
+    variant, _, every_block = variant.partition(", ")
 
     torch._dynamo.reset()
     counters.clear()
@@ -227,11 +243,12 @@ def _region_variant(rank, world_size, variant):
     }.get(variant, {})
     eager = shard_llama(copy.deepcopy(model), fully_shard, **kwargs)
     traced = copy.deepcopy(model)
-    for block in traced.layers:
+    for block in [] if every_block else traced.layers:
         block.__class__ = _RegionBlock
     shard_llama(traced, fully_shard, **kwargs)
     dump_dir = tempfile.mkdtemp()
-    compiled = torch.compile(traced, backend=fsdp_graph.backend(compiler="aot_eager", dump_dir=dump_dir))
+    backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=dump_dir, regions="blocks" if every_block else "marked")
+    compiled = torch.compile(traced, backend=backend)
     train_bitwise_like_eager(model, eager, traced, compiled, rank, world_size)
     regions = (Path(dump_dir) / "frame_0_0.forward.txt").read_text().count("= invoke_subgraph(")
     _check_params_like_torch(model, traced, variant, rank, world_size)
@@ -259,13 +276,14 @@ def _check_params_like_torch(model, trained, variant, rank, world_size, steps=2)
         torch.testing.assert_close(p.to_local(), expected[name].to_local(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("variant", ["bf16", "keep_unsharded", "checkpoint"])
+@pytest.mark.parametrize("variant", ["bf16", "keep_unsharded", "checkpoint", "bf16, every block", "checkpoint, every block"])
 def test_regions_with_other_settings(variant):
     """Blocks as regions under mixed precision, reshard_after_forward=False and activation
     checkpointing around each block: one graph, no fallback, the eager runtime's numbers bit for bit
     (aot_eager), and the parameters torch's fully_shard trains with the same settings."""
     fallbacks, graphs, regions = run_ranks(_region_variant, 2, variant)
-    assert fallbacks == {} and graphs == 1 and regions == 3, (fallbacks, graphs, regions)
+    expected = 2 if variant.endswith("every block") else 3  # the first block inline: [Note: Every block a compile region]
+    assert fallbacks == {} and graphs == 1 and regions == expected, (fallbacks, graphs, regions)
 
 
 def _block_scope_variant(rank, world_size, variant):

@@ -58,3 +58,24 @@ def test_graph_break_and_disabled_module_fall_back_with_parity():
         if c["op"] == "all_gather_into_tensor"
     }
     assert traced and not traced & {"blocks.1", "blocks.2"}, traced
+
+
+def _shard_two_breaking_blocks(model):
+    for i in (1, 2):  # two blocks of one kind, both breaking the graph
+        model.blocks[i].__class__ = BlockWithGraphBreak
+    shard_blocks_then_root(model)
+    return model
+
+
+def _train_with_every_block_a_region(rank, world_size):
+    torch.manual_seed(0)
+    backend = fsdp_graph.backend(compiler="aot_eager", regions="blocks")
+    return train_compiled_and_compare(MLPStack(num_blocks=4), _shard_two_breaking_blocks, backend, rank, world_size)
+
+
+def test_blocks_that_break_the_graph_fall_back_under_every_block_regions():
+    # regions="blocks" traces the first block of each kind inline, so a block that breaks the graph
+    # breaks it there (Dynamo refuses a break inside a region) and falls back as without regions,
+    # and so does the next block of its kind ([Note: Every block a compile region]).
+    result = run_ranks(_train_with_every_block_a_region, 2)
+    assert {"blocks.1", "blocks.2"} <= set(result["fallbacks"]), result["fallbacks"]

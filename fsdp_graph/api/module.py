@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from .scope import traced_scope
+from .scope import traced_regions, traced_scope
 from ..runtime.custom_comms import AllGather, ReduceScatter
 from ..runtime import traced
 from ..runtime.state import FSDPState
@@ -338,9 +338,30 @@ def _traced_call(module: nn.Module, args: tuple, kwargs: dict):
         return _call_on_eager_hooks(module, args, kwargs)  # [Note: Groups that stay on the eager hooks]
     if module._fsdp_state.hooks_around_compiled_body is not None:
         if module._fsdp_state.traces_as_region():
-            return _call_as_region(module, args, kwargs)  # [Note: Blocks as compile regions]
+            return _call_as_region(module, args, kwargs, every_block=False)  # [Note: Blocks as compile regions]
         return _call_around_compiled_body(module, args, kwargs)  # [Note: Compile regions under fully_shard]
+    if traced_regions() == "blocks" and module._fsdp_state.traces_as_region(every_block=True) and _seen_kind(module):
+        return _call_as_region(module, args, kwargs, every_block=True)  # [Note: Every block a compile region]
     return _call_hooks_and_forward(module, args, kwargs)
+
+
+_kinds_traced: dict = {}  # the trace now under way (compile id, attempt) -> the kinds of block it traced inline
+
+
+@torch._dynamo.assume_constant_result
+def _seen_kind(module: nn.Module) -> bool:
+    """Whether the trace under way already traced a block of `module`'s kind (its class, its
+    submodules' classes, its parameters' shapes and dtypes) inline; if not, it will now. Run by
+    Dynamo as plain Python while it traces: [Note: Every block a compile region]."""
+    context = torch._guards.CompileContext.try_get()
+    trace = (str(context.compile_id), context.attempt) if context is not None else None
+    if trace not in _kinds_traced:
+        _kinds_traced.clear()  # one trace at a time: only the one under way is kept
+        _kinds_traced[trace] = set()
+    kind = (type(module), tuple(type(m) for m in module.modules()), tuple((p.shape, p.dtype) for p in module.parameters()))
+    seen = kind in _kinds_traced[trace]
+    _kinds_traced[trace].add(kind)
+    return seen
 
 
 def _call_hooks_and_forward(module: nn.Module, args: tuple, kwargs: dict):
@@ -392,7 +413,7 @@ traced.skip_own_frame(_call_around_compiled_body, _call_in_block_scope)
 
 
 @torch.compiler.nested_compile_region
-def _forward_region(module: nn.Module, layout: str, *leaves):
+def _forward_region(module: nn.Module, every_block: bool, layout: str, *leaves):
     """A block's forward as one compile region over its gathered parameters ([Note: Blocks as
     compile regions] in runtime/traced.py): one function for every block, so that Dynamo compares
     each block's body with those it traced before and keeps one copy of each distinct body. The
@@ -400,16 +421,36 @@ def _forward_region(module: nn.Module, layout: str, *leaves):
     state = module._fsdp_state
     unsharded, args, kwargs = _rebuild(layout, leaves)
     traced.install(state.group, unsharded)
-    output = state.region_forward(module, *args, **kwargs)
+    output = state.region_body(every_block)(module, *args, **kwargs)
     traced.install(state.group, None)
     return output
 
 
-def _call_as_region(module: nn.Module, args: tuple, kwargs: dict):
+def _call_as_region(module: nn.Module, args: tuple, kwargs: dict, every_block: bool):
     state = module._fsdp_state
     unsharded, args, kwargs = traced.region_pre_forward(state, args, kwargs)
     layout, leaves = _flat_call(unsharded, args, kwargs)
-    return traced.region_post_forward(state, _forward_region(module, layout, *leaves))
+    return traced.region_post_forward(state, _forward_region(module, every_block, layout, *leaves))
+
+
+# [Note: Every block a compile region]
+# `fsdp_graph.backend(regions="blocks")` traces sharded blocks as if their forward were marked
+# `torch.compiler.nested_compile_region` ([Note: Blocks as compile regions] in runtime/traced.py),
+# with no change to the model's classes: a block that is a group of its own and qualifies there
+# (no forward hooks of the user's, no forward set on the instance, plain tensors gathered) runs its
+# class's forward as a region, the collectives outside it, once the trace has traced one block of
+# its kind (class, submodules' classes, parameters' shapes and dtypes) inline. The whole step's
+# graph then holds one region body per kind, which AOTAutograd and Inductor compile once: what each
+# further layer costs is Dynamo's tracing, not AOTAutograd's and Inductor's.
+# The first block of a kind goes inline because Dynamo refuses a graph break inside a region
+# (torch raises): a block that breaks the graph breaks it inline first, and then runs on the eager
+# hooks as it would without regions (the trace that continues after the break is a new one, whose
+# first block of that kind again goes inline). A later block of the same kind whose code takes
+# another path that breaks (Python branching on a block's own attribute) would still hit torch's
+# error. As with marked regions, the backward gathers each region block again rather than keeping
+# its weights from forward (selective unsharding applies to the inline blocks only).
+# `_seen_kind` keeps its record per trace: Dynamo runs it as plain Python while tracing
+# (`assume_constant_result`), and a restarted trace (a graph break found) starts a new record.
 
 
 # [Note: Flat region arguments]

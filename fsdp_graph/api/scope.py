@@ -28,17 +28,16 @@ import torch
 
 SCOPES = ("step", "block")  # what one compiled graph spans: `BackendConfig.scope`
 SCOPE_ATTR = "fsdp_graph_scope"  # on a backend: the scope it compiles for
+REGIONS = ("marked", "blocks")  # which blocks a step traces as compile regions: `BackendConfig.regions`
+REGIONS_ATTR = "fsdp_graph_regions"  # on a backend: its `regions`
 _capture_scopes: list[str] = []  # innermost last: `scope_of_capture`
 
 
-@torch._dynamo.assume_constant_result
-def traced_scope() -> str:
-    """The scope of the backend Dynamo is tracing for: its `SCOPE_ATTR` (or the scope in the options
-    it was given); "block" for a backend without one."""
+def _traced_backend_setting(attr: str, option: str, default: str) -> str:
+    """The setting `attr` of the backend Dynamo is tracing for (or `option` in the options it was
+    given); `default` for a backend without it."""
     from torch._dynamo import symbolic_convert
 
-    if _capture_scopes:
-        return _capture_scopes[-1]
     tx = getattr(symbolic_convert.tls, "current_tx", None)
     fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
     options: dict = {}
@@ -46,11 +45,28 @@ def traced_scope() -> str:
         kwargs = getattr(fn, "kwargs", None)
         if isinstance(kwargs, dict) and isinstance(kwargs.get("options"), dict):
             options = kwargs["options"]
-        scope = getattr(fn, SCOPE_ATTR, None)
-        if scope is not None:
-            return options.get("scope", scope)
+        value = getattr(fn, attr, None)
+        if value is not None:
+            return options.get(option, value)
         fn = getattr(fn, "compiler_fn", None)
-    return "block"
+    return default
+
+
+@torch._dynamo.assume_constant_result
+def traced_scope() -> str:
+    """The scope of the backend Dynamo is tracing for: its `SCOPE_ATTR` (or the scope in the options
+    it was given); "block" for a backend without one."""
+    if _capture_scopes:
+        return _capture_scopes[-1]
+    return _traced_backend_setting(SCOPE_ATTR, "scope", "block")
+
+
+@torch._dynamo.assume_constant_result
+def traced_regions() -> str:
+    """Which blocks the step Dynamo is tracing takes as compile regions: the backend's `regions`
+    ([Note: Every block a compile region] in fsdp_graph/api/module.py); "marked" for a backend
+    without one, and for `fsdp_graph.precompile`'s capture."""
+    return _traced_backend_setting(REGIONS_ATTR, "regions", "marked")
 
 
 def backend_scope(backend: Any) -> str:

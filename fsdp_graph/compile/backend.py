@@ -32,7 +32,7 @@ from ..passes.pipeline import GraphPass, PassPipeline
 from ..passes.async_tp import async_tp_on_cuda
 from ..passes import table as pass_table
 from ..passes.table import OPTIONS, PASS_NAMES, Stage
-from ..api.scope import SCOPE_ATTR, SCOPES
+from ..api.scope import REGIONS, REGIONS_ATTR, SCOPE_ATTR, SCOPES
 from ..runtime.meta import GROUP_KEY
 from ..runtime.param import OWNER_ATTR
 from ..runtime.param_group import ParamGroup
@@ -95,6 +95,12 @@ class BackendConfig:
             blocks of the same code share one compiled graph and the compile time stays flat in
             depth; cross-group bucketing, the reordered schedule and selective unsharding are
             then left out.
+        regions: which blocks a step ("step" scope) traces as compile regions, so that Dynamo's
+            graph holds one body for all blocks of the same code and shapes, which AOTAutograd
+            and Inductor then handle once: "marked" (default): the blocks whose forward is a
+            `torch.compiler.nested_compile_region`; "blocks": every sharded block that is a group
+            of its own, as if it were marked ([Note: Every block a compile region] in
+            fsdp_graph/api/module.py). A graph break inside a region is an error (torch's rule).
     The options the passes read, one field each (`Option`s of passes/table.py):
     """
 
@@ -103,6 +109,7 @@ class BackendConfig:
     disabled_passes: frozenset[str] = field(default_factory=frozenset)
     rank_divergent_graphs: bool = False
     scope: str = "step"
+    regions: str = "marked"
 
     def __post_init__(self) -> None:
         problems = []
@@ -130,6 +137,8 @@ class BackendConfig:
             problems.append(f"rank_divergent_graphs must be a bool, got {self.rank_divergent_graphs!r}")
         if self.scope not in SCOPES:
             problems.append(f"scope must be one of {list(SCOPES)}, got {self.scope!r}")
+        if self.regions not in REGIONS:
+            problems.append(f"regions must be one of {list(REGIONS)}, got {self.regions!r}")
         problems += pass_table.option_problems(self.option_values())
         if problems:
             raise ValueError("Invalid fsdp_graph backend config:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -237,6 +246,7 @@ class FSDPGraphBackend:
         self.config = config
         self.__name__ = self.compiler_name = BACKEND_NAME  # [Note: Parameters swapped after a compile]
         setattr(self, SCOPE_ATTR, config.scope)  # read while Dynamo traces: fsdp_graph/api/scope.py
+        setattr(self, REGIONS_ATTR, config.regions)
 
     def __repr__(self) -> str:
         return f"FSDPGraphBackend({self.config})"
@@ -470,6 +480,7 @@ def fsdp_graph_backend(gm: GraphModule, example_inputs: list, options: Optional[
 
 
 setattr(fsdp_graph_backend, SCOPE_ATTR, BackendConfig.scope)  # unless options= say otherwise
+setattr(fsdp_graph_backend, REGIONS_ATTR, BackendConfig.regions)
 
 
 def _register() -> None:
