@@ -99,8 +99,10 @@ class BackendConfig:
             graph holds one body for all blocks of the same code and shapes, which AOTAutograd
             and Inductor then handle once: "marked" (default): the blocks whose forward is a
             `torch.compiler.nested_compile_region`; "blocks": every sharded block that is a group
-            of its own, as if it were marked ([Note: Every block a compile region] in
-            fsdp_graph/api/module.py). A graph break inside a region is an error (torch's rule).
+            of its own, as if it were marked, after the first of each kind, which is traced inline
+            so that a block that breaks the graph falls back as without regions ([Note: Every
+            block a compile region] in fsdp_graph/api/module.py). A graph break inside a region
+            is an error (torch's rule).
     The options the passes read, one field each (`Option`s of passes/table.py):
     """
 
