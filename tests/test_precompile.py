@@ -56,7 +56,7 @@ class Net(nn.Module):
 '''
 
 
-def _launch(rank, world_size, model_dir, save_dir, global_batch):
+def _launch(rank, world_size, model_dir, save_dir, global_batch, backend_options=None):
     sys.path.insert(0, model_dir)
     import precompiled_net
 
@@ -67,7 +67,8 @@ def _launch(rank, world_size, model_dir, save_dir, global_batch):
         shard_blocks_then_root(model)
         example = batch_for_step(model, 0, 8, rank, world_size)[2]
         counters.clear()
-        compiled = fsdp_graph.precompile(model, (example,), save_dir=save_dir)
+        backend = fsdp_graph.backend(**backend_options) if backend_options else "fsdp_graph"
+        compiled = fsdp_graph.precompile(model, (example,), save_dir=save_dir, backend=backend)
         result["source"] = compiled.source
         result["graphs_traced"] = counters["stats"]["unique_graphs"]
         if compiled.source == "loaded":
@@ -138,6 +139,24 @@ def test_saved_step_with_blocks_as_regions(tmp_path):
     launch = lambda: run_ranks(_launch, 2, str(tmp_path), str(tmp_path / "saved"), 8)
     first = launch()
     assert first["source"] == "compiled" and first["graphs_traced"] == 1, first
+    relaunch = launch()
+    assert relaunch["source"] == "loaded" and relaunch["graphs_traced"] == 0, relaunch
+    assert relaunch["graphs_traced_in_training"] == 0 and relaunch["losses"] == first["losses"], relaunch
+
+
+def test_saved_step_with_every_block_a_region(tmp_path):
+    """`fsdp_graph.backend(regions="blocks")` ([Note: Every block a compile region]), no block
+    marked: precompile captures the step with the regions its backend asks for (`capture_for` in
+    fsdp_graph/api/scope.py), saves it, and the next launch loads it without tracing."""
+    source = _MODEL.format(activation="tanh").replace("range(2)", "range(3)")  # a region used once is inlined
+    assert "range(3)" in source
+    (tmp_path / "precompiled_net.py").write_text(source)
+    options = {"regions": "blocks", "dump_dir": str(tmp_path / "dump")}
+    launch = lambda: run_ranks(_launch, 2, str(tmp_path), str(tmp_path / "saved"), 8, options)
+    first = launch()
+    assert first["source"] == "compiled" and first["graphs_traced"] == 1, first
+    forward = next((tmp_path / "dump").glob("*.forward.txt")).read_text()
+    assert forward.count("= invoke_subgraph(") == 2, forward  # blocks.1 and .2; blocks.0, the first of its kind, inline
     relaunch = launch()
     assert relaunch["source"] == "loaded" and relaunch["graphs_traced"] == 0, relaunch
     assert relaunch["graphs_traced_in_training"] == 0 and relaunch["losses"] == first["losses"], relaunch

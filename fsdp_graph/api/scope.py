@@ -11,7 +11,7 @@ needed: Dynamo keeps each backend's compiled code apart). The fsdp_graph backend
 with a `SCOPE_ATTR` attribute (the registered one's default, or `options={"scope": ...}`), as does
 fsdp_graph.predict's own capture ("step"). `aot_compile` (fsdp_graph.precompile) captures the graph
 before it hands it to the backend, so Dynamo holds no backend while it traces: precompile names the
-scope around it (`scope_of_capture`). Any other backend ("inductor", "aot_eager",
+backend around it (`capture_for`). Any other backend ("inductor", "aot_eager",
 `torch.compile(model)`) gets block scope, FSDP2's structure: it has no pass that reshards after
 forward, so in a step traced for it the partitioner saved every gathered weight for backward: fewer
 all-gathers than FSDP2 + compile, and every gathered weight alive until backward
@@ -30,7 +30,7 @@ SCOPES = ("step", "block")  # what one compiled graph spans: `BackendConfig.scop
 SCOPE_ATTR = "fsdp_graph_scope"  # on a backend: the scope it compiles for
 REGIONS = ("marked", "blocks")  # which blocks a step traces as compile regions: `BackendConfig.regions`
 REGIONS_ATTR = "fsdp_graph_regions"  # on a backend: its `regions`
-_capture_scopes: list[str] = []  # innermost last: `scope_of_capture`
+_captures: list[dict[str, str]] = []  # innermost last: the settings of `capture_for`'s backends
 
 
 def _traced_backend_setting(attr: str, option: str, default: str) -> str:
@@ -56,8 +56,8 @@ def _traced_backend_setting(attr: str, option: str, default: str) -> str:
 def traced_scope() -> str:
     """The scope of the backend Dynamo is tracing for: its `SCOPE_ATTR` (or the scope in the options
     it was given); "block" for a backend without one."""
-    if _capture_scopes:
-        return _capture_scopes[-1]
+    if _captures:
+        return _captures[-1][SCOPE_ATTR]
     return _traced_backend_setting(SCOPE_ATTR, "scope", "block")
 
 
@@ -65,7 +65,9 @@ def traced_scope() -> str:
 def traced_regions() -> str:
     """Which blocks the step Dynamo is tracing takes as compile regions: the backend's `regions`
     ([Note: Every block a compile region] in fsdp_graph/api/module.py); "marked" for a backend
-    without one, and for `fsdp_graph.precompile`'s capture."""
+    without one."""
+    if _captures:
+        return _captures[-1][REGIONS_ATTR]
     return _traced_backend_setting(REGIONS_ATTR, "regions", "marked")
 
 
@@ -77,11 +79,13 @@ def backend_scope(backend: Any) -> str:
 
 
 @contextlib.contextmanager
-def scope_of_capture(scope: str) -> Iterator[None]:
-    """Trace for `scope` where Dynamo does not hold the backend while it traces (`aot_compile`
-    captures the graph first and hands it to the backend after)."""
-    _capture_scopes.append(scope)
+def capture_for(backend: Any) -> Iterator[None]:
+    """Trace for `backend` (a backend or a registered backend's name: its scope and regions) where
+    Dynamo does not hold the backend while it traces (`aot_compile` captures the graph first and
+    hands it to the backend after)."""
+    found = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+    _captures.append({SCOPE_ATTR: backend_scope(found), REGIONS_ATTR: getattr(found, REGIONS_ATTR, "marked")})
     try:
         yield
     finally:
-        _capture_scopes.pop()
+        _captures.pop()

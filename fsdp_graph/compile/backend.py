@@ -454,6 +454,9 @@ class _RecordFallbacks:
         self._num_written = -1
         # Dynamo calls a compiled graph with boxed inputs when the callable says so.
         self._boxed_call = getattr(compiled, "_boxed_call", False)
+        # `aot_compile` (fsdp_graph.precompile) saves a graph through its `serialize`: it saves the
+        # graph this wraps, which a later launch loads without the dump.
+        self.serialize = getattr(compiled, "serialize", None)
 
     def __call__(self, *args):
         out = self.compiled(*args)

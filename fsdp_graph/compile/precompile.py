@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from .backend import BACKEND_NAME, BackendConfig
 from .cache_key import own_sources_digest
 from ..api.module import _fsdp_states as _states
-from ..api.scope import backend_scope, scope_of_capture
+from ..api.scope import capture_for
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def precompile(
     if compiled is not None:
         return PrecompiledModel(model, compiled, backend, "loaded")
     try:
-        with _guard_config(), scope_of_capture(backend_scope(backend)):
+        with _guard_config(), capture_for(backend):
             compiled = torch.compile(_call, backend=backend, fullgraph=True)
             compiled = compiled.aot_compile(((model, *example_args), kwargs))
         compiled.save_compiled_function(path + ".bin")
