@@ -170,7 +170,7 @@ def test_same_graphs_keep_the_schedule_and_a_recompile_keeps_the_wire_order():
 _PER_RANK_LENGTHS = ([8, 8, 8, 9, 16, 16, 7, 20, 11, 24, 13, 10], [8, 12, 12, 15, 9, 16, 21, 20, 5, 18, 13, 30])
 
 
-def _per_rank_padding(rank, world_size, impl):
+def _per_rank_padding(rank, world_size, impl, layers=2, regions="marked"):
     """One AdamW step per length of this rank's; the losses averaged over the ranks, how many times
     this rank asked the others about a graph, and the last gradients."""
     import torch.nn.functional as F
@@ -183,8 +183,8 @@ def _per_rank_padding(rank, world_size, impl):
     diverged = agreement.AGREEMENT.diverged
     agreement.AGREEMENT.diverged = lambda *a, **k: asked.append(1) or diverged(*a, **k)
     torch.manual_seed(0)
-    model = shard_llama(tiny_llama(2), fully_shard if impl == "ours" else torch_fully_shard)
-    run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager")) if impl == "ours" else model
+    model = shard_llama(tiny_llama(layers), fully_shard if impl == "ours" else torch_fully_shard)
+    run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", regions=regions)) if impl == "ours" else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step, length in enumerate(_PER_RANK_LENGTHS[rank]):
@@ -213,6 +213,18 @@ def test_per_rank_padding_recompiles_on_one_rank_at_a_time_without_waiting():
     for name, grad in reference_grads.items():
         assert torch.equal(grads[name], grad), name
     assert asked == 1  # the first graph only: the recompiles asked nobody
+
+
+def test_per_rank_padding_with_every_block_a_region():
+    """The same with `regions="blocks"` ([Note: Every block a compile region]), 3 layers (the first
+    traced inline, the other two one region): each rank's recompiles make the same regions, and
+    issue the first graph's wire order."""
+    losses, asked, grads = run_ranks(_per_rank_padding, 2, "ours", 3, "blocks")
+    reference, _, reference_grads = run_ranks(_per_rank_padding, 2, "torch", 3)
+    assert losses == reference
+    for name, grad in reference_grads.items():
+        assert torch.equal(grads[name], grad), name
+    assert asked == 1
 
 
 def _per_rank_padding_inductor(rank, world_size, cache_dir):
