@@ -47,6 +47,8 @@ which may change between steps ([Note: Parameters changed after fully_shard] in 
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -86,6 +88,11 @@ class BucketLayout:
             followed by the flags.
         reduce_widths: per reduce-scatter block, its elements per rank, the flags' last.
         reduce_numels: per reduce-scatter block, the unsharded gradient's elements (0 for the flags).
+        reduce_offsets: where each reduce-scatter block starts in a rank's reduced row, then the
+            row's end.
+        reduce_valid_numels: per trainable parameter, its shard's elements on this rank, padding
+            excluded.
+        flags_at: the flags' block in the all-gather row, -1 without one.
         dtype: the all-gather row's dtype: the parameters' unsharded dtype, uint8 for a byte bucket.
         as_bytes: whether the group gathers one byte bucket ([Note: Byte buckets]).
         built_from: per parameter, (requires_grad, unsharded dtype, has all-gather extensions).
@@ -98,6 +105,9 @@ class BucketLayout:
     reduced: tuple[int, ...]
     reduce_widths: tuple[int, ...]
     reduce_numels: tuple[int, ...]
+    reduce_offsets: tuple[int, ...]
+    reduce_valid_numels: tuple[int, ...]
+    flags_at: int
     dtype: torch.dtype
     as_bytes: bool
     built_from: tuple[tuple[bool, torch.dtype, bool], ...]
@@ -121,14 +131,18 @@ class BucketLayout:
             widths = tuple(len(reduced) if i == FLAGS else params[i].shard_numel for i in blocks)
             numels = tuple(0 if i == FLAGS else params[i].local_size.numel() for i in blocks)
             (dtype,) = dtypes
+        reduce_widths = tuple(params[i].shard_numel for i in reduced) + (len(reduced),)
         return cls(
             world=world,
             blocks=blocks,
             widths=widths,
             numels=numels,
             reduced=reduced,
-            reduce_widths=tuple(params[i].shard_numel for i in reduced) + (len(reduced),),
+            reduce_widths=reduce_widths,
             reduce_numels=tuple(params[i].local_size.numel() for i in reduced) + (0,),
+            reduce_offsets=tuple(itertools.accumulate(reduce_widths, initial=0)),
+            reduce_valid_numels=tuple(params[i].num_valid_rows * params[i].row_numel for i in reduced),
+            flags_at=blocks.index(FLAGS) if FLAGS in blocks else -1,
             dtype=dtype,
             as_bytes=as_bytes,
             built_from=built_from,
@@ -137,11 +151,6 @@ class BucketLayout:
     @property
     def num_trainable(self) -> int:
         return len(self.reduced)
-
-    @property
-    def flags_at(self) -> int:
-        """The flags' block in the all-gather row, -1 without one."""
-        return self.blocks.index(FLAGS) if FLAGS in self.blocks else -1
 
     def has_hooks(self, index: int) -> bool:
         """Whether parameter `index` brings all-gather extensions (then the bucket is bytes)."""

@@ -79,6 +79,7 @@ class ParamGroup:
     ) -> None:
         self.params = params
         self.mesh_info = mesh_info
+        self.has_tp = any(p.tp is not None for p in params)  # tensor-parallel parameters among them
         # Where each parameter lies in the group's all-gather and reduce-scatter rows, for the eager
         # collectives and the traced path alike; rebuilt by `refresh_layout` when the parameters
         # change. See [Note: One bucket layout for eager and traced steps] in runtime/bucket_layout.py.

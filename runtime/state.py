@@ -359,7 +359,7 @@ class FSDPState:
             return False  # hooks of the user's, which the region would skip
         if nn.modules.module._global_forward_pre_hooks or nn.modules.module._global_forward_hooks:
             return False
-        if self.group.layout.as_bytes or any(p.tp is not None for p in self.group.params):
+        if self.group.layout.as_bytes or self.group.has_tp:
             return False  # tensor-parallel DTensors and extension subclasses: no region inputs (Dynamo fails)
         return all(getattr(m, "_fsdp_state", self) is self for m in module.modules())
 

@@ -82,6 +82,7 @@ class TracedGroup(Protocol):
     reduce_controls: ReduceControls
     grad_flags: Optional[torch.Tensor]  # written by `new_flags_leaf`
     shard_buffer: Optional[ShardBuffer]
+    has_tp: bool
 
     @property
     def world(self) -> int: ...
@@ -189,6 +190,8 @@ def unshard(group: TracedGroup) -> list[torch.Tensor]:
     the module computes with it. See [Note: Traced tensor-parallel parameters]."""
     layout = group.layout  # refreshed before this trace began: see [Note: Tracing reads what was followed]
     unsharded = (_unshard_bytes if layout.as_bytes else _unshard_plain)(group, layout)
+    if not group.has_tp:
+        return unsharded
     return [t if p.tp is None else p.tp_dtensor(t) for p, t in zip(group.params, unsharded)]
 
 
@@ -207,8 +210,12 @@ def unshard(group: TracedGroup) -> list[torch.Tensor]:
 def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tensor]:
     """`unshard` for a group without all-gather extensions: tp-local tensors."""
     world = layout.world
-    orig_dtypes = {p.orig_dtype for p in group.params}
-    flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else layout.dtype
+    row = _shard_buffer_row(group, layout)
+    if row is not None:
+        flat_dtype = row.dtype  # the shards' one dtype: a buffer holds shards of one dtype only
+    else:
+        orig_dtypes = {p.orig_dtype for p in group.params}
+        flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else layout.dtype
     mesh_info = group.mesh_info
     replicate = _replicate_group_name(mesh_info)
     divide_factor = divide_factors(
@@ -222,7 +229,6 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
     flags = _trainable_flags(group.grad_flags, layout.reduced).to(flat_dtype) if layout.reduced else None
     num_reduced = layout.flags_at + 1 if flags is not None else len(layout.blocks)
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
-    row = _shard_buffer_row(group, layout)
     with annotate(annotation):
         if row is not None:  # [Note: Traced gathers read the shard buffer]
             trainable = [group.params[i] for i in layout.reduced]
@@ -234,7 +240,8 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
                 replicate,
                 divide_factor,
                 layout.reduce_widths if layout.reduced else (),
-                tuple(p.num_valid_rows * p.row_numel for p in trainable),
+                layout.reduce_offsets if layout.reduced else (0,),
+                layout.reduce_valid_numels,
             )
             shards = [p.flat_local_shard() for p in trainable]
             gathered = AllGatherRow.apply(row, spec, layout.dtype, mesh_info.shard_group_name, flags, *shards)

@@ -7,7 +7,6 @@ calls too. See [Note: Traced unshard] in runtime/traced.py.
 
 from __future__ import annotations
 
-import itertools
 from typing import NamedTuple, Optional
 
 import torch
@@ -64,6 +63,7 @@ class RowGradients(NamedTuple):
     replicate: Optional[str]  # HSDP: the replicate axis' group name; else None
     divide_factor: tuple[float, float]  # (pre, post), see `divide_factors` in collectives
     reduce_widths: tuple[int, ...]  # the reduced blocks' widths: the trainable shards', the flags' last
+    reduce_offsets: tuple[int, ...]  # where each reduced block starts, then the row's end
     valid_numels: tuple[int, ...]  # per trainable shard: its elements, padding excluded
 
 
@@ -89,7 +89,7 @@ class AllGatherRow(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.spec
-        reduced_numel = sum(spec.reduce_widths)
+        reduced_numel = spec.reduce_offsets[-1]
         if grad.numel() != spec.world * reduced_numel:  # leave the frozen columns out
             grad = grad.view(spec.world, -1)[:, :reduced_numel].contiguous().view(-1)
         reduced = _reduce_scatter(
@@ -97,7 +97,7 @@ class AllGatherRow(torch.autograd.Function):
         ).to(spec.row_dtype)
         # Each shard's valid elements and the flags, as slices: the copy-in's backward, for a row
         # that was never copied.
-        *offsets, flags_at, end = itertools.accumulate(spec.reduce_widths, initial=0)
+        *offsets, flags_at, end = spec.reduce_offsets  # precomputed: Dynamo traces this in every layer
         shard_grads = [reduced[offset : offset + numel] for offset, numel in zip(offsets, spec.valid_numels)]
         flags = reduced[flags_at:end]
         return None, None, None, None, flags, *shard_grads
