@@ -210,12 +210,9 @@ def unshard(group: TracedGroup) -> list[torch.Tensor]:
 def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tensor]:
     """`unshard` for a group without all-gather extensions: tp-local tensors."""
     world = layout.world
-    row = _shard_buffer_row(group, layout)
-    if row is not None:
-        flat_dtype = row.dtype  # the shards' one dtype: a buffer holds shards of one dtype only
-    else:
-        orig_dtypes = {p.orig_dtype for p in group.params}
-        flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else layout.dtype
+    # Reads every shard first, which orders the graph's inputs (the tests' expected graphs show it).
+    orig_dtypes = {p.orig_dtype for p in group.params}
+    flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else layout.dtype
     mesh_info = group.mesh_info
     replicate = _replicate_group_name(mesh_info)
     divide_factor = divide_factors(
@@ -229,6 +226,7 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
     flags = _trainable_flags(group.grad_flags, layout.reduced).to(flat_dtype) if layout.reduced else None
     num_reduced = layout.flags_at + 1 if flags is not None else len(layout.blocks)
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
+    row = _shard_buffer_row(group, layout)
     with annotate(annotation):
         if row is not None:  # [Note: Traced gathers read the shard buffer]
             trainable = [group.params[i] for i in layout.reduced]
