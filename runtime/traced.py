@@ -237,7 +237,6 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
                 _reduce_group_name(group),
                 replicate,
                 divide_factor,
-                layout.reduce_widths if layout.reduced else (),
                 layout.reduce_offsets if layout.reduced else (0,),
                 layout.reduce_valid_numels,
             )

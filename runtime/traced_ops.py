@@ -62,8 +62,7 @@ class RowGradients(NamedTuple):
     reduce_group: str  # the shard group, or its separate reduce-scatter group
     replicate: Optional[str]  # HSDP: the replicate axis' group name; else None
     divide_factor: tuple[float, float]  # (pre, post), see `divide_factors` in collectives
-    reduce_widths: tuple[int, ...]  # the reduced blocks' widths: the trainable shards', the flags' last
-    reduce_offsets: tuple[int, ...]  # where each reduced block starts, then the row's end
+    reduce_offsets: tuple[int, ...]  # where each reduced block starts (the flags' last), then the row's end
     valid_numels: tuple[int, ...]  # per trainable shard: its elements, padding excluded
 
 

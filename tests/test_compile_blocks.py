@@ -32,16 +32,17 @@ class _RegionBlock(Block):
 
 def _compile_blocks(model, shard, how: str, dump_dir=None):
     """(the model, what the training loop calls)"""
-    if how == "regions":
-        for block in model.layers:
-            block.__class__ = _RegionBlock
-        backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=dump_dir) if shard is fully_shard else "aot_eager"
-        return model, torch.compile(shard_llama(model, shard), backend=backend)
-    if how == "every_block_a_region":  # no class changed: [Note: Every block a compile region]
-        backend = fsdp_graph.backend(compiler="aot_eager", regions="blocks", dump_dir=dump_dir) if shard is fully_shard else "aot_eager"
-        return model, torch.compile(shard_llama(model, shard), backend=backend)
-    if how == "block_scope":  # the whole model compiled, each block's code one graph ([Note: Compile scope])
-        backend = fsdp_graph.backend(compiler="aot_eager", scope="block", dump_dir=dump_dir) if shard is fully_shard else "aot_eager"
+    whole_model = {  # the whole model compiled; our backend's options for each way
+        "regions": {},
+        "every_block_a_region": {"regions": "blocks"},  # no class changed: [Note: Every block a compile region]
+        "block_scope": {"scope": "block"},  # each block's code one graph ([Note: Compile scope])
+    }
+    if how in whole_model:
+        if how == "regions":
+            for block in model.layers:
+                block.__class__ = _RegionBlock
+        options = whole_model[how]
+        backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=dump_dir, **options) if shard is fully_shard else "aot_eager"
         return model, torch.compile(shard_llama(model, shard), backend=backend)
     if how == "compile_then_shard":
         for i, block in enumerate(model.layers):

@@ -71,20 +71,13 @@ def traced_regions() -> str:
     return _traced_backend_setting(REGIONS_ATTR, "regions", "marked")
 
 
-def backend_scope(backend: Any) -> str:
-    """The scope `backend` (a backend or a registered backend's name) compiles for."""
-    if isinstance(backend, str):
-        backend = torch._dynamo.lookup_backend(backend)
-    return getattr(backend, SCOPE_ATTR, "block")
-
-
 @contextlib.contextmanager
 def capture_for(backend: Any) -> Iterator[None]:
     """Trace for `backend` (a backend or a registered backend's name: its scope and regions) where
     Dynamo does not hold the backend while it traces (`aot_compile` captures the graph first and
     hands it to the backend after)."""
     found = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-    _captures.append({SCOPE_ATTR: backend_scope(found), REGIONS_ATTR: getattr(found, REGIONS_ATTR, "marked")})
+    _captures.append({SCOPE_ATTR: getattr(found, SCOPE_ATTR, "block"), REGIONS_ATTR: getattr(found, REGIONS_ATTR, "marked")})
     try:
         yield
     finally:
