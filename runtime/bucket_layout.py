@@ -318,8 +318,7 @@ def _pack_grads_out(
     blocks, padded = [], []
     for i, (grad, shard_numel, numel) in enumerate(zip(grads, shard_numels, numels)):
         if i == flags_at:
-            flags = torch.tensor([float(g is not None) for g in grads[:i]], dtype=out.dtype, device=out.device)
-            blocks.append(flags.expand(world, -1))
+            blocks.append(_grad_flags(grads[:i], out).expand(world, -1))
         elif grad is None or numel == 0:
             blocks.append(zero.expand(world, shard_numel))
         elif numel == world * shard_numel:
@@ -336,6 +335,16 @@ def _pack_grads_out(
             block[:full_rows].copy_(flat[: full_rows * shard_numel].view(full_rows, shard_numel))
         if rest:
             block[full_rows, :rest].copy_(flat[full_rows * shard_numel :])
+
+
+def _grad_flags(grads: list[Optional[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
+    """1 where a gradient is given, else 0, made on `like`'s device by fills: building it on the host
+    and copying it over would make the host wait for the device (a pageable copy) in every backward."""
+    flags = like.new_ones(len(grads))
+    for i, grad in enumerate(grads):
+        if grad is None:
+            flags[i].fill_(0)
+    return flags
 
 
 @pack_grads.register_fake
