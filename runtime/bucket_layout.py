@@ -96,6 +96,9 @@ class BucketLayout:
         dtype: the all-gather row's dtype: the parameters' unsharded dtype, uint8 for a byte bucket.
         as_bytes: whether the group gathers one byte bucket ([Note: Byte buckets]).
         built_from: per parameter, (requires_grad, unsharded dtype, has all-gather extensions).
+        unsharded_views: for a plain bucket, per parameter block, (its place among the blocks
+            `copy_out` returns, the parameter's index, its size with the shard dim first, the shard
+            dim): how a traced step turns `copy_out`'s flat outputs into the unsharded parameters.
     """
 
     world: int
@@ -111,6 +114,7 @@ class BucketLayout:
     dtype: torch.dtype
     as_bytes: bool
     built_from: tuple[tuple[bool, torch.dtype, bool], ...]
+    unsharded_views: tuple[tuple[int, int, torch.Size, int], ...]
 
     @staticmethod
     def inputs_of(params: list[ShardedParam]) -> tuple[tuple[bool, torch.dtype, bool], ...]:
@@ -146,6 +150,9 @@ class BucketLayout:
             dtype=dtype,
             as_bytes=as_bytes,
             built_from=built_from,
+            unsharded_views=() if as_bytes else tuple(
+                (at, i, params[i].moved_size, params[i].shard_dim) for at, i in enumerate(blocks) if i != FLAGS
+            ),
         )
 
     @property

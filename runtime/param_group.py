@@ -80,6 +80,9 @@ class ParamGroup:
         self.params = params
         self.mesh_info = mesh_info
         self.has_tp = any(p.tp is not None for p in params)  # tensor-parallel parameters among them
+        # Every (module, attribute, parameter index) that holds one of the parameters, flat: what a
+        # traced step installs its gathered tensors into (`traced.install`). Owners never change.
+        self.owner_slots = tuple((module, name, i) for i, p in enumerate(params) for module, name in p.owners)
         # Where each parameter lies in the group's all-gather and reduce-scatter rows, for the eager
         # collectives and the traced path alike; rebuilt by `refresh_layout` when the parameters
         # change. See [Note: One bucket layout for eager and traced steps] in runtime/bucket_layout.py.

@@ -83,6 +83,7 @@ class TracedGroup(Protocol):
     grad_flags: Optional[torch.Tensor]  # written by `new_flags_leaf`
     shard_buffer: Optional[ShardBuffer]
     has_tp: bool
+    owner_slots: tuple[tuple[torch.nn.Module, str, int], ...]  # (module, attribute, parameter index)
 
     @property
     def world(self) -> int: ...
@@ -260,9 +261,9 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
             return [_to_param_layout(p, gathered.view(world * p.padded_dim0, *p.moved_size[1:])[: p.moved_size[0]])]
         outputs = torch.ops.fsdp_graph.copy_out(gathered, world, layout.widths, layout.numels, layout.flags_at)
         unsharded: list = [None] * len(group.params)
-        for i, output in zip(layout.blocks, outputs):
-            if i != FLAGS:
-                unsharded[i] = _to_param_layout(group.params[i], output.view(group.params[i].moved_size))
+        for at, i, moved_size, shard_dim in layout.unsharded_views:
+            rows = outputs[at].view(moved_size)  # as `_to_param_layout`, inline: Dynamo traces it per parameter
+            unsharded[i] = rows if shard_dim == 0 else rows.movedim(0, shard_dim).contiguous()
     return unsharded
 
 
@@ -411,13 +412,13 @@ def _flat_row(pieces: list[torch.Tensor], widths: tuple[int, ...]) -> torch.Tens
 
 def install(group: TracedGroup, unsharded: Optional[list[torch.Tensor]]) -> None:
     """Shadow (or un-shadow, with None) every owner's parameter attribute. See [Note: Traced unshard]."""
-    # zip, not enumerate: Dynamo runs its enumerate as traced Python, a cost in every layer
-    for p, tensor in zip(group.params, unsharded if unsharded is not None else group.params):
-        for module, name in p.owners:
-            if unsharded is None:
-                del module.__dict__[name]
-            else:
-                module.__dict__[name] = tensor
+    # One flat loop over the group's owner slots: Dynamo traces every loop step in every layer.
+    if unsharded is None:
+        for module, name, _ in group.owner_slots:
+            del module.__dict__[name]
+    else:
+        for module, name, i in group.owner_slots:
+            module.__dict__[name] = unsharded[i]
 
 
 def pre_forward(state: TracedState, module: torch.nn.Module, args: tuple, kwargs: dict):
