@@ -6,7 +6,8 @@ the machine at hand, and print how far apart they end up: the check to run first
     ... --configs fp32,bf16 --modes eager --profile                          # also where the time goes
 
 Per config (fp32; bf16: bf16 parameters, fp32 reduction; offload: CPU offload, pinned on CUDA; zero2:
-reshard_after_forward=False) and mode (eager; compiled: `torch.compile(model, backend="fsdp_graph")`
+reshard_after_forward=False; unused: fp32 with a parameter in every block that no forward uses, so its
+gradient stays None) and mode (eager; compiled: `torch.compile(model, backend="fsdp_graph")`
 for ours and `torch.compile(model)` for torch's), every side starts from the same weights and takes
 `--steps` AdamW steps on the same batches (each rank its own; the unsharded model takes the global
 batch). Printed per row: the largest parameter difference from the unsharded model and from torch's
@@ -39,7 +40,7 @@ from llama import Llama, llama_config, shard_llama
 
 from fsdp_graph import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-CONFIGS = ("fp32", "bf16", "offload", "zero2")
+CONFIGS = ("fp32", "bf16", "offload", "zero2", "unused")
 MODES = ("eager", "compiled")
 # Ops and ranges of the copies around the collectives: ours (runtime/bucket_layout.py) and torch's.
 COPY_OPS = ("copy_in", "copy_out", "pack_grads", "split_with_sizes_copy", "chunk_cat")
@@ -131,7 +132,18 @@ def build(base: Llama, shard, kwargs: dict, compiled: bool, backend: str | None)
     return model, (torch.compile(model, backend=backend) if compiled else model)
 
 
+def with_unused_params(base: Llama) -> Llama:
+    """`base` with a linear layer in every block that the forward never calls."""
+    model = copy.deepcopy(base)
+    torch.manual_seed(2)
+    for layer in model.layers:
+        layer.unused = torch.nn.Linear(model.cfg.dim, model.cfg.dim, device=model.output.weight.device)
+    return model
+
+
 def run_row(args, config: str, mode: str, base: Llama, batches, device, rank, world) -> list[object]:
+    if config == "unused":
+        base = with_unused_params(base)
     ours_kw, torch_kw = policies(config, device)
     compiled = mode == "compiled"
     unsharded = copy.deepcopy(base)
