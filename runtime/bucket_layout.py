@@ -345,13 +345,17 @@ def _pack_grads_out(
 
 
 def _grad_flags(grads: list[Optional[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
-    """1 where a gradient is given, else 0, made on `like`'s device by fills: building it on the host
-    and copying it over would make the host wait for the device (a pageable copy) in every backward."""
-    flags = like.new_ones(len(grads))
-    for i, grad in enumerate(grads):
-        if grad is None:
-            flags[i].fill_(0)
-    return flags
+    """1 where a gradient is given, else 0, on `like`'s device: made there from runs of ones and
+    zeros, since a list built on the host and copied over would make the host wait for the device
+    (a pageable copy) in every backward."""
+    runs: list[list] = []  # [flag, count] of consecutive equal flags
+    for grad in grads:
+        if runs and runs[-1][0] == (grad is not None):
+            runs[-1][1] += 1
+        else:
+            runs.append([grad is not None, 1])
+    pieces = [like.new_ones(count) if flag else like.new_zeros(count) for flag, count in runs] or [like.new_ones(0)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 @pack_grads.register_fake

@@ -194,3 +194,33 @@ def test_one_layout_per_group_rebuilt_only_when_its_parameters_change():
     assert layouts[2] is not layouts[1] and layouts[2].reduced == (0, 3, 4, 5)
     assert layouts[3] is not layouts[2] and layouts[3].dtype == torch.float64
     assert layouts[4] is layouts[3]
+
+
+class _HostTensorsRead(TorchDispatchMode):
+    """The ops that read a tensor on the host (CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in leaves):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_gradient_packing_on_a_device_makes_nothing_on_the_host():
+    # A tensor made on the host and copied to a GPU (a pageable copy) makes the host wait for the
+    # device: in every group's backward, when the packing built its gradient flags that way. The
+    # packing's kernel, on fake CUDA tensors (no GPU needed), must read no host tensor.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_graph.runtime.bucket_layout import _pack_grads_out
+
+    with FakeTensorMode():
+        grads = [torch.ones(4, device="cuda"), None, torch.ones(6, device="cuda"), None]  # the last: the flags' block
+        out = torch.empty(2 * (2 + 2 + 3 + 3), device="cuda")
+        with _HostTensorsRead() as read:
+            _pack_grads_out(grads, 2, [2, 2, 3, 3], [4, 4, 6, 0], 3, out=out)
+    assert read.ops == []
