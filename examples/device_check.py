@@ -13,9 +13,11 @@ for ours and `torch.compile(model)` for torch's), every side starts from the sam
 batch). Printed per row: the largest parameter difference from the unsharded model and from torch's
 fully_shard, the last loss of each, the median step time of ours and torch's (after the first
 steps), and CUDA's peak allocated memory of each. A row that raises prints its error and the others
-still run. With `--profile`: the device time of ours and torch's eager step by op, the copy-in,
-copy-out and gradient-packing ops first. This is a check and a benchmark, not a test: it asserts
-nothing.
+still run. `--deterministic` (deterministic kernels, SDPA's math kernel) makes ours and torch's agree
+bit for bit where they compute the same. With `--profile`, for one eager step of ours and of torch's:
+the copy-in, copy-out and gradient-packing ops, the CUDA runtime calls (a `cudaStreamSynchronize`
+there is the host waiting for the device), then the ops by device time. This is a check and a
+benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
