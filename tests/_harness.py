@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import pickle
 import queue
 import tempfile
@@ -93,6 +94,10 @@ def run_ranks(fn: Callable, world_size: int = 2, *args, timeout_s: float = DEFAU
         if os.path.exists(store_path):
             os.unlink(store_path)
     errors = [f"rank {r}:\n{e}" for r, (e, _) in sorted(outcomes.items()) if e is not None]
+    # A rank that died of a signal (torch's gloo corrupting the heap, say) shows in the others only
+    # as "Connection reset by peer": name it (-9: killed here, after another rank's failure).
+    errors += [f"rank {r} died without a report: exit code {p.exitcode}" for r, p in enumerate(procs)
+               if r not in outcomes and p.exitcode not in (None, 0, -signal.SIGKILL)]
     if errors:
         raise AssertionError("\n".join(errors))
     return pickle.loads(outcomes[0][1])
