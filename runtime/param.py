@@ -122,7 +122,7 @@ class ShardedParam(AllGatherExtensions):
         local = local.clone() if local.is_meta else local.to(shard_device, copy=True)
         local = local.contiguous()
         # The sharded parameter as last followed; `sharded_param` is the one the module holds now.
-        self._sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
+        self.followed_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
         self._installed = False  # until `install` first registers it on the owners
         # (id, TensorImpl) of the sharded parameter when it was last followed: a new object, or
         # the same one after `torch.utils.swap_tensors`, has lost our hooks and attribute.
@@ -164,7 +164,7 @@ class ShardedParam(AllGatherExtensions):
         (`ParamGroup.pin_shards`)."""
         if not self.local_shard.is_meta:
             pinned = self.local_shard.pin_memory()
-            self._sharded_param = nn.Parameter(self._to_dtensor(pinned), requires_grad=self.requires_grad)
+            self.followed_param = nn.Parameter(self._to_dtensor(pinned), requires_grad=self.requires_grad)
         self.pinned = True
 
     def live_in(self, view: torch.Tensor) -> None:
@@ -261,9 +261,9 @@ class ShardedParam(AllGatherExtensions):
         followed. While Dynamo traces, the last one followed: the trace began by following every
         parameter (see the note above)."""
         if torch.compiler.is_compiling():
-            return self._sharded_param
+            return self.followed_param
         replacement = self.replacement()
-        return replacement if isinstance(replacement, DTensor) else self._sharded_param
+        return replacement if isinstance(replacement, DTensor) else self.followed_param
 
     def replacement(self) -> torch.Tensor | None:
         """What the first owner module holds in place of the sharded parameter, if anything else
@@ -272,7 +272,7 @@ class ShardedParam(AllGatherExtensions):
             return None
         module, name = self.owners[0]
         live = module._parameters.get(name)
-        if live is self._sharded_param or live is None or live is self.unsharded_param:  # the usual case first
+        if live is self.followed_param or live is None or live is self.unsharded_param:  # the usual case first
             return None
         return live
 
@@ -282,9 +282,9 @@ class ShardedParam(AllGatherExtensions):
         replacement = self.replacement()
         if replacement is not None:
             self._check_replacement(replacement)
-            self._sharded_param = replacement
+            self.followed_param = replacement
             self.install(sharded=True)  # every owner of a tied weight
-        current = self._sharded_param
+        current = self.followed_param
         if self._followed != (id(current), current._cdata):
             self._followed = (id(current), current._cdata)
             setattr(current, OWNER_ATTR, self)
@@ -375,7 +375,7 @@ class ShardedParam(AllGatherExtensions):
 
     def install(self, sharded: bool) -> None:
         """Register the sharded or the unsharded parameter on every owner module."""
-        param = self._sharded_param if sharded else self.unsharded_param
+        param = self.followed_param if sharded else self.unsharded_param
         for module, name in self.owners:
             module._parameters[name] = param
         self._installed = True

@@ -212,7 +212,9 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
     """`unshard` for a group without all-gather extensions: tp-local tensors."""
     world = layout.world
     # Reads every shard first, which orders the graph's inputs (the tests' expected graphs show it).
-    orig_dtypes = {p.orig_dtype for p in group.params}
+    # While Dynamo traces, a parameter's shard is the one last followed: read it without the
+    # `sharded_param` property, whose check Dynamo would step for every parameter of every layer.
+    orig_dtypes = {p.followed_param.dtype for p in group.params}
     flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else layout.dtype
     mesh_info = group.mesh_info
     replicate = _replicate_group_name(mesh_info)
@@ -241,7 +243,7 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
                 layout.reduce_offsets if layout.reduced else (0,),
                 layout.reduce_valid_numels,
             )
-            shards = [p.flat_local_shard() for p in trainable]
+            shards = [p.shard_dim_first(p.followed_param.to_local()).reshape(-1) for p in trainable]  # flat_local_shard()
             gathered = AllGatherRow.apply(row, spec, layout.dtype, mesh_info.shard_group_name, flags, *shards)
         else:
             pieces = [piece.to(flat_dtype) for piece in layout.shard_pieces(group.params, flags)]
