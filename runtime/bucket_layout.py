@@ -48,7 +48,6 @@ which may change between steps ([Note: Parameters changed after fully_shard] in 
 from __future__ import annotations
 
 import itertools
-
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -345,17 +344,11 @@ def _pack_grads_out(
 
 
 def _grad_flags(grads: list[Optional[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
-    """1 where a gradient is given, else 0, on `like`'s device: made there from runs of ones and
-    zeros, since a list built on the host and copied over would make the host wait for the device
-    (a pageable copy) in every backward."""
-    runs: list[list] = []  # [flag, count] of consecutive equal flags
-    for grad in grads:
-        if runs and runs[-1][0] == (grad is not None):
-            runs[-1][1] += 1
-        else:
-            runs.append([grad is not None, 1])
-    pieces = [like.new_ones(count) if flag else like.new_zeros(count) for flag, count in runs] or [like.new_ones(0)]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    """1 where a gradient is given, else 0, made on `like`'s device: a list built on the host and
+    copied over would make the host wait for the device (a pageable copy) in every backward."""
+    if all(grad is not None for grad in grads):
+        return like.new_ones(len(grads))
+    return torch.cat([like.new_ones(1) if grad is not None else like.new_zeros(1) for grad in grads])
 
 
 @pack_grads.register_fake

@@ -243,7 +243,7 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
                 layout.reduce_offsets if layout.reduced else (0,),
                 layout.reduce_valid_numels,
             )
-            shards = [p.shard_dim_first(p.followed_param.to_local()).reshape(-1) for p in trainable]  # flat_local_shard()
+            shards = [p.flat_local_shard(followed=True) for p in trainable]
             gathered = AllGatherRow.apply(row, spec, layout.dtype, mesh_info.shard_group_name, flags, *shards)
         else:
             pieces = [piece.to(flat_dtype) for piece in layout.shard_pieces(group.params, flags)]
@@ -260,12 +260,11 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
             )
         if flags is None and len(group.params) == 1:  # the rows are the padded parameter: a view, no copy
             p = group.params[0]
-            return [_to_param_layout(p, gathered.view(world * p.padded_dim0, *p.moved_size[1:])[: p.moved_size[0]])]
+            return [_to_param_layout(gathered.view(world * p.padded_dim0, *p.moved_size[1:])[: p.moved_size[0]], p.shard_dim)]
         outputs = torch.ops.fsdp_graph.copy_out(gathered, world, layout.widths, layout.numels, layout.flags_at)
         unsharded: list = [None] * len(group.params)
         for at, i, moved_size, shard_dim in layout.unsharded_views:
-            rows = outputs[at].view(moved_size)  # as `_to_param_layout`, inline: Dynamo traces it per parameter
-            unsharded[i] = rows if shard_dim == 0 else rows.movedim(0, shard_dim).contiguous()
+            unsharded[i] = _to_param_layout(outputs[at].view(moved_size), shard_dim)
     return unsharded
 
 
@@ -356,7 +355,7 @@ def _unshard_bytes(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
             )
         for i, tensor in zip(layout.reduced, routed):
             rebuilt[i] = tensor
-    return [_to_param_layout(p, tensor) for p, tensor in zip(group.params, rebuilt)]
+    return [_to_param_layout(tensor, p.shard_dim) for p, tensor in zip(group.params, rebuilt)]
 
 
 # [Note: Traced gathers read the shard buffer]
@@ -397,10 +396,10 @@ def _reduce_group_name(group: TracedGroup) -> str:
     return group.mesh_info.shard_group_name if separate is None else separate.group_name
 
 
-def _to_param_layout(p, rows: torch.Tensor) -> torch.Tensor:
+def _to_param_layout(rows: torch.Tensor, shard_dim: int) -> torch.Tensor:
     """The gathered rows (shard dim first) as the parameter: for a shard dim k > 0 moved back and
     made contiguous, as eager's copy-out does ([Note: Sharding on another dim] in runtime/param.py)."""
-    return rows if p.shard_dim == 0 else rows.movedim(0, p.shard_dim).contiguous()
+    return rows if shard_dim == 0 else rows.movedim(0, shard_dim).contiguous()
 
 
 def _flat_row(pieces: list[torch.Tensor], widths: tuple[int, ...]) -> torch.Tensor:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 import pickle
 import queue
+import signal
 import tempfile
 import traceback
 from datetime import timedelta
