@@ -164,7 +164,6 @@ def run_row(args, config: str, mode: str, base: Llama, batches, device, rank, wo
             side.step(tokens[rank])
         side.peak = side.peak_mib()
         side.mallocs = device_allocs(device) - mallocs
-        del model, step_fn
     for tokens in batches:
         reference.step(torch.cat(list(tokens)))
     params = {name: [full(p) for p in side.model.parameters()] for name, side in sides.items()}
