@@ -109,6 +109,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", default="h100-nvlink", help="hardware profile of the prediction")
     parser.add_argument("--predict-batch", type=int, default=4, help="sequences per rank in the prediction")
     parser.add_argument("--predict-seq-len", type=int, default=2048, help="tokens per sequence in the prediction")
+    parser.add_argument("--predict-trace-all", action="store_true",
+                        help="trace every block (default: trace four and stamp the rest out, passes/stamp.py)")
     parser.add_argument("--budget-gib", type=float, help="with --predict-8b: memory_budget_bytes for selective unsharding")
     parser.add_argument("--timeline", help="with --predict-8b: write our schedule's SVG timeline here (see fsdp_graph.inspect)")
     parser.add_argument("--trace", help="with --predict-8b: write our schedule as a Chrome trace (Perfetto) here")
@@ -534,7 +536,8 @@ def predict_8b(args) -> None:
         start = time.perf_counter()
         budget = int(args.budget_gib * 2**30) if args.budget_gib is not None else None
         tokens = torch.randint(0, cfg.vocab_size, (args.predict_batch, args.predict_seq_len), device="meta")
-        graphs = capture_graphs(model, tokens, memory_budget_bytes=budget)
+        graphs = capture_graphs(model, tokens, memory_budget_bytes=budget,
+                                repeated_blocks=None if args.predict_trace_all else model.layers)
         print(f"Llama-3-8B shape ({num_params / 1e9:.2f}B params), {args.predict_batch}x{args.predict_seq_len} tokens/rank, bf16 params, fp32 "
               f"reduce, world 8, traced in {time.perf_counter() - start:.0f} s; profile {args.profile}")
         gathered = {kind: sum(tensor_bytes(n) for n in gm.graph.nodes if is_all_gather(n)) for kind, gm in graphs.items()}

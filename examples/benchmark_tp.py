@@ -71,6 +71,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--predict-chunks", type=int, default=8, help="async TP: row chunks per matmul -> all-reduce")
     parser.add_argument("--predict-async-only", action="store_true", help="only the last row, all passes (skips the slower baselines)")
     parser.add_argument("--predict-no-checkpoint", action="store_true", help="predict without activation checkpointing")
+    parser.add_argument("--predict-trace-all", action="store_true",
+                        help="trace every block (default: trace four and stamp the rest out, passes/stamp.py)")
     return parser.parse_args()
 
 
@@ -179,11 +181,12 @@ def predict_70b(args) -> None:
         resident = 4 * sum(p.to_local().numel() for p in model.parameters()) * 4
         start = time.perf_counter()
         tokens = torch.randint(0, cfg.vocab_size, (args.predict_batch, args.predict_seq_len), device="meta")
-        graphs = capture_graphs(model, tokens)
+        graphs = capture_graphs(model, tokens, repeated_blocks=None if args.predict_trace_all else model.layers)
+        traced = "every block traced" if args.predict_trace_all else "four blocks traced, the rest stamped out"
         ac = "no activation checkpointing" if args.predict_no_checkpoint else "activation checkpointing per block"
         setup = (f"Llama-3-70B shape, {cfg.num_layers} layers ({num_params / 1e9:.2f}B params), FSDP 8 x TP 8 (64 ranks, "
                  f"vocabulary-parallel embedding and head), {args.predict_batch}x{args.predict_seq_len} tokens per dp rank, "
-                 f"bf16 params, fp32 reduce, flash attention, {ac}; {cost_model}; resident per rank (fp32 shards, "
+                 f"bf16 params, fp32 reduce, flash attention, {ac}; {cost_model}; {traced}; resident per rank (fp32 shards, "
                  f"gradients, AdamW moments) {resident / 2**30:.2f} GiB")
         print(f"{setup}; traced in {time.perf_counter() - start:.0f} s")
 

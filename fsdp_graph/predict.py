@@ -40,8 +40,9 @@ from .compile.partition import partition
 from .passes.cost_model import CostModel
 from .passes.pipeline import PassPipeline
 from .passes.simulator import Simulation, program_of, simulate
+from .passes.stamp import stamp_blocks
 from .passes.table import Stage
-from .runtime.state import capturing_graphs
+from .runtime.state import FSDPState, capturing_graphs
 
 __all__ = ["StepPrediction", "capture_graphs", "fake_world", "predict_step", "schedule_graphs"]
 
@@ -84,16 +85,38 @@ def capture_graphs(
     *args: Any,
     memory_budget_bytes: Optional[int] = None,
     loss: Callable[[Any], torch.Tensor] = lambda output: output.sum(),
+    repeated_blocks: Optional[torch.nn.ModuleList] = None,
 ) -> dict[str, GraphModule]:
     """Compile `model(*args)` and `loss(output).backward()` once; returns {"forward": ...,
     "backward": ...}: the graphs after the backend's joint passes (selective unsharding under
     `memory_budget_bytes`, then resharding after forward) and its partitioner, before scheduling.
-    Nothing is computed: the graphs are only captured, so the inputs may be on the meta device."""
-    joint = PassPipeline("joint", BackendConfig(memory_budget_bytes=memory_budget_bytes).passes(Stage.JOINT), frozenset(), None)
+    Nothing is computed: the graphs are only captured, so the inputs may be on the meta device.
+
+    `repeated_blocks`, the model's list of blocks alike in code, shapes and sharding (each a
+    `fully_shard` group of its own, as a Llama's layers): the trace then runs only the first three
+    and the last, and the graphs hold all of them, stamped out from the third ([Note: Stamping
+    blocks] in passes/stamp.py). The trace of a deep model costs four blocks' time instead of all
+    of theirs. Raises `ValueError` where the blocks do not trace alike; the model's list is as it
+    was afterwards."""
+    joint_passes = PassPipeline("joint", BackendConfig(memory_budget_bytes=memory_budget_bytes).passes(Stage.JOINT),
+                                frozenset(), None)
     graphs: dict[str, GraphModule] = {}
+    stamped: dict[str, GraphModule] = {}
+    stamping = repeated_blocks is not None and len(repeated_blocks) > _TRACED_BLOCKS
+    if stamping:
+        blocks_path = _path_of(model, repeated_blocks)
+        group_names = [_group_name(block, f"{blocks_path}.{i}") for i, block in enumerate(repeated_blocks)]
 
     def partition_joint(joint_gm, joint_inputs, **kwargs):
-        return partition(joint(joint_gm, "graph"), joint_inputs, **kwargs)
+        if not stamping:
+            return partition(joint_passes(joint_gm, "graph"), joint_inputs, **kwargs)
+        if not stamped:
+            joint = _copy_of(joint_gm)
+            static = stamp_blocks(joint, blocks_path, group_names, kwargs["num_fwd_outputs"],
+                                  kwargs.get("static_lifetime_input_indices"))
+            stamped["forward"], stamped["backward"] = partition(
+                joint_passes(joint, "graph"), joint_inputs, **{**kwargs, "static_lifetime_input_indices": static})
+        return partition(joint_gm, joint_inputs, **kwargs)  # what runs: the traced blocks only
 
     def keep(kind: str):
         def compile_graph(gm: GraphModule, _inputs):
@@ -106,10 +129,55 @@ def capture_graphs(
                            keep_inference_input_mutations=True)
     setattr(backend, SCOPE_ATTR, "step")  # the hooks traced into the graph: [Note: Compile scope]
     torch._dynamo.reset()
-    with capturing_graphs(model):
-        loss(torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(*args)).backward()
+    with capturing_graphs(model), _traced_blocks(repeated_blocks if stamping else None):
+        try:
+            loss(torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(*args)).backward()
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            if isinstance(error.inner_exception, ValueError):  # the blocks cannot be stamped: say so plainly
+                raise error.inner_exception from None
+            raise
     torch._dynamo.reset()
-    return graphs
+    return stamped or graphs
+
+
+_TRACED_BLOCKS = 4  # the first three blocks and the last: [Note: Stamping blocks]
+
+
+@contextmanager
+def _traced_blocks(blocks: Optional[torch.nn.ModuleList]) -> Iterator[None]:
+    """`blocks` holding only the first three of its blocks and its last, for the trace."""
+    if blocks is None:
+        yield
+        return
+    saved = blocks._modules
+    kept = [*list(blocks)[:_TRACED_BLOCKS - 1], blocks[-1]]
+    blocks._modules = dict((str(i), block) for i, block in enumerate(kept))
+    try:
+        yield
+    finally:
+        blocks._modules = saved
+
+
+def _copy_of(gm: GraphModule) -> GraphModule:
+    """A copy of `gm` to change: its own nodes (and their meta dicts), the same fake tensors."""
+    graph = torch.fx.Graph()
+    value, output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    graph.output(value).meta = dict(output.meta)
+    return GraphModule(gm, graph)
+
+
+def _path_of(model: torch.nn.Module, blocks: torch.nn.Module) -> str:
+    path = next((name for name, module in model.named_modules() if module is blocks), None)
+    if not path:
+        raise ValueError("repeated_blocks must be a list of blocks inside the model (e.g. model.layers)")
+    return path
+
+
+def _group_name(block: torch.nn.Module, fqn: str) -> str:
+    state = getattr(block, "_fsdp_state", None)
+    if not isinstance(state, FSDPState) or state.group is None or len(state.modules) != 1 or state.modules[0] is not block:
+        raise ValueError(f"repeated_blocks: {fqn} is not a fully_shard group of its own; call fully_shard on each block")
+    return state.group.name
 
 
 def schedule_graphs(graphs: dict[str, GraphModule], **options: Any) -> dict[str, GraphModule]:

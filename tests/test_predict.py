@@ -167,3 +167,87 @@ def test_overlap_tp_all_reduces_moves_only_independent_work_and_hides_tp_time():
 
     assert exposed(sims["with"], "tp") < exposed(sims["without"], "tp")
     assert exposed(sims["with"], "fsdp") <= exposed(sims["without"], "fsdp") + 1e-9
+
+
+# -- stamping blocks out (passes/stamp.py) ----------------------------------------------------------------
+# The reference is the trace of the whole model: the graphs stamped out from four traced blocks hold the
+# same ops, the same FSDP collectives per group, and predict the same step to the last bit.
+
+
+def _ops(gm) -> list:
+    """The graph's ops, by kind, and each FSDP group's annotated nodes in order."""
+    from collections import Counter
+
+    ops = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    per_group = {}
+    for n in gm.graph.nodes:
+        group = fsdp_meta(n, GROUP_KEY)
+        if group is not None:
+            per_group.setdefault(group, []).append(str(n.target))
+    return [sorted(ops.items()), per_group, sum(n.op == "placeholder" for n in gm.graph.nodes) > 0]
+
+
+def _prediction(graphs: dict, scheduled: bool) -> tuple:
+    from fsdp_graph.passes.cost_model import CostModel
+    from fsdp_graph.predict import predict_step
+
+    cost_model = CostModel("h100-infiniband", links={"tp": "h100-nvlink"})
+    if scheduled:
+        graphs = schedule_graphs(graphs, hardware_profile=cost_model, async_tp_chunks=4)
+    step = predict_step(graphs, cost_model)
+    return step.step_s, step.exposed_s, step.peak_bytes, step.peak_graph, step.num_collectives
+
+
+def _llama_tp(layers: int):
+    from benchmark_tp import parallelize_llama
+    from _models import Llama, LlamaConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = LlamaConfig(vocab_size=256, dim=128, num_layers=layers, num_heads=4, num_kv_heads=2, hidden_dim=256,
+                      max_seq_len=64, checkpoint_blocks=True, flash_attention=True)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = Llama(cfg)
+    parallelize_llama(model, mesh, fully_shard, vocab_parallel=True)
+    return model, model.layers, (torch.randint(0, 256, (2, 64), device="meta"),)
+
+
+def _mlp_stack(layers: int):
+    with torch.device("meta"):
+        model = MLPStack(dim=24, hidden=40, num_blocks=layers)
+    shard_blocks_then_root(model)
+    return model, model.blocks, (torch.randn(8, 24, device="meta"),)
+
+
+@pytest.mark.parametrize("build, world, budget", [(_llama_tp, 4, None), (_mlp_stack, 8, None), (_mlp_stack, 8, 60_000)],
+                         ids=["llama-fsdp-x-tp-checkpointed", "mlp-stack", "mlp-stack-memory-budget"])
+def test_stamped_graphs_are_the_whole_models_trace(build, world, budget):
+    with fake_world(world):
+        model, _, inputs = build(7)
+        whole = capture_graphs(model, *inputs, memory_budget_bytes=budget)
+        model, blocks, inputs = build(7)
+        before = list(blocks)
+        stamped = capture_graphs(model, *inputs, memory_budget_bytes=budget, repeated_blocks=blocks)
+        assert list(blocks) == before  # the model's list is as it was
+        for kind in ("forward", "backward"):
+            assert _ops(stamped[kind]) == _ops(whole[kind]), kind
+        for scheduled in (False, True):
+            assert _prediction(stamped, scheduled) == _prediction(whole, scheduled)
+
+
+def test_stamping_refuses_blocks_that_differ():
+    """A list whose middle block is wider than its neighbours, and one whose blocks are not groups of their
+    own: a ValueError that says to capture the whole model, or to shard each block."""
+    with fake_world(8):
+        with torch.device("meta"):
+            model = MLPStack(dim=24, hidden=40, num_blocks=6)
+            model.blocks[2] = type(model.blocks[2])(24, 48)
+        shard_blocks_then_root(model)
+        with pytest.raises(ValueError, match="capture the whole model"):
+            capture_graphs(model, torch.randn(8, 24, device="meta"), repeated_blocks=model.blocks)
+        assert len(model.blocks) == 6
+        with torch.device("meta"):
+            model = MLPStack(dim=24, hidden=40, num_blocks=6)
+        fully_shard(model)
+        with pytest.raises(ValueError, match="fully_shard group of its own"):
+            capture_graphs(model, torch.randn(8, 24, device="meta"), repeated_blocks=model.blocks)
