@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -20,7 +21,15 @@ from fsdp_graph.predict import fake_world
 DEFAULT_TIMEOUT_S = 180
 
 
+def _crash_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.crash{rank}"
+
+
 def _rank_main(fn, rank, world_size, store_path, results, timeout_s, args) -> None:
+    # A fatal signal (a segfault) leaves no Python traceback to report: faulthandler writes every
+    # thread's stack to a file the parent reads if the rank dies. The file stays open until exit.
+    crash_file = open(_crash_path(store_path, rank), "w")
+    faulthandler.enable(file=crash_file, all_threads=True)
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
@@ -93,14 +102,25 @@ def run_ranks(fn: Callable, world_size: int = 2, *args, timeout_s: float = DEFAU
                 p.join()
         if os.path.exists(store_path):
             os.unlink(store_path)
+        crashes = {r: _read_and_remove(_crash_path(store_path, r)) for r in range(world_size)}
     errors = [f"rank {r}:\n{e}" for r, (e, _) in sorted(outcomes.items()) if e is not None]
-    # A rank that died of a signal (torch's gloo corrupting the heap, say) shows in the others only
-    # as "Connection reset by peer": name it (-9: killed here, after another rank's failure).
-    errors += [f"rank {r} died without a report: exit code {p.exitcode}" for r, p in enumerate(procs)
+    # A rank that died of a signal shows in the others only as "Connection reset by peer": name it
+    # (-9: killed here, after another rank's failure), with the stacks faulthandler wrote.
+    errors += [f"rank {r} died without a report: exit code {p.exitcode}\n{crashes[r]}" for r, p in enumerate(procs)
                if r not in outcomes and p.exitcode not in (None, 0, -signal.SIGKILL)]
     if errors:
         raise AssertionError("\n".join(errors))
     return pickle.loads(outcomes[0][1])
+
+
+def _read_and_remove(path: str) -> str:
+    try:
+        with open(path) as f:
+            text = f.read()
+        os.unlink(path)
+    except OSError:
+        return ""
+    return text
 
 
 # A fake process group of any size in this process (shapes right, data not), as a context manager.
