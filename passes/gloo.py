@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .nodes import C10D, _process_group, backend_of, is_wait_tensor
+from .nodes import C10D, _process_group, backend_of, is_wait_tensor, owned_by
 
 
 # [Note: All-gathers on gloo]
@@ -68,16 +68,6 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
 # plan (an in-place all-reduce holds one row while it runs, repro/gloo_collective_scratch.py).
 
 
-def _owned_by(node: Node, user: Node) -> bool:
-    """`node` is a fresh tensor (no view or alias of another) that only `user` reads."""
-    if node.op != "call_function" or set(node.users) != {user}:
-        return False
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target.is_view:
-        return False
-    return all(ret.alias_info is None for ret in target._schema.returns)
-
-
 def reduce_scatters_in_place_on_gloo(gm: GraphModule) -> GraphModule:
     """Each reduce-scatter on gloo whose input it owns, rewritten as `all_reduce_` of that input and
     this rank's row of it after the wait; see [Note: Reduce-scatters on gloo]."""
@@ -86,7 +76,7 @@ def reduce_scatters_in_place_on_gloo(gm: GraphModule) -> GraphModule:
             continue
         bucket, reduce_op, world, group_name = node.args
         waits = list(node.users)
-        if backend_of(node) != "gloo" or not _owned_by(bucket, node) or not all(is_wait_tensor(w) for w in waits):
+        if backend_of(node) != "gloo" or not owned_by(bucket, node) or not all(is_wait_tensor(w) for w in waits):
             continue
         rank = _process_group(node).rank()
         full = bucket.meta["val"]

@@ -46,6 +46,16 @@ def is_all_reduce(node: Node) -> bool:
     return node.op == "call_function" and node.target in (C10D.all_reduce.default, C10D.all_reduce_.default)
 
 
+def owned_by(node: Node, user: Node) -> bool:
+    """`node` is a fresh tensor (no view or alias of another) that only `user` reads."""
+    if node.op != "call_function" or set(node.users) != {user}:
+        return False
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.is_view:
+        return False
+    return all(ret.alias_info is None for ret in target._schema.returns)
+
+
 def is_wait_tensor(node: Node) -> bool:
     return node.op == "call_function" and node.target is C10D.wait_tensor.default
 

@@ -6,7 +6,7 @@ shapes (a rank recompiling alone while the others run the graph they compiled be
 with other costs, and its collectives may come out in another order than the graph the other ranks
 run: [Note: One wire order per frame] in fsdp_graph/compile/agreement.py. `order_collectives_as`
 moves nodes so that the collectives come in the order given, keeping every data dependency and the
-order of every node that mutates its inputs; the schedule's overlap is kept wherever the given
+order of every node that writes a tensor others read; the schedule's overlap is kept wherever the given
 order allows it.
 """
 
@@ -16,7 +16,7 @@ import heapq
 
 from torch.fx import GraphModule, Node
 
-from .nodes import collective_label, is_collective
+from .nodes import collective_label, is_collective, owned_by
 
 
 def wire_order(gm: GraphModule) -> tuple[str, ...]:
@@ -30,18 +30,30 @@ def _wire_label(node: Node) -> str:
     return f"{getattr(node.target, '__name__', str(node.target))} {collective_label(node)}"
 
 
-def _mutates(node: Node) -> bool:
+def _is_barrier(node: Node) -> bool:
+    """A node that writes a tensor other nodes may read: no node crosses it. One that writes only
+    a fresh buffer of its own is not (gloo's all-gather into a new tensor, passes/gloo.py): the
+    collectives it must be issued between are free to move around it."""
     if node.op != "call_function":
         return False
     schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
+    if schema is None or not schema.is_mutable:
+        return False
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node.kwargs[argument.name] if argument.name in node.kwargs else (
+            node.args[i] if i < len(node.args) else None)
+        if not (isinstance(value, Node) and owned_by(value, node)):
+            return True
+    return False
 
 
 def order_collectives_as(gm: GraphModule, order: tuple[str, ...]) -> bool:
     """Reorder `gm`'s nodes so that its collectives are issued in `order` (as `wire_order` spells
     it). Every other node keeps its place relative to the others as far as the collectives allow
     (a list schedule by original position, where a collective is ready only when it is next in
-    `order`); a node that mutates an input is a barrier no node crosses. Returns False, leaving
+    `order`); a node that writes a tensor others read is a barrier no node crosses. Returns False, leaving
     `gm` as it was, when its collectives are not those of `order` or cannot come in that order."""
     nodes = list(gm.graph.nodes)
     labels = {n: _wire_label(n) for n in nodes if is_collective(n)}
@@ -51,7 +63,7 @@ def order_collectives_as(gm: GraphModule, order: tuple[str, ...]) -> bool:
         return True
     position = {n: i for i, n in enumerate(nodes)}
     waiting_for = {n: len(set(n.all_input_nodes)) for n in nodes}
-    barriers = [position[n] for n in nodes if _mutates(n)] + [len(nodes)]
+    barriers = [position[n] for n in nodes if _is_barrier(n)] + [len(nodes)]
     ready: list[int] = []  # positions of nodes whose inputs are all placed
     held: dict[str, list[int]] = {}  # ready collectives by label, until they are next in `order`
     placed: list[Node] = []

@@ -281,3 +281,47 @@ def test_a_relaunch_with_warm_caches_keeps_the_frames_wire_orders(tmp_path):
     assert run_ranks(_per_rank_padding_inductor, 2, cache_dir) == 1  # cold: the first graph asked, the recompile did not
     assert run_ranks(_per_rank_padding_inductor, 2, cache_dir) == 1  # warm: the same, its first graph from the caches
     assert list((tmp_path / "inductor" / "fsdp_graph" / "wire_orders").iterdir())
+
+
+def _one_rank_stays_on_the_first_graph(rank, world_size, layers, lengths):
+    """Rank 0 keeps its first length (its first graph, static) while rank 1 takes new ones (a
+    recompile, symbolic in the length), against an unsharded reference on both ranks' batches."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from _models import Llama, LlamaConfig, shard_llama
+
+    torch.manual_seed(0)
+    reference = Llama(LlamaConfig(vocab_size=512, dim=128, num_layers=layers, num_heads=4, num_kv_heads=2, hidden_dim=344))
+    model = shard_llama(copy.deepcopy(reference), fully_shard)
+    run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager"))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(len(lengths[0])):
+        tokens = [torch.randint(0, 512, (4, lengths[r][step] + 1), generator=torch.Generator().manual_seed(10 * step + r))
+                  for r in range(world_size)]
+        ref_loss = sum(F.cross_entropy(reference(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()) for t in tokens) / world_size
+        ref_loss.backward()
+        mine = tokens[rank]
+        loss = F.cross_entropy(run(mine[:, :-1]).flatten(0, 1), mine[:, 1:].flatten())
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total.item() / world_size, ref_loss.item(), rtol=1e-4, atol=1e-5)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), reference.get_parameter(name).grad, rtol=1e-4, atol=1e-5,
+                                       msg=name)
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+    assert model._fsdp_state.ctx.fallbacks == {}, model._fsdp_state.ctx.fallbacks
+
+
+def test_one_rank_on_its_first_graph_while_the_other_recompiles():
+    """The recompiled graph, scheduled with other costs, put a re-gather after a reduce-scatter
+    where the first graph issued it before; on gloo the all-gathers write a buffer of their own,
+    which `order_collectives_as` took as a barrier no collective could cross, so it could not
+    give the new graph the first one's order, and the two ranks waited on each other's collectives
+    for ever."""
+    run_ranks(_one_rank_stays_on_the_first_graph, 2, 4, ([24, 24, 24], [24, 32, 40]), timeout_s=120)
