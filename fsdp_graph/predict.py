@@ -96,8 +96,9 @@ def capture_graphs(
     `fully_shard` group of its own, as a Llama's layers): the trace then runs only the first three
     and the last, and the graphs hold all of them, stamped out from the third ([Note: Stamping
     blocks] in passes/stamp.py). The trace of a deep model costs four blocks' time instead of all
-    of theirs. Raises `ValueError` where the blocks do not trace alike; the model's list is as it
-    was afterwards."""
+    of theirs. Raises `ValueError` where the traced blocks do not trace alike; blocks that differ
+    in a way the four traced ones do not show (every fourth layer another attention) must be
+    captured whole. The model's list is as it was afterwards."""
     joint_passes = PassPipeline("joint", BackendConfig(memory_budget_bytes=memory_budget_bytes).passes(Stage.JOINT),
                                 frozenset(), None)
     graphs: dict[str, GraphModule] = {}

@@ -236,8 +236,6 @@ def _per_rank_padding_inductor(rank, world_size, cache_dir):
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # ranks fork from a server started before the test
 
-    import torch.nn.functional as F
-
     from _models import shard_llama, tiny_llama
     from fsdp_graph.compile import agreement
 
@@ -248,11 +246,20 @@ def _per_rank_padding_inductor(rank, world_size, cache_dir):
     reference = tiny_llama(2)
     model = shard_llama(copy.deepcopy(reference), fully_shard)
     run = torch.compile(model, backend=fsdp_graph.backend(compiler="inductor"))
+    _steps_against_reference(rank, world_size, reference, model, run, ([8, 8, 8, 9], [8, 12, 12, 15]), batch=2)
+    return len(asked)
+
+
+def _steps_against_reference(rank, world_size, reference, model, run, lengths, batch):
+    """One AdamW step per length, rank r on `lengths[r]`, each checked against the unsharded
+    `reference` on both ranks' batches: the loss averaged over the ranks and every gradient."""
+    import torch.nn.functional as F
+
+    vocab = reference.tok_embeddings.num_embeddings
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    lengths = ([8, 8, 8, 9], [8, 12, 12, 15])
-    for step in range(4):
-        tokens = [torch.randint(0, 64, (2, lengths[r][step] + 1), generator=torch.Generator().manual_seed(10 * step + r))
+    for step in range(len(lengths[0])):
+        tokens = [torch.randint(0, vocab, (batch, lengths[r][step] + 1), generator=torch.Generator().manual_seed(10 * step + r))
                   for r in range(world_size)]
         ref_loss = sum(F.cross_entropy(reference(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()) for t in tokens) / world_size
         ref_loss.backward()
@@ -269,7 +276,6 @@ def _per_rank_padding_inductor(rank, world_size, cache_dir):
             o.step()
             o.zero_grad()
     assert model._fsdp_state.ctx.fallbacks == {}, model._fsdp_state.ctx.fallbacks
-    return len(asked)
 
 
 def test_a_relaunch_with_warm_caches_keeps_the_frames_wire_orders(tmp_path):
@@ -288,34 +294,13 @@ def _one_rank_stays_on_the_first_graph(rank, world_size, layers, lengths):
     recompile, symbolic in the length), against an unsharded reference on both ranks' batches."""
     import copy
 
-    import torch.nn.functional as F
-
     from _models import Llama, LlamaConfig, shard_llama
 
     torch.manual_seed(0)
     reference = Llama(LlamaConfig(vocab_size=512, dim=128, num_layers=layers, num_heads=4, num_kv_heads=2, hidden_dim=344))
     model = shard_llama(copy.deepcopy(reference), fully_shard)
     run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager"))
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(len(lengths[0])):
-        tokens = [torch.randint(0, 512, (4, lengths[r][step] + 1), generator=torch.Generator().manual_seed(10 * step + r))
-                  for r in range(world_size)]
-        ref_loss = sum(F.cross_entropy(reference(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()) for t in tokens) / world_size
-        ref_loss.backward()
-        mine = tokens[rank]
-        loss = F.cross_entropy(run(mine[:, :-1]).flatten(0, 1), mine[:, 1:].flatten())
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        torch.testing.assert_close(total.item() / world_size, ref_loss.item(), rtol=1e-4, atol=1e-5)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), reference.get_parameter(name).grad, rtol=1e-4, atol=1e-5,
-                                       msg=name)
-        for o in (ref_opt, opt):
-            o.step()
-            o.zero_grad()
-    assert model._fsdp_state.ctx.fallbacks == {}, model._fsdp_state.ctx.fallbacks
+    _steps_against_reference(rank, world_size, reference, model, run, lengths, batch=4)
 
 
 def test_one_rank_on_its_first_graph_while_the_other_recompiles():
