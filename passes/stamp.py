@@ -325,10 +325,26 @@ def _shared_storages(graph: Graph, template: _Block) -> set:
 
 
 def _fresh_like(t: torch.Tensor, storages: dict) -> torch.Tensor:
+    """A fake tensor like `t` on the copy's storage for `t`'s (made at the first tensor that views
+    it): one op where `t` is the first and spans its whole storage, as most values do."""
     key = StorageWeakRef(t.untyped_storage())
-    if key in storages and storages[key] is None:
+    base = storages.get(key, t)
+    if base is None:
         return t
     with t.fake_mode:
-        if key not in storages:
-            storages[key] = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device=t.device)
-        return storages[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+        if base is t:  # the first of its storage in this copy
+            nbytes = t.untyped_storage().nbytes()
+            if t.storage_offset() == 0 and nbytes == _spanned_bytes(t):
+                storages[key] = fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                return fresh
+            storages[key] = base = torch.empty(nbytes, dtype=torch.uint8, device=t.device)
+        if base.dtype != t.dtype:
+            base = torch.empty(0, dtype=t.dtype, device=t.device).set_(base.untyped_storage())
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _spanned_bytes(t: torch.Tensor) -> int:
+    """The bytes from `t`'s first element to its last, as strided."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
