@@ -51,6 +51,11 @@ class _Block:
     runs: dict[str, list[Node]]
     inputs: list[Node] = field(default_factory=list)
 
+    @property
+    def nodes(self) -> list[Node]:
+        """Its forward's nodes, then its backward's."""
+        return [n for run in self.runs.values() for n in run]
+
 
 def stamp_blocks(
     joint: GraphModule,
@@ -76,19 +81,18 @@ def stamp_blocks(
                          f"middle ones and the last), found {k}")
     if num_blocks < k:
         raise ValueError(f"stamping makes a model deeper: {num_blocks} group names for {k} traced blocks")
-    template = k - 2
-    _check_alike(blocks, template, blocks_path)
-    _check_no_outside_reads(graph, blocks, template, num_fwd_outputs)
-    copies = num_blocks - k
-    static = list(static_input_indices or [])
-    if copies == 0:
-        return static
-
     where = {}  # a traced block's node or input -> (block, run kind or "inputs", index in it)
     for i, block in blocks.items():
         for kind, run in (*block.runs.items(), ("inputs", block.inputs)):
             for j, node in enumerate(run):
                 where[node] = (i, kind, j)
+    template = k - 2
+    _check_alike(blocks, template, blocks_path, where)
+    _check_no_outside_reads(graph, blocks[template], where, num_fwd_outputs)
+    copies = num_blocks - k
+    static = list(static_input_indices or [])
+    if copies == 0:
+        return static
     made: dict[int, dict[str, list[Node]]] = {}  # a copy's slot in the deep model -> its runs and inputs
 
     def node_at(slot: int, kind: str, j: int) -> Node:
@@ -216,7 +220,7 @@ def _find_blocks(graph: Graph, blocks_path: str, primals: list[Node], grads: lis
 
     # A primal input is a block's if only that block reads it, or if that block makes its gradient;
     # a block's inputs run from its first to its last.
-    owner = {n: i for i, b in found.items() for run in b.runs.values() for n in run}
+    owner = {n: i for i, b in found.items() for n in b.nodes}
     for i, block in found.items():
         owned = [j for j, p in enumerate(primals)
                  if ({owner.get(u) for u in p.users if u.op != "output"} == {i})
@@ -226,17 +230,16 @@ def _find_blocks(graph: Graph, blocks_path: str, primals: list[Node], grads: lis
     return found
 
 
-def _check_alike(blocks: dict[int, _Block], template: int, blocks_path: str) -> None:
+def _check_alike(blocks: dict[int, _Block], template: int, blocks_path: str, own: dict[Node, Any]) -> None:
     """The template's neighbours must trace what it traces, node for node: the same ops on tensors
     of the same shapes, and inputs of the same shapes. The one before it, a middle block too, must
     also read the same nodes of no block: a block that reads its own mask, made outside it (every
-    other layer's sliding window), is one the copies cannot stand for."""
-    own = {n for block in blocks.values() for run in (*block.runs.values(), block.inputs) for n in run}
+    other layer's sliding window), is one the copies cannot stand for. `own`: the traced blocks'
+    nodes and inputs."""
 
     def shape(block: _Block, outside_reads: bool) -> list:
-        nodes = [n for run in block.runs.values() for n in run]
         return ([(n.target, _signature(n.meta.get("val")),
-                  [a for a in n.all_input_nodes if a not in own] if outside_reads else None) for n in nodes]
+                  [a for a in n.all_input_nodes if a not in own] if outside_reads else None) for n in block.nodes]
                 + [_signature(p.meta.get("val")) for p in block.inputs])
 
     for neighbour in (template - 1, template + 1):
@@ -255,12 +258,11 @@ def _signature(val: Any) -> Any:
     return type(val).__name__
 
 
-def _check_no_outside_reads(graph: Graph, blocks: dict[int, _Block], template: int, num_fwd_outputs: int) -> None:
-    """Only blocks and the graph's gradient outputs may read the template's nodes: anything else
-    (a list of every block's output) would read the traced blocks only, where the deep model's
-    would read all of them."""
-    mine = set(blocks[template].runs[_FORWARD]) | set(blocks[template].runs[_BACKWARD])
-    inside = {n for b in blocks.values() for run in b.runs.values() for n in run}
+def _check_no_outside_reads(graph: Graph, template: _Block, inside: dict[Node, Any], num_fwd_outputs: int) -> None:
+    """Only blocks (`inside`: their nodes and inputs) and the graph's gradient outputs may read the
+    template's nodes: anything else (a list of every block's output) would read the traced blocks
+    only, where the deep model's would read all of them."""
+    mine = set(template.nodes)
     for node in graph.nodes:
         if node.op == "output":
             forward_outputs: list[Node] = []
@@ -305,7 +307,7 @@ def _own_meta(node: Node, new: Node, storages: dict, group_name: str, region_off
     """A copy's own fake tensors, aliasing one another as the template's do (`storages`: the
     template's storage -> the copy's, None for one shared with nodes outside the template), its own
     group name and checkpoint region."""
-    if isinstance(node.meta.get("val"), torch.Tensor) or isinstance(node.meta.get("val"), (tuple, list)):
+    if isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
         new.meta["val"] = tree_map_only(torch.Tensor, lambda t: _fresh_like(t, storages), node.meta["val"])
     custom = node.meta.get("custom")
     if custom and GROUP_KEY in custom:
@@ -316,7 +318,7 @@ def _own_meta(node: Node, new: Node, storages: dict, group_name: str, region_off
 
 def _shared_storages(graph: Graph, template: _Block) -> set:
     """The storages of tensors outside the template (a view of one stays a view of it in a copy)."""
-    mine = {n for run in (*template.runs.values(), template.inputs) for n in run}
+    mine = {*template.nodes, *template.inputs}
     shared = set()
     for node in graph.nodes:
         if node not in mine:

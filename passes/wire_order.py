@@ -6,8 +6,8 @@ shapes (a rank recompiling alone while the others run the graph they compiled be
 with other costs, and its collectives may come out in another order than the graph the other ranks
 run: [Note: One wire order per frame] in fsdp_graph/compile/agreement.py. `order_collectives_as`
 moves nodes so that the collectives come in the order given, keeping every data dependency and the
-order of every node that writes a tensor others read; the schedule's overlap is kept wherever the given
-order allows it.
+order of every node that writes a tensor others read; the schedule's overlap is kept wherever the
+given order allows it.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ def order_collectives_as(gm: GraphModule, order: tuple[str, ...]) -> bool:
     """Reorder `gm`'s nodes so that its collectives are issued in `order` (as `wire_order` spells
     it). Every other node keeps its place relative to the others as far as the collectives allow
     (a list schedule by original position, where a collective is ready only when it is next in
-    `order`); a node that writes a tensor others read is a barrier no node crosses. Returns False, leaving
-    `gm` as it was, when its collectives are not those of `order` or cannot come in that order."""
+    `order`); a node that writes a tensor others read is a barrier no node crosses. Returns False,
+    leaving `gm` as it was, when its collectives are not those of `order` or cannot come in that
+    order."""
     nodes = list(gm.graph.nodes)
     labels = {n: _wire_label(n) for n in nodes if is_collective(n)}
     if sorted(labels.values()) != sorted(order):

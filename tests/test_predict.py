@@ -184,7 +184,7 @@ def _ops(gm) -> list:
         group = fsdp_meta(n, GROUP_KEY)
         if group is not None:
             per_group.setdefault(group, []).append(str(n.target))
-    return [sorted(ops.items()), per_group, sum(n.op == "placeholder" for n in gm.graph.nodes) > 0]
+    return [sorted(ops.items()), per_group]
 
 
 def _prediction(graphs: dict, scheduled: bool) -> tuple:

@@ -40,9 +40,9 @@ other ranks as above, records its wire order for each of its forward and backwar
 then issues its collectives in the recorded order (`order_collectives_as`, which keeps the
 schedule where that order allows; on gloo an all-gather writes a buffer of its own, which other
 collectives may pass: tests/test_compile_rank_divergence.py has a re-gather that the recompiled
-graph scheduled after a reduce-scatter, which hung both ranks before). The records are kept per root (a model gone takes its own along)
-and per backend options, so another model or backend never takes them, even where Dynamo numbers its
-frame as an earlier one's (after `torch._dynamo.reset()`). With Inductor the recorded order joins
+graph scheduled after a reduce-scatter, which hung both ranks before). The records are kept per
+root (a model gone takes its own along) and per backend options, so another model or backend never
+takes them, even where Dynamo numbers its frame as an earlier one's (after `torch._dynamo.reset()`). With Inductor the recorded order joins
 the compile-cache key.
 
 [Note: Wire orders beside the compile caches]
