@@ -95,9 +95,10 @@ class BucketLayout:
         dtype: the all-gather row's dtype: the parameters' unsharded dtype, uint8 for a byte bucket.
         as_bytes: whether the group gathers one byte bucket ([Note: Byte buckets]).
         built_from: per parameter, (requires_grad, unsharded dtype, has all-gather extensions).
-        unsharded_views: for a plain bucket, per parameter block, (its place among the blocks
-            `copy_out` returns, the parameter's index, its size with the shard dim first, the shard
-            dim): how a traced step turns `copy_out`'s flat outputs into the unsharded parameters.
+        shard_dims: per parameter, the dim it is sharded on.
+        moved_sizes: for a plain bucket, per parameter, its rank and then its size with the shard
+            dim first, end to end: how a traced step views `copy_out`'s flat outputs as the
+            unsharded parameters (`fsdp_graph::gather_group` takes flat ints).
     """
 
     world: int
@@ -113,7 +114,8 @@ class BucketLayout:
     dtype: torch.dtype
     as_bytes: bool
     built_from: tuple[tuple[bool, torch.dtype, bool], ...]
-    unsharded_views: tuple[tuple[int, int, torch.Size, int], ...]
+    shard_dims: tuple[int, ...]
+    moved_sizes: tuple[int, ...]
 
     @staticmethod
     def inputs_of(params: list[ShardedParam]) -> tuple[tuple[bool, torch.dtype, bool], ...]:
@@ -149,9 +151,8 @@ class BucketLayout:
             dtype=dtype,
             as_bytes=as_bytes,
             built_from=built_from,
-            unsharded_views=() if as_bytes else tuple(
-                (at, i, params[i].moved_size, params[i].shard_dim) for at, i in enumerate(blocks) if i != FLAGS
-            ),
+            shard_dims=tuple(p.shard_dim for p in params),
+            moved_sizes=() if as_bytes else tuple(n for p in params for n in (len(p.moved_size), *p.moved_size)),
         )
 
     @property

@@ -15,7 +15,9 @@ runtime/bucket_layout.py):
     param  = full.view(world, -1)[:, offset:offset + shard_numel].reshape(world * padded_dim0, ...)[:dim0]
 
 Where the group's shards are views of its persistent shard buffer, `flat` is that buffer, a graph
-input, and no copy-in is traced ([Note: Traced gathers read the shard buffer]).
+input, and no copy-in is traced ([Note: Traced gathers read the shard buffer]). Dynamo sees all of
+this as one op, `fsdp_graph::gather_group`, and AOTAutograd traces what it calls ([Note: A group's
+gather is one op to Dynamo] in runtime/traced_ops.py).
 `copy_in`, `copy_out` and its gradient, `pack_grads` (each parameter's gradient into its columns of
 the reduce-scatter input, zeros in the padding), are custom ops, so Inductor runs each as one ATen
 call. Written as slices and cats, every parameter's copy became a kernel of its own (or was fused
@@ -47,10 +49,9 @@ import logging
 from typing import Any, Optional, Protocol, Union
 
 import torch
-import torch.nn.functional as F
 from torch.fx.traceback import annotate
 
-from .bucket_layout import FLAGS, BucketLayout
+from .bucket_layout import BucketLayout
 from .collectives import ReduceControls, divide_factors
 from .meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
 from .mesh_info import MeshInfo
@@ -58,7 +59,7 @@ from . import peer_log
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy
 from .shard_buffer import ShardBuffer
-from .traced_ops import C10D, AllGatherRow, AllGatherShards, GradientBucket, RowGradients, route_gradients
+from .traced_ops import C10D, GradientBucket, route_gradients, to_param_layout
 from .trees import cast_floats
 
 
@@ -209,63 +210,42 @@ def unshard(group: TracedGroup) -> list[torch.Tensor]:
 
 
 def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tensor]:
-    """`unshard` for a group without all-gather extensions: tp-local tensors."""
-    world = layout.world
-    # Reads every shard first, which orders the graph's inputs (the tests' expected graphs show it).
-    # While Dynamo traces, a parameter's shard is the one last followed: read it without the
-    # `sharded_param` property, whose check Dynamo would step for every parameter of every layer.
-    orig_dtypes = {p.followed_param.dtype for p in group.params}
-    flat_dtype = orig_dtypes.pop() if len(orig_dtypes) == 1 else layout.dtype
+    """`unshard` for a group without all-gather extensions: tp-local tensors, from one
+    `fsdp_graph::gather_group` ([Note: A group's gather is one op to Dynamo] in runtime/traced_ops.py).
+
+    The row in the group's layout ([Note: One bucket layout for eager and traced steps]): the
+    trainable parameters and the flags ([Note: Gradient flags in a graph]) are the blocks the
+    backward reduces, the eager runtime's reduce-scatter row, so gradients match it bit for bit;
+    the frozen parameters follow. While Dynamo traces, a parameter's shard is the one last
+    followed: read without the `sharded_param` property, whose check Dynamo would step for every
+    parameter of every layer.
+    """
     mesh_info = group.mesh_info
-    replicate = _replicate_group_name(mesh_info)
-    divide_factor = divide_factors(
-        group.gradient_divide_factor or float(world * mesh_info.replicate_size),
-        group.mp_policy.reduce_dtype or layout.dtype,
-    )
-    # The row in the group's layout ([Note: One bucket layout for eager and traced steps]): the
-    # trainable parameters and the flags ([Note: Gradient flags in a graph]) are the blocks the
-    # backward reduces, the eager runtime's reduce-scatter row, so gradients match it bit for bit;
-    # the frozen parameters follow.
-    flags = _trainable_flags(group.grad_flags, layout.reduced).to(flat_dtype) if layout.reduced else None
-    num_reduced = layout.flags_at + 1 if flags is not None else len(layout.blocks)
+    reduce_dtype = group.mp_policy.reduce_dtype
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
-    row = _shard_buffer_row(group, layout)
-    with annotate(annotation):
-        if row is not None:  # [Note: Traced gathers read the shard buffer]
-            trainable = [group.params[i] for i in layout.reduced]
-            spec = RowGradients(
-                group.mp_policy.reduce_dtype,
-                row.dtype,
-                world,
-                _reduce_group_name(group),
-                replicate,
-                divide_factor,
-                layout.reduce_offsets if layout.reduced else (0,),
-                layout.reduce_valid_numels,
-            )
-            shards = [p.flat_local_shard(followed=True) for p in trainable]
-            gathered = AllGatherRow.apply(row, spec, layout.dtype, mesh_info.shard_group_name, flags, *shards)
-        else:
-            pieces = [piece.to(flat_dtype) for piece in layout.shard_pieces(group.params, flags)]
-            gathered = AllGatherShards.apply(
-                _flat_row(pieces[:num_reduced], layout.widths[:num_reduced]),
-                _flat_row(pieces[num_reduced:], layout.widths[num_reduced:]) if num_reduced < len(pieces) else None,
-                layout.dtype,
-                group.mp_policy.reduce_dtype,
-                world,
-                mesh_info.shard_group_name,
-                replicate,
-                divide_factor,
-                _reduce_group_name(group),
-            )
-        if flags is None and len(group.params) == 1:  # the rows are the padded parameter: a view, no copy
-            p = group.params[0]
-            return [_to_param_layout(gathered.view(world * p.padded_dim0, *p.moved_size[1:])[: p.moved_size[0]], p.shard_dim)]
-        outputs = torch.ops.fsdp_graph.copy_out(gathered, world, layout.widths, layout.numels, layout.flags_at)
-        unsharded: list = [None] * len(group.params)
-        for at, i, moved_size, shard_dim in layout.unsharded_views:
-            unsharded[i] = _to_param_layout(outputs[at].view(moved_size), shard_dim)
-    return unsharded
+    with annotate(annotation):  # [Note: Traced gathers read the shard buffer]: the row, or None to copy in
+        return torch.ops.fsdp_graph.gather_group(
+            [p.followed_param for p in group.params],
+            group.grad_flags if layout.reduced else None,
+            _shard_buffer_row(group, layout),
+            layout.world,
+            layout.blocks,
+            layout.widths,
+            layout.numels,
+            layout.reduce_offsets,
+            layout.reduce_valid_numels,
+            layout.shard_dims,
+            layout.moved_sizes,
+            layout.dtype,
+            mesh_info.shard_group_name,
+            _reduce_group_name(group),
+            _replicate_group_name(mesh_info),
+            divide_factors(
+                group.gradient_divide_factor or float(layout.world * mesh_info.replicate_size),
+                reduce_dtype or layout.dtype,
+            ),
+            reduce_dtype,
+        )
 
 
 # [Note: Traced all-gather extensions]
@@ -355,7 +335,7 @@ def _unshard_bytes(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
             )
         for i, tensor in zip(layout.reduced, routed):
             rebuilt[i] = tensor
-    return [_to_param_layout(tensor, p.shard_dim) for p, tensor in zip(group.params, rebuilt)]
+    return [to_param_layout(tensor, p.shard_dim) for p, tensor in zip(group.params, rebuilt)]
 
 
 # [Note: Traced gathers read the shard buffer]
@@ -394,21 +374,6 @@ def _reduce_group_name(group: TracedGroup) -> str:
     """The group the gradients are reduce-scattered on: the shard group, or its own copy."""
     separate = group.reduce_controls.reduce_scatter_group
     return group.mesh_info.shard_group_name if separate is None else separate.group_name
-
-
-def _to_param_layout(rows: torch.Tensor, shard_dim: int) -> torch.Tensor:
-    """The gathered rows (shard dim first) as the parameter: for a shard dim k > 0 moved back and
-    made contiguous, as eager's copy-out does ([Note: Sharding on another dim] in runtime/param.py)."""
-    return rows if shard_dim == 0 else rows.movedim(0, shard_dim).contiguous()
-
-
-def _flat_row(pieces: list[torch.Tensor], widths: tuple[int, ...]) -> torch.Tensor:
-    """`pieces` zero-padded to `widths` and laid end to end with `fsdp_graph::copy_in`; a single
-    piece is padded in place of the op, or, already as wide, is the row itself (no copy)."""
-    if len(pieces) > 1:
-        return torch.ops.fsdp_graph.copy_in(pieces, list(widths))
-    (piece,), (width,) = pieces, widths
-    return F.pad(piece, (0, width - piece.numel())) if piece.numel() < width else piece
 
 
 def install(group: TracedGroup, unsharded: Optional[list[torch.Tensor]]) -> None:

@@ -1,17 +1,20 @@
 """The autograd functions a traced unshard is made of: their forward gathers, their backward
-reduce-scatters. They know tensors, sizes and process group names, not groups or states:
-runtime/traced.py builds them from a group and its layout. The copy-in, copy-out and gradient
-packing around them are the registered ops of runtime/bucket_layout.py, which the eager runtime
-calls too. See [Note: Traced unshard] in runtime/traced.py.
+reduce-scatters; and `fsdp_graph::gather_group`, the op that calls them for a plain bucket. They
+know tensors, sizes and process group names, not groups or states: runtime/traced.py hands them a
+group's parameters and its layout's fields. The copy-in, copy-out and gradient packing around them
+are the registered ops of runtime/bucket_layout.py, which the eager runtime calls too. See [Note:
+Traced unshard] in runtime/traced.py.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
-from . import bucket_layout  # noqa: F401  the fsdp_graph:: ops used below
+from .bucket_layout import FLAGS  # and the fsdp_graph:: ops used below
 
 C10D = torch.ops._c10d_functional
 
@@ -169,3 +172,116 @@ class RouteGradients(torch.autograd.Function):
 def route_gradients(bucket: GradientBucket, flags: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`RouteGradients.apply`, which Dynamo leaves for AOTAutograd to trace."""
     return RouteGradients.apply(bucket, flags, *tensors)
+
+
+# [Note: A group's gather is one op to Dynamo]
+# Dynamo steps through every bytecode instruction of every layer's hooks, with a variable for each
+# value and a fake tensor for each op: the gather of a group was a few hundred instructions a layer
+# (the shards' flat views, the autograd Function's arguments, the copy-out's views), and Dynamo
+# speculated `AllGatherRow`'s backward in every layer. So the gather of a plain bucket is one
+# registered op, `fsdp_graph::gather_group`, whose only kernel is CompositeImplicitAutograd: Dynamo
+# puts one node in its graph and runs the kernel on fake tensors for the outputs' sizes, without
+# tracing it, and AOTAutograd, which traces below autograd, runs the kernel and records what it
+# calls: the shards' views, the copy-in, `AllGatherShards` or `AllGatherRow` with their collectives
+# and backward, the copy-out and the parameters' views. The joint graph is the one Dynamo's trace of
+# the same Python gave. The kernel reads only its arguments (tensors, ints, names), so Dynamo's
+# guards on what the traced hook reads are unchanged; the annotation around the call reaches every
+# node AOTAutograd records for it, the backward's too. The compile caches key Dynamo's graph, which
+# names the op but holds no kernel: the kernel is among our sources, whose digest is in our passes'
+# keys ([Note: Rank-independent cache keys] in fsdp_graph/compile/cache_key.py).
+_GATHER = torch.library.Library("fsdp_graph", "FRAGMENT")
+_GATHER.define(
+    "gather_group(Tensor[] params, Tensor? flags, Tensor? row, int world, int[] blocks, int[] widths, int[] numels, "
+    "int[] reduce_offsets, int[] valid_numels, int[] shard_dims, int[] moved_sizes, ScalarType dtype, "
+    "str group_name, str reduce_group, str? replicate, float[] divide_factor, ScalarType? reduce_dtype) -> Tensor[]"
+)
+
+
+@torch.library.impl(_GATHER, "gather_group", "CompositeImplicitAutograd")
+def gather_group(
+    params: list[torch.Tensor],
+    flags: Optional[torch.Tensor],
+    row: Optional[torch.Tensor],
+    world: int,
+    blocks: list[int],
+    widths: list[int],
+    numels: list[int],
+    reduce_offsets: list[int],
+    valid_numels: list[int],
+    shard_dims: list[int],
+    moved_sizes: list[int],
+    dtype: torch.dtype,
+    group_name: str,
+    reduce_group: str,
+    replicate: Optional[str],
+    divide_factor: list[float],
+    reduce_dtype: Optional[torch.dtype],
+) -> list[torch.Tensor]:
+    """A plain bucket's traced gather: one unsharded tensor per parameter, as the module computes
+    with it (tp-local), from the group's sharded parameters (`params`, DTensors, in group order) and
+    its `BucketLayout`'s fields of the same names. `row`: the group's shard buffer, which the
+    parameters are views of ([Note: Traced gathers read the shard buffer] in runtime/traced.py), or
+    None to copy the shards in. `flags`: the flags leaf, None without trainable parameters.
+    See [Note: A group's gather is one op to Dynamo]."""
+    flags_at = blocks.index(FLAGS) if FLAGS in blocks else -1
+    reduced = blocks[:flags_at] if flags_at >= 0 else []
+    shards = [_flat(p.to_local(), d) for p, d in zip(params, shard_dims)]
+    dtypes = {p.dtype for p in params}
+    flat_dtype = dtypes.pop() if len(dtypes) == 1 else dtype
+    if flags is not None:  # [Note: Gradient flags in a graph] in runtime/traced.py
+        flags = (flags if len(reduced) == flags.numel() else flags[reduced]).to(flat_dtype)
+    if row is not None:
+        spec = RowGradients(
+            reduce_dtype, row.dtype, world, reduce_group, replicate, tuple(divide_factor),
+            tuple(reduce_offsets) if reduced else (0,), tuple(valid_numels),
+        )
+        gathered = AllGatherRow.apply(row, spec, dtype, group_name, flags, *[shards[i] for i in reduced])
+    else:
+        pieces = [flags if i == FLAGS else shards[i].to(flat_dtype) for i in blocks]
+        num_reduced = flags_at + 1 if flags is not None else len(blocks)
+        gathered = AllGatherShards.apply(
+            _flat_row(pieces[:num_reduced], widths[:num_reduced]),
+            _flat_row(pieces[num_reduced:], widths[num_reduced:]) if num_reduced < len(pieces) else None,
+            dtype, reduce_dtype, world, group_name, replicate, tuple(divide_factor), reduce_group,
+        )
+    sizes = _split_sizes(moved_sizes)
+    if flags is None and len(params) == 1:  # the rows are the padded parameter: a view, no copy
+        (size,), (width,) = sizes, widths
+        row_numel = math.prod(size[1:])
+        rows = gathered.view(world * width // row_numel if row_numel else size[0], *size[1:])[: size[0]]
+        return [to_param_layout(rows, shard_dims[0])]
+    outputs = torch.ops.fsdp_graph.copy_out(gathered, world, widths, numels, flags_at)
+    return [
+        to_param_layout(outputs[blocks.index(i)].view(size), shard_dim)
+        for i, (size, shard_dim) in enumerate(zip(sizes, shard_dims))
+    ]
+
+
+def _flat(shard: torch.Tensor, shard_dim: int) -> torch.Tensor:
+    """A local shard in the moved layout, flat: its piece of the all-gather input."""
+    return (shard if shard_dim == 0 else shard.movedim(shard_dim, 0)).reshape(-1)
+
+
+def to_param_layout(rows: torch.Tensor, shard_dim: int) -> torch.Tensor:
+    """The gathered rows (shard dim first) as the parameter: for a shard dim k > 0 moved back and
+    made contiguous, as eager's copy-out does ([Note: Sharding on another dim] in runtime/param.py)."""
+    return rows if shard_dim == 0 else rows.movedim(0, shard_dim).contiguous()
+
+
+def _split_sizes(moved_sizes: list[int]) -> list[list[int]]:
+    """`BucketLayout.moved_sizes` apart: per parameter, its rank, then its size."""
+    sizes, at = [], 0
+    while at < len(moved_sizes):
+        rank = moved_sizes[at]
+        sizes.append(moved_sizes[at + 1 : at + 1 + rank])
+        at += 1 + rank
+    return sizes
+
+
+def _flat_row(pieces: list[torch.Tensor], widths: list[int]) -> torch.Tensor:
+    """`pieces` zero-padded to `widths` and laid end to end with `fsdp_graph::copy_in`; a single
+    piece is padded in place of the op, or, already as wide, is the row itself (no copy)."""
+    if len(pieces) > 1:
+        return torch.ops.fsdp_graph.copy_in(pieces, list(widths))
+    (piece,), (width,) = pieces, widths
+    return F.pad(piece, (0, width - piece.numel())) if piece.numel() < width else piece

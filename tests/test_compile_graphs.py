@@ -86,15 +86,15 @@ class CompiledGraphTest(expecttest.TestCase):
         self.assertEqual(self.saved_unsharded_groups(graphs), [])
         self.assertExpectedInline(graphs["forward"], """\
 primals_1: float32[2, 16]
-primals_2: float32[2, 16]
-primals_3: 
-primals_4: float32[1]
-primals_5: float32[33]
-primals_6: float32[1, 16]
-primals_7: 
-primals_8: float32[1]
-primals_9: float32[17]
-all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(primals_5, 8, '0') : float32[264]  # fc1 recompute
+primals_2: float32[1]
+primals_3: float32[33]
+primals_4: float32[2, 16]
+primals_5: 
+primals_6: float32[1]
+primals_7: float32[17]
+primals_8: float32[1, 16]
+primals_9: 
+all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(primals_3, 8, '0') : float32[264]  # fc1 recompute
 wait_tensor = _c10d_functional.wait_tensor(all_gather_into_tensor) : float32[264]  # recompute
 copy_out = fsdp_graph.copy_out(wait_tensor, 8, [32, 1], [256, 0], 1) :   # recompute
 getitem = <built-in function getitem>(copy_out, 0) : float32[256]  # recompute
@@ -102,26 +102,26 @@ view_2 = aten.view(getitem, [16, 16]) : float32[16, 16]  # recompute
 t = aten.t(view_2) : float32[16, 16]
 mm = aten.mm(primals_1, t) : float32[2, 16]
 relu = aten.relu(mm) : float32[2, 16]
-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_9, 8, '0') : float32[136]  # fc2 recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_7, 8, '0') : float32[136]  # fc2 recompute
 wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[136]  # recompute
 copy_out_1 = fsdp_graph.copy_out(wait_tensor_1, 8, [16, 1], [64, 0], 1) :   # recompute
 getitem_2 = <built-in function getitem>(copy_out_1, 0) : float32[64]  # recompute
 view_5 = aten.view(getitem_2, [4, 16]) : float32[4, 16]  # recompute
 t_1 = aten.t(view_5) : float32[16, 4]
 mm_1 = aten.mm(relu, t_1) : float32[2, 4]
-return [mm_1, primals_1, primals_5, primals_9, relu, primals_3]
+return [mm_1, primals_1, primals_3, primals_7, relu, primals_5]
 """)
         self.assertExpectedInline(graphs["backward"], """\
 primals_1: float32[2, 16]
-primals_5: float32[33]
-primals_9: float32[17]
+primals_3: float32[33]
+primals_7: float32[17]
 relu: float32[2, 16]
-primals_3: 
+primals_5: 
 tangents_1: float32[2, 4]
 t_2 = aten.t(tangents_1) : float32[4, 2]
 mm_2 = aten.mm(t_2, relu) : float32[4, 16]
 t_3 = aten.t(mm_2) : float32[16, 4]
-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_9, 8, '0') : float32[136]  # fc2 recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_7, 8, '0') : float32[136]  # fc2 recompute
 wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[136]  # recompute
 copy_out_1 = fsdp_graph.copy_out(wait_tensor_1, 8, [16, 1], [64, 0], 1) :   # recompute
 getitem_2 = <built-in function getitem>(copy_out_1, 0) : float32[64]  # recompute
@@ -155,7 +155,7 @@ slice_3 = aten.slice.Tensor(div_1, 0, 0, 32) : float32[32]
 slice_4 = aten.slice.Tensor(div_1, 0, 32, 33) : float32[1]
 view_10 = aten.view(slice_3, [2, 16]) : float32[2, 16]
 view_11 = aten.view(view_10, [2, 16]) : float32[2, 16]
-return [None, view_11, primals_3, slice_4, None, view_8, primals_3, slice_2, None]
+return [None, slice_4, None, view_11, primals_5, slice_2, None, view_8, primals_5]
 """)
 
     def test_no_reshard_after_forward_saves_unsharded_and_never_regathers(self):

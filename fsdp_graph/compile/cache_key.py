@@ -14,7 +14,8 @@ While our backend compiles (`stable_cache_keys()`), a DeviceMesh pickles without
 and AOTAutogradCache accepts custom autograd.Functions. Both are sound for our graphs: the mesh's
 layout, device and process group names (which the graph's collectives name) stay in the key,
 and the autograd.Function's forward and backward are traced subgraphs of the Dynamo graph, which
-is itself hashed. The pickled mesh still unpickles into a working mesh (the dropped fields are
+is itself hashed. A plain group's gather is one op in Dynamo's graph (`fsdp_graph::gather_group`),
+whose kernel calls the Functions: its source is ours, so `own_sources_digest` is in the key. The pickled mesh still unpickles into a working mesh (the dropped fields are
 recomputed for the loading process), in case the cache stores one rather than only hashing it.
 
 What differs between ranks and matters is the shape of each shard: AOTAutogradCache keys a DTensor
