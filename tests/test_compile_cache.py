@@ -36,8 +36,8 @@ print(json.dumps({{**counters["inductor"], **counters["aot_autograd"]}}))
 """
 
 
-def _compile_in_fresh_process(rank: int, cache_dir: Path, uneven: bool) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+def _compile_in_fresh_process(rank: int, cache_dir: Path, uneven: bool, **env_vars: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), **env_vars}
     script = _SCRIPT.format(tests=str(Path(__file__).resolve().parent), rank=rank, uneven=uneven)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -51,6 +51,16 @@ def test_restart_on_another_rank_hits_both_caches(tmp_path):
     # Forward and backward from the FX graph cache, the whole compiled pair from AOTAutogradCache.
     assert second.get("fxgraph_cache_hit") == 2 and "fxgraph_cache_miss" not in second, second
     assert second.get("autograd_cache_hit") == 1 and "autograd_cache_bypass" not in second, second
+
+
+def test_restart_without_the_autograd_cache_finds_both_graphs_in_the_fx_graph_cache(tmp_path):
+    """Where AOTAutogradCache cannot serve the step (it refuses selective activation checkpointing
+    whose context_fn has no cache_hash, as torchtitan's), each graph comes from Inductor's FX graph
+    cache. The backward is lowered lazily, at the first backward, after our backend returned: its
+    key held the mesh's per-process fields, so every restart compiled the backward again."""
+    _compile_in_fresh_process(0, tmp_path, uneven=False)
+    second = _compile_in_fresh_process(1, tmp_path, uneven=False, TORCHINDUCTOR_AUTOGRAD_CACHE="0")
+    assert second.get("fxgraph_cache_hit") == 2 and "fxgraph_cache_miss" not in second, second
 
 
 def test_ranks_with_shorter_shards_compile_their_own(tmp_path):

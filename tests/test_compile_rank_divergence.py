@@ -227,7 +227,7 @@ def test_per_rank_padding_with_every_block_a_region():
     assert asked == 1
 
 
-def _per_rank_padding_inductor(rank, world_size, cache_dir):
+def _per_rank_padding_inductor(rank, world_size, cache_dir, autograd_cache=True, disabled_passes=()):
     """Rank r pads to its own lengths (a recompile on rank 1 alone at step 1), whole step compiled
     with Inductor with its caches in `cache_dir`, against an unsharded reference on both ranks'
     batches. Returns how many times this rank asked the others about a graph."""
@@ -235,6 +235,7 @@ def _per_rank_padding_inductor(rank, world_size, cache_dir):
     import os
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # ranks fork from a server started before the test
+    torch._functorch.config.enable_autograd_cache = autograd_cache
 
     from _models import shard_llama, tiny_llama
     from fsdp_graph.compile import agreement
@@ -245,7 +246,7 @@ def _per_rank_padding_inductor(rank, world_size, cache_dir):
     torch.manual_seed(0)
     reference = tiny_llama(2)
     model = shard_llama(copy.deepcopy(reference), fully_shard)
-    run = torch.compile(model, backend=fsdp_graph.backend(compiler="inductor"))
+    run = torch.compile(model, backend=fsdp_graph.backend(compiler="inductor", disabled_passes=disabled_passes))
     _steps_against_reference(rank, world_size, reference, model, run, ([8, 8, 8, 9], [8, 12, 12, 15]), batch=2)
     return len(asked)
 
@@ -287,6 +288,18 @@ def test_a_relaunch_with_warm_caches_keeps_the_frames_wire_orders(tmp_path):
     assert run_ranks(_per_rank_padding_inductor, 2, cache_dir) == 1  # cold: the first graph asked, the recompile did not
     assert run_ranks(_per_rank_padding_inductor, 2, cache_dir) == 1  # warm: the same, its first graph from the caches
     assert list((tmp_path / "inductor" / "fsdp_graph" / "wire_orders").iterdir())
+
+
+def test_a_relaunch_from_the_fx_graph_cache_loads_each_ranks_own_backward(tmp_path):
+    """Without AOTAutogradCache (torchtitan's selective activation checkpointing bypasses it), a
+    relaunch takes each graph from Inductor's FX graph cache, whose keys are the same on every rank
+    ([Note: Rank-independent cache keys]). On gloo a backward is not: it reads this rank's row of
+    each reduce-scatter ([Note: Reduce-scatters on gloo] in passes/gloo.py), so a rank that loaded
+    the backward the other rank compiled trained on the other rank's gradients."""
+    cache_dir = str(tmp_path / "inductor")
+    unbucketed = {"auto_bucket"}  # each group's reduce-scatter its own, as torchtitan's layers are
+    run_ranks(_per_rank_padding_inductor, 2, cache_dir, True, unbucketed)
+    run_ranks(_per_rank_padding_inductor, 2, cache_dir, False, unbucketed)
 
 
 def _one_rank_stays_on_the_first_graph(rank, world_size, layers, lengths):

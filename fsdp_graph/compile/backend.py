@@ -290,7 +290,7 @@ class FSDPGraphBackend:
 
             patches = self.inductor_patches(gm, example_inputs, graph_id, dump, order)
             with stable_cache_keys():  # see [Note: Rank-independent cache keys]
-                compiled = compile_fx(gm, example_inputs, config_patches=patches)
+                compiled = compile_fx(gm, example_inputs, inner_compile=_inner_compile, config_patches=patches)
         if dump is None:
             return compiled
         return _RecordFallbacks(compiled, owners, dump)
@@ -342,6 +342,8 @@ class FSDPGraphBackend:
         schedule_key = f"fsdp_graph.schedule:{digest}:{self.config.cache_key((Stage.SCHEDULE, Stage.LOWER), resolved)}"
         if order is not None and order.cache_key():
             schedule_key += f":{hashlib.sha256(order.cache_key().encode()).hexdigest()[:16]}"
+        if "reduce_scatters_in_place_on_gloo" not in self.config.disabled_passes:
+            schedule_key += _gloo_rank(example_inputs)
         patches: dict[str, Any] = {
             "joint_custom_pre_pass": _InductorJointPass(joint, graph_id, None if dump is not None else joint_key),
             "custom_partitioner_fn": InductorPartitioner(),
@@ -370,6 +372,27 @@ class FSDPGraphBackend:
         if any(is_region_call(n) for n in gm.graph.nodes):  # torch 2.13 reuses a region's buffers wrongly on CPU:
             patches["allow_buffer_reuse"] = False  # examples/repro/nested_region_inductor_grads.py
         return patches
+
+
+def _gloo_rank(example_inputs: list) -> str:
+    """This rank, for the schedule pass's key, where the graph's groups run on gloo: there a
+    backward reads this rank's row of each reduce-scatter ([Note: Reduce-scatters on gloo] in
+    passes/gloo.py), so it is this rank's own and no other rank may load it from the caches
+    ([Note: Rank-independent cache keys])."""
+    groups = {o.mesh_info.shard_group for o in map(_sharded_param_of, example_inputs) if o is not None}
+    if any("gloo" in str(torch.distributed.get_backend(group)) for group in groups):
+        return f":rank{torch.distributed.get_rank()}"
+    return ""
+
+
+def _inner_compile(*args, **kwargs):
+    """Inductor's `compile_fx_inner` with rank-independent cache keys: AOTAutograd lowers the
+    backward lazily, at the first backward, after `compile_fx` has returned, so the context around
+    that call does not cover it ([Note: Rank-independent cache keys])."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with stable_cache_keys():
+        return compile_fx_inner(*args, **kwargs)
 
 
 def _log_graph(graph_id: str, kind: str, gm: GraphModule, dump: Optional[GraphDump]) -> None:
