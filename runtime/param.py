@@ -224,12 +224,9 @@ class ShardedParam(AllGatherExtensions):
         """This rank's valid rows of the sharded parameter (no padding), in the parameter's layout."""
         return self.sharded_param.to_local()
 
-    def flat_local_shard(self, followed: bool = False) -> torch.Tensor:
-        """`local_shard` in the moved layout, flat: this rank's piece of the all-gather input.
-        `followed`: of the shard last followed, which is what a trace reads, without the
-        `sharded_param` lookup (Dynamo would step its check for every parameter of every layer)."""
-        shard = self.followed_param.to_local() if followed else self.local_shard
-        return self.shard_dim_first(shard).reshape(-1)
+    def flat_local_shard(self) -> torch.Tensor:
+        """`local_shard` in the moved layout, flat: this rank's piece of the all-gather input."""
+        return self.shard_dim_first(self.local_shard).reshape(-1)
 
     def shard_dim_first(self, t: torch.Tensor) -> torch.Tensor:
         """`t`, in the parameter's layout, with the shard dim moved first: the layout the collectives
