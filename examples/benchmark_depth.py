@@ -3,8 +3,9 @@
 Each (row, depth) runs as its own launch of `torchrun --nproc-per-node 2 examples/benchmark_compile.py`
 with one row, twice: first with an empty Inductor cache (the cold start), then with the cache the first
 launch left (the relaunch a restarted job meets). One row per launch, so no row reuses kernels another
-row compiled in the same process. The first step is timed in wall seconds of rank 0, which is what a
-user waits: run it on a quiet machine. CPU seconds of rank 0 (the process and the compiler processes it
+row compiled in the same process. The first step is timed in wall seconds of rank 0 from the row's
+torch.compile call (which imports Inductor for FSDP2's row) to the step's end, which is what a user
+waits: run it on a quiet machine. CPU seconds of rank 0 (the process and the compiler processes it
 waited for, `TORCHINDUCTOR_COMPILE_THREADS=1`) are given beside them, but the two ranks share one cache
 directory, so a rank that finds a kernel the other just built spends no CPU on it: one rank's CPU
 seconds depend on which rank compiled first (FSDP2's blocks at 16 layers: 4.2 CPU s, 15.6 wall).
