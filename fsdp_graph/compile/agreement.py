@@ -37,13 +37,13 @@ costs the scheduling passes weigh, and so at most the order of the collectives (
 sized by parameters, which shapes do not change). So the first graph of a frame, agreed with the
 other ranks as above, records its wire order for each of its forward and backward graphs
 (passes/wire_order.py), and a later graph of the same frame and groups is scheduled as usual and
-then issues its collectives in the recorded order (`order_collectives_as`, which keeps the
-schedule where that order allows; on gloo an all-gather writes a buffer of its own, which other
-collectives may pass: tests/test_compile_rank_divergence.py has a re-gather that the recompiled
-graph scheduled after a reduce-scatter, which hung both ranks before). The records are kept per
-root (a model gone takes its own along) and per backend options, so another model or backend never
-takes them, even where Dynamo numbers its frame as an earlier one's (after `torch._dynamo.reset()`). With Inductor the recorded order joins
-the compile-cache key.
+then issues its collectives in the recorded order (`order_collectives_as`, which keeps the schedule
+where that order allows; on gloo an all-gather writes a buffer of its own, which other collectives
+may pass: tests/test_compile_rank_divergence.py has a re-gather that the recompiled graph scheduled
+after a reduce-scatter, which hung both ranks before). The records are kept per root (a model gone
+takes its own along) and per backend options, so another model or backend never takes them, even
+where Dynamo numbers its frame as an earlier one's (after `torch._dynamo.reset()`). With Inductor
+the recorded order joins the compile-cache key.
 
 [Note: Wire orders beside the compile caches]
 A frame whose first graph Inductor's caches hand back runs none of our passes, so nothing would be

@@ -331,7 +331,8 @@ class FSDPGraphBackend:
         """The Inductor config this backend compiles `gm` with: our passes as Inductor's custom
         passes, whose `uuid`s (None while dumping: no cache, so that every graph is written) put
         everything they depend on into the FX graph cache's and AOTAutogradCache's keys, the wire
-        order a recompiled frame keeps included ([Note: One wire order per frame])."""
+        order a recompiled frame keeps included ([Note: One wire order per frame]), and this rank
+        on gloo (`_gloo_rank`)."""
         resolved = self.config.resolved_options()
         joint = self._pipeline(Stage.JOINT, resolved, dump)
         schedule = self._pipeline(Stage.SCHEDULE, resolved, dump)

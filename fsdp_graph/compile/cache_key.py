@@ -10,13 +10,14 @@ key for the same graph and compiled it again: a relaunch compiled its first step
 loading it. And AOTAutogradCache refused our graphs outright, since the traced
 all-gather is a custom autograd.Function (`runtime/traced_ops.py: AllGatherShards`).
 
-While our backend compiles (`stable_cache_keys()`), a DeviceMesh pickles without those fields,
-and AOTAutogradCache accepts custom autograd.Functions. Both are sound for our graphs: the mesh's
-layout, device and process group names (which the graph's collectives name) stay in the key,
-and the autograd.Function's forward and backward are traced subgraphs of the Dynamo graph, which
-is itself hashed. A plain group's gather is one op in Dynamo's graph (`fsdp_graph::gather_group`),
-whose kernel calls the Functions: its source is ours, so `own_sources_digest` is in the key. The pickled mesh still unpickles into a working mesh (the dropped fields are
-recomputed for the loading process), in case the cache stores one rather than only hashing it.
+While our backend compiles (`stable_cache_keys()`), a DeviceMesh pickles without those fields, and
+AOTAutogradCache accepts custom autograd.Functions. Both are sound for our graphs: the mesh's
+layout, device and process group names (which the graph's collectives name) stay in the key, and the
+autograd.Function's forward and backward are traced subgraphs of the Dynamo graph, which is itself
+hashed. A plain group's gather is one op in Dynamo's graph (`fsdp_graph::gather_group`), whose
+kernel calls the Functions: its source is ours, so `own_sources_digest` is in the key. The pickled
+mesh still unpickles into a working mesh (the dropped fields are recomputed for the loading
+process), in case the cache stores one rather than only hashing it.
 
 What differs between ranks and matters is the shape of each shard: AOTAutogradCache keys a DTensor
 input by its global shape, but with an uneven dim 0 rank 1's shard is a row shorter than rank 0's,
