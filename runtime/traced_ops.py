@@ -177,9 +177,9 @@ def route_gradients(bucket: GradientBucket, flags: torch.Tensor, *tensors: torch
 
 # [Note: A group's gather is one op to Dynamo]
 # Dynamo steps through every bytecode instruction of every layer's hooks, with a variable for each
-# value and a fake tensor for each op: the gather of a group was a few hundred instructions a layer
-# (the shards' flat views, the autograd Function's arguments, the copy-out's views), and Dynamo
-# speculated `AllGatherRow`'s backward in every layer. So the gather of a plain bucket is one
+# value and a fake tensor for each op: it stepped through the whole gather in every layer (the
+# shards' flat views, the autograd Function's arguments, the copy-out's views), and speculated
+# `AllGatherRow`'s backward in every layer. So the gather of a plain bucket is one
 # registered op, `fsdp_graph::gather_group`, whose only kernel is CompositeImplicitAutograd: Dynamo
 # puts one node in its graph and runs the kernel on fake tensors for the outputs' sizes, without
 # tracing it, and AOTAutograd, which traces below autograd, runs the kernel and records what it
