@@ -229,8 +229,9 @@ class ShardedParam(AllGatherExtensions):
         return self.shard_dim_first(self.local_shard).reshape(-1)
 
     def shard_dim_first(self, t: torch.Tensor) -> torch.Tensor:
-        """`t`, in the parameter's layout, with the shard dim moved first (`shard_dim_first`)."""
-        return shard_dim_first(t, self.shard_dim)
+        """`t`, in the parameter's layout, with the shard dim moved first: the layout the collectives
+        move ([Note: Sharding on another dim])."""
+        return t if self.shard_dim == 0 else t.movedim(self.shard_dim, 0)
 
     # [Note: The sharded parameter is the one its module holds]
     # Users and frameworks change parameters after `fully_shard`: `load_state_dict(sd, assign=True)`
@@ -563,12 +564,6 @@ class ShardedParam(AllGatherExtensions):
 
 
 @functools.lru_cache(maxsize=None)
-def shard_dim_first(t: torch.Tensor, shard_dim: int) -> torch.Tensor:
-    """`t`, in a parameter's layout, with dim `shard_dim` moved first: the layout the collectives
-    move ([Note: Sharding on another dim])."""
-    return t if shard_dim == 0 else t.movedim(shard_dim, 0)
-
-
 def _watch_parameter_registrations() -> None:
     nn.modules.module.register_module_parameter_registration_hook(_note_parameter_registered)
 
