@@ -229,9 +229,8 @@ class ShardedParam(AllGatherExtensions):
         return self.shard_dim_first(self.local_shard).reshape(-1)
 
     def shard_dim_first(self, t: torch.Tensor) -> torch.Tensor:
-        """`t`, in the parameter's layout, with the shard dim moved first: the layout the collectives
-        move ([Note: Sharding on another dim])."""
-        return t if self.shard_dim == 0 else t.movedim(self.shard_dim, 0)
+        """`t`, in the parameter's layout, with the shard dim moved first (`shard_dim_first`)."""
+        return shard_dim_first(t, self.shard_dim)
 
     # [Note: The sharded parameter is the one its module holds]
     # Users and frameworks change parameters after `fully_shard`: `load_state_dict(sd, assign=True)`
@@ -561,6 +560,12 @@ class ShardedParam(AllGatherExtensions):
         if self.host_copy_pending:
             torch.cuda.current_stream(self.device).synchronize()
             self.host_copy_pending = False
+
+
+def shard_dim_first(t: torch.Tensor, shard_dim: int) -> torch.Tensor:
+    """`t`, in a parameter's layout, with dim `shard_dim` moved first: the layout the collectives
+    move ([Note: Sharding on another dim])."""
+    return t if shard_dim == 0 else t.movedim(shard_dim, 0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .bucket_layout import FLAGS  # and the fsdp_graph:: ops used below
+from .param import shard_dim_first
 
 C10D = torch.ops._c10d_functional
 
@@ -225,7 +226,7 @@ def gather_group(
     See [Note: A group's gather is one op to Dynamo]."""
     flags_at = blocks.index(FLAGS) if FLAGS in blocks else -1
     reduced = blocks[:flags_at] if flags_at >= 0 else []
-    shards = [_flat(p.to_local(), d) for p, d in zip(params, shard_dims)]
+    shards = [shard_dim_first(p.to_local(), d).reshape(-1) for p, d in zip(params, shard_dims)]
     dtypes = {p.dtype for p in params}
     flat_dtype = dtypes.pop() if len(dtypes) == 1 else dtype
     if flags is not None:  # [Note: Gradient flags in a graph] in runtime/traced.py
@@ -255,11 +256,6 @@ def gather_group(
         to_param_layout(outputs[blocks.index(i)].view(size), shard_dim)
         for i, (size, shard_dim) in enumerate(zip(sizes, shard_dims))
     ]
-
-
-def _flat(shard: torch.Tensor, shard_dim: int) -> torch.Tensor:
-    """A local shard in the moved layout, flat: its piece of the all-gather input."""
-    return (shard if shard_dim == 0 else shard.movedim(shard_dim, 0)).reshape(-1)
 
 
 def to_param_layout(rows: torch.Tensor, shard_dim: int) -> torch.Tensor:
