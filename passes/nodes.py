@@ -183,7 +183,7 @@ def group_of(node: Node) -> Optional[str]:
 # adding no guard): bucketing, the reordering's costs and the memory model see one concrete
 # instance of the graph, and what they decide (which collectives share a bucket, the order of
 # nodes) is valid for every size, since it changes no shape. What the hint does not bound is
-# memory at larger sizes: see [Note: A memory budget at other sizes] in passes/unshard_selection.py.
+# memory at larger sizes: see [Note: One collective set per frame] in passes/unshard_selection.py.
 
 # A symbolic size with no hint (data-dependent, an unbacked symbol) plans as this many elements.
 _NO_HINT = 4096

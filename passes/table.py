@@ -86,10 +86,11 @@ class PassSpec:
         stage: where it runs.
         summary: what it does, one sentence, for the docs' list.
         options: the options it reads.
-        crosses_groups: it merges or reorders the collectives of several groups. A rank that runs
-            one of those groups on the eager hooks would put other collectives on the wire, so
-            such passes are left out where ranks may compile different graphs
-            (`BackendConfig.rank_divergent_graphs`).
+        differs_from_eager: it makes the graph's collectives differ from those the eager hooks
+            issue: it merges or reorders the collectives of several groups, or leaves a group's
+            re-gather out. A rank that runs one of those groups on the eager hooks would put other
+            collectives on the wire, so such passes are left out where ranks may compile different
+            graphs (`BackendConfig.rank_divergent_graphs`).
         inductor_only: it runs only when Inductor compiles the graphs (`aot_eager` runs them op
             for op as traced).
         enabled_by: an option whose resolved value turns the pass on; None: always on (unless
@@ -101,7 +102,7 @@ class PassSpec:
     stage: Stage
     summary: str
     options: tuple[Option, ...] = ()
-    crosses_groups: bool = False
+    differs_from_eager: bool = False
     inductor_only: bool = False
     enabled_by: Optional[Option] = None
 
@@ -215,7 +216,7 @@ PASSES: tuple[PassSpec, ...] = (
         "unshard_selection", select_unsharded, Stage.JOINT,
         "under an explicit `memory_budget_bytes`, keeps the groups that fit unsharded from forward to backward, "
         "last block first (passes/unshard_selection.py)",
-        options=(MEMORY_BUDGET_BYTES,),
+        options=(MEMORY_BUDGET_BYTES,), differs_from_eager=True,
     ),
     PassSpec(
         "reshard_after_forward", tag_reshard_after_forward, Stage.JOINT,
@@ -242,14 +243,14 @@ PASSES: tuple[PassSpec, ...] = (
         "auto_bucket", auto_bucket, Stage.SCHEDULE,
         "merges adjacent buckets the cost model calls latency-bound, up to `bucket_cap_bytes`, and splits "
         "larger ones, bitwise the same values (passes/bucketing.py)",
-        options=(HARDWARE_PROFILE, BUCKET_CAP_BYTES), crosses_groups=True,
+        options=(HARDWARE_PROFILE, BUCKET_CAP_BYTES), differs_from_eager=True,
     ),
     PassSpec(
         "reorder_for_overlap", reorder_for_overlap, Stage.SCHEDULE,
         "prefetches all-gathers (AG(i+1) before compute(i)), issues reduce-scatters early and waits on them "
         "late, within the memory budget and the in-flight limits (passes/reorder.py)",
         options=(HARDWARE_PROFILE, MAX_BYTES_IN_FLIGHT, MEMORY_BUDGET_BYTES, MAX_COLLECTIVES_IN_FLIGHT),
-        crosses_groups=True,
+        differs_from_eager=True,
     ),
     PassSpec(
         "overlap_tp_all_reduces", overlap_tp_all_reduces, Stage.SCHEDULE,
@@ -303,7 +304,7 @@ def specs(stage: Stage, resolved: Mapping[str, Any], *, inductor: bool, rank_div
     for spec in PASSES:
         if spec.stage is not stage or (spec.inductor_only and not inductor):
             continue
-        if spec.crosses_groups and rank_divergent_graphs:
+        if spec.differs_from_eager and rank_divergent_graphs:
             continue
         if spec.enabled_by is not None and not resolved[spec.enabled_by.name]:
             continue
@@ -336,14 +337,14 @@ def cache_key(chosen: list[PassSpec], disabled: frozenset[str], resolved: Mappin
 def format_table() -> str:
     """The table as markdown (docs/compiler.md holds this; `python -m fsdp_graph.inspect --passes`
     prints it)."""
-    lines = ["| pass | runs on | options | crosses groups | what it does |", "|---|---|---|---|---|"]
+    lines = ["| pass | runs on | options | differs from eager | what it does |", "|---|---|---|---|---|"]
     for spec in PASSES:
         where = {Stage.JOINT: "joint graph", Stage.SCHEDULE: "forward, backward",
                  Stage.LOWER: "forward, backward, after the inspector's copy"}[spec.stage]
         if spec.inductor_only:
             where += " (Inductor)"
         options = ", ".join(f"`{o.name}`" for o in spec.reads()) or "-"
-        lines.append(f"| `{spec.name}` | {where} | {options} | {'yes' if spec.crosses_groups else 'no'} | {spec.summary} |")
+        lines.append(f"| `{spec.name}` | {where} | {options} | {'yes' if spec.differs_from_eager else 'no'} | {spec.summary} |")
     return "\n".join(lines) + "\n"
 
 

@@ -35,12 +35,11 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx import Graph, GraphModule
 
 from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
-from .nodes import KEPT_UNSHARDED_META, fsdp_meta, is_all_gather, is_tangent, size_hint, tensor_bytes
+from .nodes import KEPT_UNSHARDED_META, fsdp_meta, is_all_gather, is_tangent, tensor_bytes
 from .reshard import depends_on_tangents, tag_reshard_after_forward
 from .simulator import memory_profile, program_of
 
@@ -58,8 +57,13 @@ class UnshardChoice:
     peak_bytes: int
 
 
-def plan_unsharded(gm: GraphModule, memory_budget_bytes: int) -> list[UnshardChoice]:
-    """The decision for each group that reshards after forward, in the order considered."""
+# The groups the frame's first backward gathers again (a frozenset of group names), set on the joint
+# graph of a later graph of the same frame: see [Note: One collective set per frame].
+FIRST_BACKWARD_GATHERS_META = "fsdp_graph_first_backward_gathers"
+
+
+def _candidates(gm: GraphModule) -> dict[str, int]:
+    """The groups that reshard after forward, in forward order, each with its unsharded bytes."""
     backward = depends_on_tangents(gm)
     sizes: dict[str, int] = {}
     for node in gm.graph.nodes:
@@ -67,6 +71,12 @@ def plan_unsharded(gm: GraphModule, memory_budget_bytes: int) -> list[UnshardCho
             continue
         if fsdp_meta(node, ROLE_KEY) == ROLE_UNSHARD and fsdp_meta(node, RESHARD_KEY):
             sizes[fsdp_meta(node, GROUP_KEY)] = tensor_bytes(node)
+    return sizes
+
+
+def plan_unsharded(gm: GraphModule, memory_budget_bytes: int) -> list[UnshardChoice]:
+    """The decision for each group that reshards after forward, in the order considered."""
+    sizes = _candidates(gm)
     if not sizes:
         return []
     none_kept = partitioned_peak(gm)
@@ -101,27 +111,21 @@ def partitioned_peak(gm: GraphModule) -> int:
     return max(memory_profile(program_of(forward)).peak_bytes, memory_profile(program_of(backward)).peak_bytes)
 
 
-# [Note: A memory budget at other sizes]
-# The passes plan a graph with symbolic sizes at its size hints ([Note: Plans from size hints] in
-# passes/nodes.py), and every other decision holds at any size. This one does not: a group kept
-# gathered fits the budget beside the activations of the traced sizes, and longer sequences have
-# larger activations. So when it keeps a group, the graph is guarded to sizes up to its hints
-# (`s0 <= 64`): a step at a size no larger reuses the graph, within the budget as planned (smaller
-# activations, the same kept bytes); a larger one recompiles and plans again at its own size. With
-# lengths rising step by step that is a graph per new longest length; without a budget, or with a
-# budget that keeps nothing, the graph holds for every size.
-
-
-def _bound_sizes_by_their_hints(gm: GraphModule) -> None:
-    """Guard every symbolic size of the graph's inputs to at most its hint (see the note above)."""
-    bounded = set()
-    for node in gm.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        sizes = [val] if isinstance(val, torch.SymInt) else list(val.shape) if isinstance(val, torch.Tensor) else []
-        for size in sizes:
-            if isinstance(size, torch.SymInt) and str(size) not in bounded:
-                bounded.add(str(size))
-                bool(size <= size_hint(size))  # evaluating a symbolic comparison adds it as a guard
+# [Note: One collective set per frame]
+# Which groups a graph keeps decides which all-gathers its backward issues, and every rank must issue
+# the same ones. Ranks that compile a frame's first graph together (fsdp_graph/compile/agreement.py)
+# plan on the same graph and keep the same groups; where their shapes differ, or a rank may run
+# groups on the eager hooks, the pass does not run (the table's `differs_from_eager`), as the hooks
+# gather every resharding group again. But a rank recompiles a frame alone, at its own new size,
+# while the others run the first graph: planned again at that size (larger activations), it would
+# keep fewer groups, gather the others again in backward where the others' backward does not, and
+# the ranks would wait on each other for ever. So a later graph of a frame keeps exactly the groups
+# the frame's first graph kept: the backend tells the pass which groups the first backward gathers
+# (`FIRST_BACKWARD_GATHERS_META`). The budget is therefore planned at the sizes of the frame's first
+# graph ([Note: Plans from size hints] in passes/nodes.py) and holds at those sizes and smaller ones;
+# at larger sizes the kept groups stay kept, and the peak grows with the activations, as in eager
+# mode with `reshard_after_forward=False`. To plan for the longest sequences, let the first step
+# (or `torch._dynamo.mark_dynamic`'s first graph) see them.
 
 
 def select_unsharded(gm: GraphModule, memory_budget_bytes: Optional[int]) -> GraphModule:
@@ -135,15 +139,21 @@ def select_unsharded(gm: GraphModule, memory_budget_bytes: Optional[int]) -> Gra
     """
     if memory_budget_bytes is None:
         return gm
-    choices = plan_unsharded(gm, memory_budget_bytes)
-    kept = {c.group: c.unsharded_bytes for c in choices if c.kept}
-    for c in choices:
-        logger.info("fsdp_graph::unshard_selection %s %s: costs %d bytes, saves a %d-byte all-gather; "
-                    "predicted peak %d of budget %d", "keeps" if c.kept else "reshards", c.group,
-                    c.unsharded_bytes, c.unsharded_bytes, c.peak_bytes, memory_budget_bytes)
-    if not kept:
-        return gm
-    _bound_sizes_by_their_hints(gm)
+    first_gathers = gm.meta.get(FIRST_BACKWARD_GATHERS_META)
+    if first_gathers is not None:  # [Note: One collective set per frame]
+        kept = {g: b for g, b in _candidates(gm).items() if g not in first_gathers}
+        logger.info("fsdp_graph::unshard_selection keeps %s, as the frame's first graph does", sorted(kept) or "nothing")
+        if not kept:
+            return gm
+    else:
+        choices = plan_unsharded(gm, memory_budget_bytes)
+        kept = {c.group: c.unsharded_bytes for c in choices if c.kept}
+        for c in choices:
+            logger.info("fsdp_graph::unshard_selection %s %s: costs %d bytes, saves a %d-byte all-gather; "
+                        "predicted peak %d of budget %d", "keeps" if c.kept else "reshards", c.group,
+                        c.unsharded_bytes, c.unsharded_bytes, c.peak_bytes, memory_budget_bytes)
+        if not kept:
+            return gm
     backward = depends_on_tangents(gm)
     for node in gm.graph.nodes:
         if node in backward or fsdp_meta(node, ROLE_KEY) != ROLE_UNSHARD:

@@ -25,6 +25,16 @@ def wire_order(gm: GraphModule) -> tuple[str, ...]:
     return tuple(_wire_label(n) for n in gm.graph.nodes if is_collective(n))
 
 
+def gathered_groups(order: tuple[str, ...]) -> frozenset[str]:
+    """The FSDP groups whose parameters the collectives of a wire order (`wire_order`) gather."""
+    groups: set[str] = set()
+    for label in order:
+        op, _, carried = label.partition(" ")
+        if op.startswith("all_gather") and not carried.startswith("["):  # "[tp]": not FSDP's
+            groups.update(carried.split("+"))
+    return frozenset(groups)
+
+
 def _wire_label(node: Node) -> str:
     """One collective as `wire_order` spells it."""
     return f"{getattr(node.target, '__name__', str(node.target))} {collective_label(node)}"

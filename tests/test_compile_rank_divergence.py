@@ -316,6 +316,54 @@ def _one_rank_stays_on_the_first_graph(rank, world_size, layers, lengths):
     _steps_against_reference(rank, world_size, reference, model, run, lengths, batch=4)
 
 
+def _kept_under_a_budget(rank, world_size, lengths, budget):
+    """`_one_rank_stays_on_the_first_graph`'s steps (4 layers, rank r on `lengths[r]`) under a
+    memory budget; what unshard_selection logged on each rank, for the test to see what it kept."""
+    import copy
+    import logging
+
+    from _models import Llama, LlamaConfig, shard_llama
+
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    selection = logging.getLogger("fsdp_graph.passes.unshard_selection")
+    selection.setLevel(logging.INFO)
+    selection.addHandler(handler)
+    torch.manual_seed(0)
+    reference = Llama(LlamaConfig(vocab_size=512, dim=128, num_layers=4, num_heads=4, num_kv_heads=2, hidden_dim=344))
+    model = shard_llama(copy.deepcopy(reference), fully_shard)
+    run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", memory_budget_bytes=budget))
+    _steps_against_reference(rank, world_size, reference, model, run, lengths, batch=4)
+    every_rank = [None] * world_size
+    dist.all_gather_object(every_rank, logged)
+    return every_rank
+
+
+def test_a_rank_recompiling_alone_keeps_the_first_graphs_unsharded_groups():
+    """Under a memory budget, rank 1 recompiles at a longer length alone while rank 0 runs the
+    first graph, planned at 24 tokens, which keeps every block gathered for backward. Planned again
+    at 64 tokens (larger activations), the recompile kept none and gathered all four again in its
+    backward, where rank 0's backward gathers nothing: both ranks waited for ever. It now keeps
+    the first graph's groups ([Note: One collective set per frame] in passes/unshard_selection.py)."""
+    budget = int(7.5 * 2**20)
+    logged = run_ranks(_kept_under_a_budget, 2, ([24, 24, 24], [24, 64, 128]), budget, timeout_s=120)
+    kept_first = [f"fsdp_graph::unshard_selection keeps layers.{i}:" for i in (3, 2, 1, 0)]  # last block first
+    assert [m[:len(k)] for m, k in zip(logged[1], kept_first)] == kept_first and logged[0] == logged[1][:4]
+    assert logged[1][4:] == ["fsdp_graph::unshard_selection keeps ['layers.0', 'layers.1', 'layers.2', 'layers.3'], "
+                             "as the frame's first graph does"]  # the recompile, on rank 1 only
+
+
+def test_ranks_whose_first_graphs_differ_in_shape_keep_no_group_for_the_budget():
+    """Each rank's first graph at its own length: planned on each rank's own sizes, the budget
+    kept all four blocks gathered on rank 0 (24 tokens) and none on rank 1 (64), whose backward
+    gathered them again: both ranks waited for ever. Such graphs keep program order, and leave
+    the budget's selection out (`differs_from_eager` in passes/table.py)."""
+    budget = int(7.5 * 2**20)
+    logged = run_ranks(_kept_under_a_budget, 2, ([24, 24], [64, 64]), budget, timeout_s=120)
+    assert logged == [[], []]
+
+
 def test_one_rank_on_its_first_graph_while_the_other_recompiles():
     """The recompiled graph, scheduled with other costs, put a re-gather after a reduce-scatter
     where the first graph issued it before; on gloo the all-gathers write a buffer of their own,

@@ -73,7 +73,7 @@ import torch.distributed as dist
 from torch.fx import GraphModule
 
 from ..passes.nodes import fsdp_meta
-from ..passes.wire_order import order_collectives_as, wire_order
+from ..passes.wire_order import gathered_groups, order_collectives_as, wire_order
 from ..runtime import peer_log
 from ..runtime.meta import GROUP_KEY
 
@@ -261,6 +261,13 @@ class FrameWireOrder:
         """The orders a later graph of the frame keeps, for the compile caches ("" for the first
         graph, which the orders do not bind: it is what records them)."""
         return repr(sorted(self.orders.items())) if self.recompiling and self.orders else ""
+
+    def first_backward_gathers(self) -> Optional[frozenset[str]]:
+        """For a later graph of the frame, the groups whose parameters the first backward gathers,
+        which fixes the groups it keeps unsharded ([Note: One collective set per frame] in
+        passes/unshard_selection.py); None for the first graph, or before its backward ran."""
+        recorded = self.orders.get("backward") if self.recompiling else None
+        return gathered_groups(recorded) if recorded is not None else None
 
     def keep(self, kind: str, gm: GraphModule) -> None:
         """Record `gm`'s wire order if it is the frame's first graph of its kind, else make it

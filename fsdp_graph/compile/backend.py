@@ -32,6 +32,7 @@ from ..passes.pipeline import GraphPass, PassPipeline
 from ..passes.async_tp import async_tp_on_cuda
 from ..passes import table as pass_table
 from ..passes.table import OPTIONS, PASS_NAMES, Stage
+from ..passes.unshard_selection import FIRST_BACKWARD_GATHERS_META
 from ..api.scope import REGIONS, REGIONS_ATTR, SCOPE_ATTR, SCOPES
 from ..runtime.meta import GROUP_KEY
 from ..runtime.param import OWNER_ATTR
@@ -82,8 +83,8 @@ class BackendConfig:
             only a schedule that keeps every group's collectives on their own and in program order
             puts the same collectives on the wire on both ([Note: Fallback groups keep the traced
             order] in runtime/traced.py): the passes that merge or reorder collectives of several
-            groups (`crosses_groups` in the table: "auto_bucket", "reorder_for_overlap") are left
-            out, at the cost of their overlap. Graphs of one group each (every expert call a frame
+            groups or leave a re-gather out (`differs_from_eager` in the table: "auto_bucket",
+            "reorder_for_overlap", "unshard_selection") are left out, at the cost of their overlap. Graphs of one group each (every expert call a frame
             of its own) need no such care. False: the ranks compare their graphs while compiling,
             and a graph of several groups that differs between them gets the same treatment
             ([Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py).
@@ -307,7 +308,8 @@ class FSDPGraphBackend:
         lower = self._pipeline(Stage.LOWER, resolved, dump)
 
         def partition_joint(joint_gm, joint_inputs, **kwargs):
-            return partition(joint(joint_gm, graph_id), joint_inputs, **kwargs)
+            first_gathers = order.first_backward_gathers() if order is not None else None
+            return partition(_run_joint(joint, joint_gm, graph_id, first_gathers), joint_inputs, **kwargs)
 
         def inner(kind: str):
             def compile_graph(graph: GraphModule, _inputs):
@@ -345,8 +347,13 @@ class FSDPGraphBackend:
             schedule_key += f":{hashlib.sha256(order.cache_key().encode()).hexdigest()[:16]}"
         if "reduce_scatters_in_place_on_gloo" not in self.config.disabled_passes:
             schedule_key += _gloo_rank(example_inputs)
+        first_gathers = order.first_backward_gathers() if order is not None else None
+        if first_gathers is not None:
+            joint_key += f":{hashlib.sha256(repr(sorted(first_gathers)).encode()).hexdigest()[:16]}"
         patches: dict[str, Any] = {
-            "joint_custom_pre_pass": _InductorJointPass(joint, graph_id, None if dump is not None else joint_key),
+            "joint_custom_pre_pass": _InductorJointPass(
+                joint, graph_id, None if dump is not None else joint_key, first_gathers
+            ),
             "custom_partitioner_fn": InductorPartitioner(),
             "post_grad_custom_post_pass": _InductorSchedulePass(
                 graph_id, dump, schedule, lower, None if dump is not None else schedule_key, order
@@ -396,6 +403,16 @@ def _inner_compile(*args, **kwargs):
         return compile_fx_inner(*args, **kwargs)
 
 
+def _run_joint(
+    joint: PassPipeline, gm: GraphModule, graph_id: str, first_gathers: Optional[frozenset[str]]
+) -> GraphModule:
+    """The joint passes on `gm`; for a later graph of a frame, told which groups the frame's first
+    backward gathers ([Note: One collective set per frame] in passes/unshard_selection.py)."""
+    if first_gathers is not None:
+        gm.meta[FIRST_BACKWARD_GATHERS_META] = first_gathers
+    return joint(gm, graph_id)
+
+
 def _log_graph(graph_id: str, kind: str, gm: GraphModule, dump: Optional[GraphDump]) -> None:
     logger.debug("fsdp_graph::graph (%s.%s) %s", graph_id, kind, count_ops(gm))
     if dump is not None:
@@ -407,13 +424,16 @@ class _InductorJointPass(CustomGraphPass):
     """Runs the joint pipeline inside Inductor. `uuid`: what the pipeline's result depends on
     (`FSDPGraphBackend.inductor_patches`); None disables the caches."""
 
-    def __init__(self, pipeline: PassPipeline, graph_id: str, key: Optional[str]) -> None:
+    def __init__(
+        self, pipeline: PassPipeline, graph_id: str, key: Optional[str], first_gathers: Optional[frozenset[str]]
+    ) -> None:
         self.pipeline = pipeline
         self.graph_id = graph_id
         self.key = key
+        self.first_gathers = first_gathers
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self.pipeline(graph.owning_module, self.graph_id)
+        _run_joint(self.pipeline, graph.owning_module, self.graph_id, self.first_gathers)
 
     def uuid(self) -> Optional[str]:
         return self.key
