@@ -189,7 +189,8 @@ MEMORY_BUDGET_BYTES = Option(
     "are not counted); prefetch gets shallower to stay within it. None: the unscheduled peak plus two of "
     "the largest buckets. Given explicitly, it is also the budget for keeping groups unsharded from "
     'forward to backward ("unshard_selection", passes/unshard_selection.py): it then overrides '
-    "`reshard_after_forward=True`.",
+    "`reshard_after_forward=True`; the groups are chosen at the sizes of a frame's first graph and kept "
+    "by its later graphs, so that every rank gathers the same ones.",
     example=1 << 30,
 )
 ASYNC_TP_CHUNKS = Option(
