@@ -129,7 +129,8 @@ def partitioned_peak(gm: GraphModule) -> int:
 
 
 def select_unsharded(gm: GraphModule, memory_budget_bytes: Optional[int]) -> GraphModule:
-    """Keep unsharded until backward the groups `plan_unsharded` chooses.
+    """Keep unsharded until backward the groups `plan_unsharded` chooses, or in a later graph of a
+    frame those its first graph kept ([Note: One collective set per frame]).
 
     Assumes: a joint graph with the traced runtime's annotations, before `reshard_after_forward`.
     Guarantees: the forward unshard nodes of each kept group are annotated as not resharding (so

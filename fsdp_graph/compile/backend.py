@@ -84,10 +84,11 @@ class BackendConfig:
             puts the same collectives on the wire on both ([Note: Fallback groups keep the traced
             order] in runtime/traced.py): the passes that merge or reorder collectives of several
             groups or leave a re-gather out (`differs_from_eager` in the table: "auto_bucket",
-            "reorder_for_overlap", "unshard_selection") are left out, at the cost of their overlap. Graphs of one group each (every expert call a frame
-            of its own) need no such care. False: the ranks compare their graphs while compiling,
-            and a graph of several groups that differs between them gets the same treatment
-            ([Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py).
+            "reorder_for_overlap", "unshard_selection") are left out, at the cost of their overlap.
+            Graphs of one group each (every expert call a frame of its own) need no such care.
+            False: the ranks compare their graphs while compiling, and a graph of several groups
+            that differs between them gets the same treatment ([Note: Ranks that compile different
+            graphs] in fsdp_graph/compile/agreement.py).
         scope: what one compiled graph spans ([Note: Compile scope] in fsdp_graph/api/scope.py).
             "step" (default): a sharded module's hooks are traced into the graph of the code that calls
             it, so the whole step is one graph and its collectives are the passes' to bucket, reorder
