@@ -279,27 +279,25 @@ def _steps_against_reference(rank, world_size, reference, model, run, lengths, b
     assert model._fsdp_state.ctx.fallbacks == {}, model._fsdp_state.ctx.fallbacks
 
 
-def test_a_relaunch_with_warm_caches_keeps_the_frames_wire_orders(tmp_path):
-    """The relaunch's first graph comes from Inductor's caches, so none of our passes run for it:
-    the wire orders its cold compile recorded are read from beside the caches ([Note: Wire orders
-    beside the compile caches] in fsdp_graph/compile/agreement.py). Without them, rank 1's
-    recompile asked the others again, waited 30 s, and gloo aborted ("23242 vs 4134")."""
+def test_relaunches_from_each_cache_keep_the_wire_orders_and_each_ranks_backward(tmp_path):
+    """Three launches on one cache directory: cold, then from AOTAutogradCache, then without it
+    from Inductor's FX graph cache (as where torchtitan's selective activation checkpointing
+    bypasses AOTAutogradCache), each against the unsharded reference.
+    - A relaunch's first graph comes from the caches, so none of our passes run for it: the wire
+      orders its cold compile recorded are read from beside the caches ([Note: Wire orders beside
+      the compile caches] in fsdp_graph/compile/agreement.py). Without them, rank 1's recompile
+      asked the others again, waited 30 s, and gloo aborted ("23242 vs 4134").
+    - The FX graph cache's keys are the same on every rank ([Note: Rank-independent cache keys]),
+      but on gloo a backward is not: it reads this rank's row of each reduce-scatter ([Note:
+      Reduce-scatters on gloo] in passes/gloo.py), so a rank that loaded the backward the other
+      rank compiled trained on the other rank's gradients. Each group's reduce-scatter is its own
+      here (no auto-bucketing, as torchtitan's layers are), where that pass applies."""
     cache_dir = str(tmp_path / "inductor")
-    assert run_ranks(_per_rank_padding_inductor, 2, cache_dir) == 1  # cold: the first graph asked, the recompile did not
-    assert run_ranks(_per_rank_padding_inductor, 2, cache_dir) == 1  # warm: the same, its first graph from the caches
+    unbucketed = {"auto_bucket"}
+    assert run_ranks(_per_rank_padding_inductor, 2, cache_dir, True, unbucketed) == 1  # cold: the first graph asked, the recompile did not
     assert list((tmp_path / "inductor" / "fsdp_graph" / "wire_orders").iterdir())
-
-
-def test_a_relaunch_from_the_fx_graph_cache_loads_each_ranks_own_backward(tmp_path):
-    """Without AOTAutogradCache (torchtitan's selective activation checkpointing bypasses it), a
-    relaunch takes each graph from Inductor's FX graph cache, whose keys are the same on every rank
-    ([Note: Rank-independent cache keys]). On gloo a backward is not: it reads this rank's row of
-    each reduce-scatter ([Note: Reduce-scatters on gloo] in passes/gloo.py), so a rank that loaded
-    the backward the other rank compiled trained on the other rank's gradients."""
-    cache_dir = str(tmp_path / "inductor")
-    unbucketed = {"auto_bucket"}  # each group's reduce-scatter its own, as torchtitan's layers are
-    run_ranks(_per_rank_padding_inductor, 2, cache_dir, True, unbucketed)
-    run_ranks(_per_rank_padding_inductor, 2, cache_dir, False, unbucketed)
+    assert run_ranks(_per_rank_padding_inductor, 2, cache_dir, True, unbucketed) == 1  # its first graph from the caches
+    assert run_ranks(_per_rank_padding_inductor, 2, cache_dir, False, unbucketed) == 1
 
 
 def _one_rank_stays_on_the_first_graph(rank, world_size, layers, lengths):
