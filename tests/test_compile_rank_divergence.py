@@ -300,7 +300,7 @@ def test_relaunches_from_each_cache_keep_the_wire_orders_and_each_ranks_backward
     assert run_ranks(_per_rank_padding_inductor, 2, cache_dir, False, unbucketed) == 1
 
 
-def _one_rank_stays_on_the_first_graph(rank, world_size, layers, lengths):
+def _one_rank_stays_on_the_first_graph(rank, world_size, layers, lengths, backend_options=None):
     """Rank 0 keeps its first length (its first graph, static) while rank 1 takes new ones (a
     recompile, symbolic in the length), against an unsharded reference on both ranks' batches."""
     import copy
@@ -310,17 +310,14 @@ def _one_rank_stays_on_the_first_graph(rank, world_size, layers, lengths):
     torch.manual_seed(0)
     reference = Llama(LlamaConfig(vocab_size=512, dim=128, num_layers=layers, num_heads=4, num_kv_heads=2, hidden_dim=344))
     model = shard_llama(copy.deepcopy(reference), fully_shard)
-    run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager"))
+    run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", **(backend_options or {})))
     _steps_against_reference(rank, world_size, reference, model, run, lengths, batch=4)
 
 
 def _kept_under_a_budget(rank, world_size, lengths, budget):
     """`_one_rank_stays_on_the_first_graph`'s steps (4 layers, rank r on `lengths[r]`) under a
     memory budget; what unshard_selection logged on each rank, for the test to see what it kept."""
-    import copy
     import logging
-
-    from _models import Llama, LlamaConfig, shard_llama
 
     logged = []
     handler = logging.Handler()
@@ -328,11 +325,7 @@ def _kept_under_a_budget(rank, world_size, lengths, budget):
     selection = logging.getLogger("fsdp_graph.passes.unshard_selection")
     selection.setLevel(logging.INFO)
     selection.addHandler(handler)
-    torch.manual_seed(0)
-    reference = Llama(LlamaConfig(vocab_size=512, dim=128, num_layers=4, num_heads=4, num_kv_heads=2, hidden_dim=344))
-    model = shard_llama(copy.deepcopy(reference), fully_shard)
-    run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", memory_budget_bytes=budget))
-    _steps_against_reference(rank, world_size, reference, model, run, lengths, batch=4)
+    _one_rank_stays_on_the_first_graph(rank, world_size, 4, lengths, {"memory_budget_bytes": budget})
     every_rank = [None] * world_size
     dist.all_gather_object(every_rank, logged)
     return every_rank
