@@ -13,6 +13,7 @@ given order allows it.
 from __future__ import annotations
 
 import heapq
+from typing import Optional
 
 from torch.fx import GraphModule, Node
 
@@ -33,6 +34,20 @@ def gathered_groups(order: tuple[str, ...]) -> frozenset[str]:
         if op.startswith("all_gather") and not carried.startswith("["):  # "[tp]": not FSDP's
             groups.update(carried.split("+"))
     return frozenset(groups)
+
+
+def single_group_collectives(order: tuple[str, ...]) -> Optional[tuple[tuple[str, str], ...]]:
+    """A wire order (`wire_order`) as ("all_gather" or "reduce_scatter", group) pairs, what the
+    eager hooks can issue in its order (runtime/wire_plan.py); None if it holds any other
+    collective: groups merged into one, tensor parallel's, an all-reduce."""
+    items = []
+    for label in order:
+        op, _, carried = label.partition(" ")
+        kind = next((k for k in ("all_gather", "reduce_scatter") if op.startswith(k)), None)
+        if kind is None or not carried or carried.startswith("[") or "+" in carried or (kind, carried) in items:
+            return None  # (a group twice: one bucket split in pieces, which the hooks gather whole)
+        items.append((kind, carried))
+    return tuple(items)
 
 
 def _wire_label(node: Node) -> str:

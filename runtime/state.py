@@ -33,6 +33,7 @@ from .param import MetaParameterError
 from .param_group import ParamGroup, ShardedState
 from .policies import MixedPrecisionPolicy
 from .trees import cast_floats, map_tensors, tensors_in
+from .wire_plan import Replay, WirePlan
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,11 @@ class RootContext:
         # What `check_materialized` found before the latest trace began, raised by the traced root:
         # [Note: Tracing reads what was followed].
         self.problem_before_trace: Optional[tuple[str, Any]] = None
+        # The wire orders of the compiled frames whose calls this root makes, by frame (set by the
+        # backend), and the one a step running on the eager hooks keeps: [Note: A fallback keeps
+        # the frame's wire order] in runtime/wire_plan.py.
+        self.wire_plans: dict[Any, WirePlan] = {}
+        self.replay: Optional[Replay] = None
         _follow_before_compiling(self)
 
     def note_parameter_replaced(self) -> None:
@@ -109,7 +115,20 @@ class RootContext:
                 continue
             if not group.all_grads_ready:
                 return
-            group.post_backward()
+            if self.replay is not None:
+                self.replay.reduce(group)
+            else:
+                group.post_backward()
+
+    def replay_for_fallback(self) -> Optional[Replay]:
+        """For a root call that runs on the eager hooks inside a compiled call: the compiled frame's
+        wire order to keep, if one frame's is known ([Note: A fallback keeps the frame's wire order])."""
+        plans = set(self.wire_plans.values())
+        if len(plans) != 1 or not torch.is_grad_enabled():
+            return None
+        logger.info("fsdp_graph: the root's call runs on the eager hooks where its compiled graph ran before; "
+                    "its collectives keep the graph's order ([Note: A fallback keeps the frame's wire order])")
+        return Replay(plans.pop(), {s.group.name: s.group for s in self.states if s.group is not None})
 
 
 # Every root context alive, for `_follow_all_roots`; contexts of outer roots replace inner ones.
@@ -393,7 +412,7 @@ class FSDPState:
             if self not in self.ctx.forward_order:
                 self.ctx.forward_order.append(self)
             if self.group is not None:
-                self.group.unshard()
+                self._unshard()
                 self.group.wait_for_unshard()
             for target in self.forward_prefetch if not self._fell_back else ():
                 if target.group is not None:
@@ -503,6 +522,14 @@ class FSDPState:
         self.ctx.forward_order.clear()
         self.ctx.final_callback_queued = False
         self.ctx._writes_param_grads = None
+        self.ctx.replay = self.ctx.replay_for_fallback() if self._fell_back else None
+
+    def _unshard(self) -> None:
+        """Gather this group where the hooks need it: now, or where a replayed plan has it."""
+        if self.ctx.replay is not None:
+            self.ctx.replay.gather(self.group)
+        else:
+            self.group.unshard()
 
     def reset_iter_state(self) -> None:
         """Root only: after a forward or backward raised, drop everything of that iteration.
@@ -520,6 +547,7 @@ class FSDPState:
                 state.group.reduce_controls.partial = None
         ctx.forward_order.clear()
         ctx.final_callback_queued = False
+        ctx.replay = None
 
     def _reset_after_error(self) -> None:
         logger.debug("fsdp_graph::reset (%s) from %s", self.name, self.training_state.name)
@@ -549,13 +577,17 @@ class FSDPState:
                 if self.is_root:  # [Note: Groups whose forward ran partly in a graph] in runtime/traced.py
                     traced.close_partly_run_groups(self)
                 if self.group is not None:
-                    if tensors:
+                    if tensors and self.ctx.replay is not None:
+                        self.ctx.replay.after_forward(self.group)
+                    elif tensors:
                         # A traced graph re-gathers from the whole shard group: so does a fallback.
                         self.group.post_forward_reshard(full=self._fell_back)
                     else:
                         # No backward will read these parameters (no_grad, eval): keep none of
                         # them, so an optimizer step before the next forward is never missed.
                         self.group.reshard()
+                if self.is_root and self.ctx.replay is not None:
+                    self.ctx.replay.end_forward()
                 self.training_state = TrainingState.IDLE
         return output
 
@@ -572,7 +604,7 @@ class FSDPState:
             logger.debug("fsdp_graph::pre_backward (%s)", self.name)
             self.training_state = TrainingState.BACKWARD
             if self.group is not None and self.group.unshard_in_backward:
-                self.group.unshard()
+                self._unshard()
                 self.group.wait_for_unshard()
             for target in self._backward_prefetch_targets():
                 if target.group is not None and target.group.unshard_in_backward:
@@ -609,6 +641,9 @@ class FSDPState:
         ctx = self.ctx
         with torch.profiler.record_function("fsdp_graph::post_backward_final"):
             logger.debug("fsdp_graph::post_backward_final (%s)", self.name)
+            if ctx.replay is not None:
+                ctx.replay.end_backward()
+                ctx.replay = None
             for state in reversed(ctx.forward_order + [s for s in ctx.states if s not in ctx.forward_order]):
                 # Groups with unused or frozen parameters never counted all their gradients. A group
                 # whose forward did not run on the eager hooks and that was not gathered otherwise

@@ -526,7 +526,8 @@ def trace_hooks_inside_checkpoint() -> None:
 # shard group as the graph does. Its reduce-scatter runs when its gradients are ready, where the
 # graph's backward runs it. What this does not cover: a graph whose passes merged or reordered
 # collectives of several groups, when another rank runs one of those groups on the eager hooks
-# (README, Differences from FSDP2; docs/compiler.md).
+# (README, Differences from FSDP2; docs/compiler.md), except where the whole call falls back:
+# [Note: A fallback keeps the frame's wire order] in runtime/wire_plan.py.
 
 
 # [Note: Groups that stay on the eager hooks]

@@ -251,9 +251,11 @@ def _per_rank_padding_inductor(rank, world_size, cache_dir, autograd_cache=True,
     return len(asked)
 
 
-def _steps_against_reference(rank, world_size, reference, model, run, lengths, batch):
+def _steps_against_reference(rank, world_size, reference, model, run, lengths, batch, fallbacks_expected=False):
     """One AdamW step per length, rank r on `lengths[r]`, each checked against the unsharded
-    `reference` on both ranks' batches: the loss averaged over the ranks and every gradient."""
+    `reference` on both ranks' batches: the loss averaged over the ranks and every gradient.
+    Returns the groups that ran on the eager hooks inside the compiled call (none unless
+    `fallbacks_expected`)."""
     import torch.nn.functional as F
 
     vocab = reference.tok_embeddings.num_embeddings
@@ -276,7 +278,8 @@ def _steps_against_reference(rank, world_size, reference, model, run, lengths, b
         for o in (ref_opt, opt):
             o.step()
             o.zero_grad()
-    assert model._fsdp_state.ctx.fallbacks == {}, model._fsdp_state.ctx.fallbacks
+    assert fallbacks_expected or model._fsdp_state.ctx.fallbacks == {}, model._fsdp_state.ctx.fallbacks
+    return set(model._fsdp_state.ctx.fallbacks)
 
 
 def test_relaunches_from_each_cache_keep_the_wire_orders_and_each_ranks_backward(tmp_path):
@@ -300,9 +303,10 @@ def test_relaunches_from_each_cache_keep_the_wire_orders_and_each_ranks_backward
     assert run_ranks(_per_rank_padding_inductor, 2, cache_dir, False, unbucketed) == 1
 
 
-def _one_rank_stays_on_the_first_graph(rank, world_size, layers, lengths, backend_options=None):
+def _one_rank_stays_on_the_first_graph(rank, world_size, layers, lengths, backend_options=None, fallbacks_expected=False):
     """Rank 0 keeps its first length (its first graph, static) while rank 1 takes new ones (a
-    recompile, symbolic in the length), against an unsharded reference on both ranks' batches."""
+    recompile, symbolic in the length), against an unsharded reference on both ranks' batches.
+    Returns each rank's groups that ran on the eager hooks inside the compiled call."""
     import copy
 
     from _models import Llama, LlamaConfig, shard_llama
@@ -311,7 +315,10 @@ def _one_rank_stays_on_the_first_graph(rank, world_size, layers, lengths, backen
     reference = Llama(LlamaConfig(vocab_size=512, dim=128, num_layers=layers, num_heads=4, num_kv_heads=2, hidden_dim=344))
     model = shard_llama(copy.deepcopy(reference), fully_shard)
     run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", **(backend_options or {})))
-    _steps_against_reference(rank, world_size, reference, model, run, lengths, batch=4)
+    fallbacks = _steps_against_reference(rank, world_size, reference, model, run, lengths, 4, fallbacks_expected)
+    every_rank = [None] * world_size
+    dist.all_gather_object(every_rank, fallbacks)
+    return every_rank
 
 
 def _kept_under_a_budget(rank, world_size, lengths, budget):
@@ -362,3 +369,18 @@ def test_one_rank_on_its_first_graph_while_the_other_recompiles():
     give the new graph the first one's order, and the two ranks waited on each other's collectives
     for ever."""
     run_ranks(_one_rank_stays_on_the_first_graph, 2, 4, ([24, 24, 24], [24, 32, 40]), timeout_s=120)
+
+
+def _falls_back_at_the_recompile_limit(rank, world_size):
+    torch._dynamo.config.recompile_limit = 1 if rank == 1 else 8
+    return _one_rank_stays_on_the_first_graph(rank, world_size, 8, ([24, 24, 24], [24, 32, 40]), fallbacks_expected=True)
+
+
+def test_a_rank_falling_back_in_a_later_step_keeps_the_graphs_wire_order():
+    """Rank 1 reaches its recompile limit at its second length and runs the whole step on the eager
+    hooks, while rank 0 runs its graph. At 8 layers the graph's backward gathers a block again
+    before it reduce-scatters the block after it (a prefetch), where the hooks reduce-scatter first:
+    both ranks waited for ever. The fallback now issues the graph's order ([Note: A fallback keeps
+    the frame's wire order] in runtime/wire_plan.py), against the unsharded reference."""
+    on_rank0, on_rank1 = run_ranks(_falls_back_at_the_recompile_limit, 2, timeout_s=180)
+    assert on_rank0 == set() and {"<root>", "layers.0", "layers.7"} <= on_rank1, (on_rank0, on_rank1)

@@ -5,10 +5,10 @@ fsdp_graph/compile/agreement.py). One process, a fake process group of 8 ranks."
 import torch
 
 from _harness import fake_process_group
-from _schedule_helpers import FIXED, capture_graphs, sharded_stack
-from fsdp_graph.passes.bucketing import bucket_by_group
+from _schedule_helpers import FIXED, LATENCY_BOUND, capture_graphs, sharded_stack
+from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group
 from fsdp_graph.passes.reorder import reorder_for_overlap
-from fsdp_graph.passes.wire_order import order_collectives_as, wire_order
+from fsdp_graph.passes.wire_order import order_collectives_as, single_group_collectives, wire_order
 
 
 def _backward_graphs(scheduled=True):
@@ -83,3 +83,22 @@ def test_another_model_with_the_same_names_records_its_own_order(caplog):
             compiled = torch.compile(sharded_stack(), backend=fsdp_graph.backend(compiler="aot_eager", **options))
             compiled(torch.randn(4, 16)).sum().backward()
     assert not [r for r in caplog.records if "recompiles a frame" in r.getMessage()]
+
+
+def test_the_eager_hooks_plan_holds_single_groups_collectives_only():
+    """A rank that runs the step on the eager hooks issues each group's collectives where the
+    graph's order has them ([Note: A fallback keeps the frame's wire order] in
+    runtime/wire_plan.py): that order as (collective, group) pairs, or None where the graph merged
+    or split a group's bucket, which the hooks gather whole."""
+    program, scheduled = _backward_graphs()
+    gather, reduce = "all_gather", "reduce_scatter"
+    assert single_group_collectives(wire_order(scheduled)) == (
+        (gather, "blocks.2"), (gather, "blocks.1"), (reduce, "blocks.2"), (gather, "blocks.0"), (reduce, "blocks.1"),
+        (reduce, "<root>"), (reduce, "blocks.0"))  # each re-gather prefetched: the hooks' order it is not
+    with fake_process_group(8):
+        merged = auto_bucket(bucket_by_group(capture_graphs(sharded_stack(), torch.randn(4, 16))["backward"]), LATENCY_BOUND,
+                             bucket_cap_bytes=1 << 20)
+        split = auto_bucket(bucket_by_group(capture_graphs(sharded_stack(), torch.randn(4, 16))["backward"]), FIXED,
+                            bucket_cap_bytes=64)
+    assert any("+" in label for label in wire_order(merged)) and single_group_collectives(wire_order(merged)) is None
+    assert len(set(wire_order(split))) < len(wire_order(split)) and single_group_collectives(wire_order(split)) is None

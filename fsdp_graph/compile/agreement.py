@@ -22,9 +22,11 @@ The same graph on inputs of other shapes (each rank's own sequence length, or it
 dynamic size) is scheduled with other costs, which may order its collectives differently; the
 entry carries the shapes of the inputs other than parameters, and such a graph alone keeps program
 order (the sequences still line up, so later graphs are compared again). A graph Dynamo compiles
-again for a frame it compiled before asks nobody: [Note: One wire order per frame]. What this
-cannot see is a rank that first falls back to the eager hooks in a later step, which needs
-`rank_divergent_graphs=True`.
+again for a frame it compiled before asks nobody: [Note: One wire order per frame]. A rank whose
+whole call first falls back to the eager hooks in a later step (its recompile limit reached) asks
+nobody either: its hooks issue the frame's recorded order ([Note: A fallback keeps the frame's wire
+order] in runtime/wire_plan.py), where that order holds single groups' collectives only; where the
+graph merged or split groups' buckets, such a rank needs `rank_divergent_graphs=True`.
 
 [Note: One wire order per frame]
 A rank recompiles a frame alone whenever its own inputs fail the guards and the others' do not
@@ -73,9 +75,10 @@ import torch.distributed as dist
 from torch.fx import GraphModule
 
 from ..passes.nodes import fsdp_meta
-from ..passes.wire_order import gathered_groups, order_collectives_as, wire_order
+from ..passes.wire_order import gathered_groups, order_collectives_as, single_group_collectives, wire_order
 from ..runtime import peer_log
 from ..runtime.meta import GROUP_KEY
+from ..runtime.wire_plan import WirePlan
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +126,8 @@ class GraphAgreement:
         order = FrameWireOrder(program_order)
         if frames is not None:
             frames[key] = order
+            if key[2] and not program_order:  # a backward to keep the order of; program order needs no plan
+                order.plan_for(root, key)
         return order, program_order
 
     def diverged(self, gm: GraphModule, example_inputs: Sequence, ranks: Sequence[int],
@@ -230,6 +235,28 @@ class FrameWireOrder:
         self.orders: dict[str, tuple[str, ...]] = {}
         self.saved_at: Optional[str] = None
         self.recompiling = False  # a later graph of the frame is being compiled, which the orders bind
+        self._root: Optional[weakref.ref] = None  # the root context to hand the orders to, and its key
+        self._key: Any = None
+
+    def plan_for(self, root: Any, key: Any) -> None:
+        """Hand the orders, once both are known, to `root` (a runtime RootContext) as its eager
+        hooks' plan for a step on one rank that falls back: [Note: A fallback keeps the frame's
+        wire order] in runtime/wire_plan.py."""
+        self._root, self._key = weakref.ref(root), key
+        self._offer_plan()
+
+    def _offer_plan(self) -> None:
+        root = self._root() if self._root is not None else None
+        if root is None or "forward" not in self.orders or "backward" not in self.orders:
+            return
+        forward, backward = (single_group_collectives(self.orders[kind]) for kind in ("forward", "backward"))
+        if forward is None or backward is None:
+            root.wire_plans.pop(self._key, None)
+            logger.info("fsdp_graph: the compiled frame's graphs merge groups' collectives or hold others, which "
+                        "the eager hooks cannot issue: a rank that falls back to them later does not keep their "
+                        "order ([Note: A fallback keeps the frame's wire order])")
+            return
+        root.wire_plans[self._key] = WirePlan(forward, backward)
 
     def keep_beside_caches(self, path: str) -> None:
         """Read the orders a cold compile of the same first graph recorded at `path`, if any, and
@@ -243,6 +270,7 @@ class FrameWireOrder:
         if isinstance(saved, dict):
             for kind, order in saved.items():
                 self.orders.setdefault(kind, tuple(order))
+            self._offer_plan()
 
     def _save(self) -> None:
         if self.saved_at is None:
@@ -276,6 +304,7 @@ class FrameWireOrder:
         if recorded is None:
             self.orders[kind] = scheduled
             self._save()
+            self._offer_plan()
         elif scheduled == recorded:
             return
         elif order_collectives_as(gm, recorded):
