@@ -30,9 +30,9 @@ def gathered_groups(order: tuple[str, ...]) -> frozenset[str]:
     """The FSDP groups whose parameters the collectives of a wire order (`wire_order`) gather."""
     groups: set[str] = set()
     for label in order:
-        op, _, carried = label.partition(" ")
-        if op.startswith("all_gather") and not carried.startswith("["):  # "[tp]": not FSDP's
-            groups.update(carried.split("+"))
+        kind, carried = _read_label(label)
+        if kind == "all_gather":
+            groups.update(carried)
     return frozenset(groups)
 
 
@@ -42,12 +42,19 @@ def single_group_collectives(order: tuple[str, ...]) -> Optional[tuple[tuple[str
     collective: groups merged into one, tensor parallel's, an all-reduce."""
     items = []
     for label in order:
-        op, _, carried = label.partition(" ")
-        kind = next((k for k in ("all_gather", "reduce_scatter") if op.startswith(k)), None)
-        if kind is None or not carried or carried.startswith("[") or "+" in carried or (kind, carried) in items:
+        kind, carried = _read_label(label)
+        if kind is None or len(carried) != 1 or (kind, carried[0]) in items:
             return None  # (a group twice: one bucket split in pieces, which the hooks gather whole)
-        items.append((kind, carried))
+        items.append((kind, carried[0]))
     return tuple(items)
+
+
+def _read_label(label: str) -> tuple[Optional[str], list[str]]:
+    """A `wire_order` label read back: "all_gather" or "reduce_scatter" (None for another op), and
+    the FSDP groups the collective carries (none for another parallelism's, "[tp]")."""
+    op, _, carried = label.partition(" ")
+    kind = next((k for k in ("all_gather", "reduce_scatter") if op.startswith(k)), None)
+    return kind, [] if not carried or carried.startswith("[") else carried.split("+")
 
 
 def _wire_label(node: Node) -> str:

@@ -114,8 +114,8 @@ class GraphAgreement:
         `options`: the backend's options, as its cache key spells them."""
         compile_id = torch._guards.CompileContext.current_compile_id()
         frames = self._frames.setdefault(root, {}) if compile_id is not None and root is not None else None
-        key = (None if compile_id is None else compile_id.frame_id, tuple(graph_groups(gm)), torch.is_grad_enabled(),
-               options)
+        grad_enabled = torch.is_grad_enabled()
+        key = (None if compile_id is None else compile_id.frame_id, tuple(graph_groups(gm)), grad_enabled, options)
         known = None if frames is None else frames.get(key)
         if known is not None and "forward" in known.orders:
             logger.info("fsdp_graph: graph %s recompiles a frame: its collectives keep the order of the frame's first "
@@ -126,7 +126,7 @@ class GraphAgreement:
         order = FrameWireOrder(program_order)
         if frames is not None:
             frames[key] = order
-            if key[2] and not program_order:  # a backward to keep the order of; program order needs no plan
+            if grad_enabled and not program_order:  # a backward to keep the order of; program order needs no plan
                 order.plan_for(root, key)
         return order, program_order
 
