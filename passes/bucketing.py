@@ -31,6 +31,7 @@ from .nodes import (
     C10D,
     bucket_groups,
     PASS_META,
+    PIECE_META,
     group_of,
     is_all_gather,
     is_fsdp_collective,
@@ -221,8 +222,9 @@ def _split(gm: GraphModule, node: Node, num_pieces: int, pass_name: str) -> list
     old_wait.replace_all_uses_with(out)
     gm.graph.erase_node(old_wait)
     gm.graph.erase_node(node)
-    for p in pieces:
+    for k, p in enumerate(pieces):
         _label(p, groups)
+        p.meta[PIECE_META] = (k, len(pieces))
     return pieces
 
 

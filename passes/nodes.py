@@ -24,6 +24,8 @@ TANGENT_PREFIX = "tangents"  # how AOTAutograd names the incoming gradients of a
 # groups are read with `bucket_groups`.
 BUCKET_META = "fsdp_graph_bucket"
 PASS_META = "fsdp_graph_pass"  # on a node a scheduling pass made or moved: that pass's name
+# On each collective of a bucket that passes/bucketing.py cut into column ranges: (piece index, pieces).
+PIECE_META = "fsdp_graph_piece"
 # Set by passes/async_tp.py on each chunk of a decomposed all-reduce: (chunk index, number of chunks).
 ASYNC_TP_META = "fsdp_graph_async_tp"
 # Set by passes/unshard_selection.py on a kept group's forward all-gather: its unsharded bytes.
@@ -144,10 +146,11 @@ def bucket_groups(node: Node) -> tuple[str, ...]:
 
 def collective_label(node: Node) -> str:
     """How the inspector names a collective: its FSDP groups ("layers.0+layers.1" for a merged
-    bucket), or "[tp]" (`parallelism_of`) for one that is not FSDP's, "[tp] chunk 2/4" for a chunk
-    that passes/async_tp.py made."""
+    bucket, "layers.0 piece 2/3" for a piece of a split one), or "[tp]" (`parallelism_of`) for one
+    that is not FSDP's, "[tp] chunk 2/4" for a chunk that passes/async_tp.py made."""
     if group_of(node) is not None:
-        return "+".join(bucket_groups(node))
+        piece = node.meta.get(PIECE_META)
+        return "+".join(bucket_groups(node)) + (f" piece {piece[0] + 1}/{piece[1]}" if piece else "")
     chunk = node.meta.get(ASYNC_TP_META)
     return f"[{parallelism_of(node)}]" + (f" chunk {chunk[0] + 1}/{chunk[1]}" if chunk else "")
 

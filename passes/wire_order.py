@@ -30,31 +30,55 @@ def gathered_groups(order: tuple[str, ...]) -> frozenset[str]:
     """The FSDP groups whose parameters the collectives of a wire order (`wire_order`) gather."""
     groups: set[str] = set()
     for label in order:
-        kind, carried = _read_label(label)
+        kind, carried, _ = _read_label(label)
         if kind == "all_gather":
             groups.update(carried)
     return frozenset(groups)
 
 
-def single_group_collectives(order: tuple[str, ...]) -> Optional[tuple[tuple[str, str], ...]]:
-    """A wire order (`wire_order`) as ("all_gather" or "reduce_scatter", group) pairs, what the
-    eager hooks can issue in its order (runtime/wire_plan.py); None if it holds any other
-    collective: groups merged into one, tensor parallel's, an all-reduce."""
-    items = []
+# One collective as the eager hooks issue it: "all_gather" or "reduce_scatter", the FSDP groups whose
+# buckets it carries side by side, and (k, n) where it is piece k of n of one group's bucket.
+EagerCollective = tuple[str, tuple[str, ...], Optional[tuple[int, int]]]
+
+
+def eager_collectives(order: tuple[str, ...]) -> Optional[tuple[EagerCollective, ...]]:
+    """A wire order (`wire_order`) as the eager hooks can issue it (runtime/wire_plan.py): each
+    group's all-gather and reduce-scatter once, alone, merged with other groups' (`auto_bucket`) or
+    in pieces. None if it holds another collective (tensor parallel's, an all-reduce) or a group's
+    bucket twice: those the hooks cannot keep in the graph's order."""
+    items: list[EagerCollective] = []
+    pieces: dict[tuple[str, str], Optional[tuple[int, set[int]]]] = {}  # per (op, group): (n, pieces seen)
     for label in order:
-        kind, carried = _read_label(label)
-        if kind is None or len(carried) != 1 or (kind, carried[0]) in items:
-            return None  # (a group twice: one bucket split in pieces, which the hooks gather whole)
-        items.append((kind, carried[0]))
+        kind, carried, piece = _read_label(label)
+        if kind is None or not carried or len(set(carried)) != len(carried) or (piece and len(carried) > 1):
+            return None
+        for group in carried:
+            seen = pieces.get((kind, group), ())
+            if seen != () and (piece is None or seen is None or seen[0] != piece[1] or piece[0] in seen[1]):
+                return None
+            if piece is None:
+                pieces[(kind, group)] = None
+            else:
+                pieces.setdefault((kind, group), (piece[1], set()))[1].add(piece[0])
+        items.append((kind, tuple(carried), piece))
+    if any(seen is not None and len(seen[1]) != seen[0] for seen in pieces.values()):
+        return None
     return tuple(items)
 
 
-def _read_label(label: str) -> tuple[Optional[str], list[str]]:
-    """A `wire_order` label read back: "all_gather" or "reduce_scatter" (None for another op), and
-    the FSDP groups the collective carries (none for another parallelism's, "[tp]")."""
-    op, _, carried = label.partition(" ")
+def _read_label(label: str) -> tuple[Optional[str], list[str], Optional[tuple[int, int]]]:
+    """A `wire_order` label read back: "all_gather" or "reduce_scatter" (None for another op), the
+    FSDP groups the collective carries (none for another parallelism's, "[tp]"), and (k, n) for
+    piece k of n of a split bucket (`collective_label` counts pieces from 1)."""
+    op, _, rest = label.partition(" ")
     kind = next((k for k in ("all_gather", "reduce_scatter") if op.startswith(k)), None)
-    return kind, [] if not carried or carried.startswith("[") else carried.split("+")
+    if not rest or rest.startswith("["):
+        return kind, [], None
+    carried, _, piece = rest.partition(" piece ")
+    if not piece:
+        return kind, carried.split("+"), None
+    k, _, n = piece.partition("/")
+    return kind, carried.split("+"), (int(k) - 1, int(n))
 
 
 def _wire_label(node: Node) -> str:

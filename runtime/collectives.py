@@ -424,6 +424,7 @@ def reduce_scatter(
     controls: Optional["ReduceControls"] = None,
     comm: Optional[ReduceScatter] = None,
     allocator: Optional[Comm] = None,
+    issue: bool = True,
 ) -> ReduceScatterWork:
     """Reduce-scatter the unsharded gradients of the group's trainable parameters (`layout.reduced`
     of `params`) as one bucket and average them.
@@ -435,7 +436,8 @@ def reduce_scatter(
     backend keeps eager and compiled numerics identical. A `comm_hook` replaces the
     reduce-scatter itself (it runs synchronously); HSDP's all-reduce and the division stay ours.
     A custom `comm` (`set_custom_reduce_scatter`) allocates the buffers and runs the SUM; else an
-    `allocator` (`ProcessGroupAllocator`) may allocate them.
+    `allocator` (`ProcessGroupAllocator`) may allocate them. With `issue` False the gradients are
+    only packed, for `reduce_scatter_pieces` to issue.
     """
     buffers = comm if comm is not None else allocator
     world = mesh_info.shard_size
@@ -455,6 +457,9 @@ def reduce_scatter(
         packed = _pack(layout, params, grads, dtype, comm_ctx.device, buffers)
         if pre != 1:
             packed.div_(pre)
+        if not issue:
+            work.handle, work.keep_alive = PieceHandles(), [packed]
+            return work
         if comm_hook is not None:
             comm_hook(packed, output, shard_group)
             work.reduce_across_replicas_and_divide()
@@ -480,6 +485,9 @@ def reduce_scatter(
         packed = _pack(layout, params, grads, dtype, comm_ctx.device, buffers)
         if pre != 1:
             packed.div_(pre)
+        if not issue:
+            work.keep_alive = [packed, grads]
+            return work
         if comm_hook is not None:
             comm_hook(packed, output, shard_group)
         elif world == 1:  # [Note: One rank issues no collectives]
@@ -492,3 +500,143 @@ def reduce_scatter(
         work.event = comm_ctx.reduce_scatter_stream.record_event()
     work.keep_alive = [packed, grads]
     return work
+
+
+# [Note: A compiled graph's buckets on the eager hooks]
+# A rank that runs a compiled step on the eager hooks issues the graph's collectives
+# (runtime/wire_plan.py), and the graph may have merged several groups' buckets into one collective
+# or cut one group's bucket into pieces (passes/bucketing.py). Both are one thing seen from the
+# buckets: a collective carries columns [lo, hi) of one or more groups' rank-major buckets side by
+# side, rank r's row being [row_a[lo_a:hi_a] | row_b[lo_b:hi_b] | ...], the layout the graph gives
+# them. Each group's bucket is filled (copy-in, gradient packing) and read (copy-out, finish) as
+# `all_gather` and `reduce_scatter` do; the columns are copied into the collective's own buffer and
+# back out of it. Every element is summed over the same ranks as in the graph.
+
+
+class PieceHandles:
+    """The collectives a bucket was issued in, each with the copy of its columns back into the
+    bucket: waited as one async `dist.Work` (CPU; on CUDA the copies are queued on the stream)."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[dist.Work, Callable[[], None], torch.Tensor]] = []
+
+    def add(self, handle: dist.Work, copy_back: Callable[[], None], sent: torch.Tensor) -> None:
+        """`sent`: the collective's input, kept until it ends."""
+        self._parts.append((handle, copy_back, sent))
+
+    def wait(self) -> bool:
+        for handle, copy_back, _ in self._parts:
+            handle.wait()
+            copy_back()
+        self._parts.clear()
+        return True
+
+
+@torch.no_grad()
+def prepare_all_gather(
+    layout: BucketLayout,
+    params: list[ShardedParam],
+    group: dist.ProcessGroup,
+    world: int,
+    comm_ctx: CommContext,
+    shard_buffer: Optional[ShardBuffer] = None,
+) -> AllGatherWork:
+    """`all_gather`'s bucket, this rank's row copied in, nothing issued: `all_gather_pieces` issues
+    it. Waited as an issued all-gather once every column of it was."""
+    rank = dist.get_rank(group)
+    if not comm_ctx.uses_streams:
+        output, row, widths = _copy_in(layout, params, world, rank, None, comm_ctx.device, shard_buffer)
+        return AllGatherWork(output, row, widths, layout, handle=PieceHandles())
+    comm_ctx.release_retired()
+    comm_ctx.copy_in_waits_for_optimizer()
+    with comm_ctx._device_module.stream(comm_ctx.copy_in_stream):
+        output, row, widths = _copy_in(layout, params, world, rank, None, comm_ctx.device, shard_buffer)
+    return AllGatherWork(output, row, widths, layout)
+
+
+def _copy_columns(buffer: torch.Tensor, world: int, offset: int, tensor: torch.Tensor, lo: int, hi: int, into_tensor: bool) -> None:
+    """Copy columns [offset, offset + hi - lo) of `buffer`'s rank-major rows to columns [lo, hi) of
+    `tensor`'s (`into_tensor`), or the other way."""
+    mine, theirs = tensor.view(world, -1)[:, lo:hi], buffer.view(world, -1)[:, offset : offset + hi - lo]
+    (mine.copy_(theirs) if into_tensor else theirs.copy_(mine))
+
+
+def _offsets(pieces: list[tuple[object, int, int]]) -> list[int]:
+    """Where each piece's columns start in the collective's row."""
+    starts, total = [], 0
+    for _, lo, hi in pieces:
+        starts.append(total)
+        total += hi - lo
+    return starts
+
+
+@torch.no_grad()
+def all_gather_pieces(pieces: list[tuple[AllGatherWork, int, int]], group: dist.ProcessGroup, world: int, comm_ctx: CommContext) -> None:
+    """One all-gather of columns [lo, hi) of each prepared bucket's row, side by side ([Note: A compiled
+    graph's buckets on the eager hooks]); each bucket gets its columns of every rank back."""
+    starts = _offsets(pieces)
+
+    def issue(async_op: bool) -> tuple[Optional[dist.Work], torch.Tensor, torch.Tensor]:
+        row = torch.cat([work.input[lo:hi] for work, lo, hi in pieces])
+        gathered = row.new_empty(world * row.numel())
+        return dist.all_gather_single(gathered, row, group=group, async_op=async_op), row, gathered
+
+    def copy_back(gathered: torch.Tensor, i: int) -> None:
+        work, lo, hi = pieces[i]
+        _copy_columns(gathered, world, starts[i], work.output, lo, hi, into_tensor=True)
+
+    if not comm_ctx.uses_streams:
+        handle, row, gathered = issue(async_op=True)
+        for i, (work, _, _) in enumerate(pieces):
+            work.handle.add(handle, lambda i=i: copy_back(gathered, i), row)
+        return
+    comm_ctx.all_gather_stream.wait_stream(comm_ctx.copy_in_stream)
+    with comm_ctx._device_module.stream(comm_ctx.all_gather_stream):
+        _, _, gathered = issue(async_op=False)
+        for i in range(len(pieces)):
+            copy_back(gathered, i)
+        event = comm_ctx.all_gather_stream.record_event()
+    for work, _, _ in pieces:
+        work.event = event
+
+
+@torch.no_grad()
+def reduce_scatter_pieces(
+    pieces: list[tuple[ReduceScatterWork, int, int]], group: dist.ProcessGroup, world: int, comm_ctx: CommContext
+) -> None:
+    """One reduce-scatter (SUM) of columns [lo, hi) of each packed bucket (`reduce_scatter(...,
+    issue=False)`), side by side ([Note: A compiled graph's buckets on the eager hooks]); each work's
+    output gets its columns of this rank's sum. `reduce_scatter_issued` then ends a work."""
+    starts = _offsets(pieces)
+
+    def issue(async_op: bool) -> tuple[Optional[dist.Work], torch.Tensor, torch.Tensor]:
+        width = sum(hi - lo for _, lo, hi in pieces)
+        packed = pieces[0][0].keep_alive[0].new_empty(world * width)
+        for (work, lo, hi), start in zip(pieces, starts):
+            _copy_columns(packed, world, start, work.keep_alive[0], lo, hi, into_tensor=False)
+        summed = packed.new_empty(width)
+        handle = dist.reduce_scatter_single(summed, packed, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return handle, packed, summed
+
+    def copy_back(summed: torch.Tensor, i: int) -> None:
+        work, lo, hi = pieces[i]
+        _copy_columns(summed, 1, starts[i], work.output, lo, hi, into_tensor=True)
+
+    if not comm_ctx.uses_streams:
+        handle, packed, summed = issue(async_op=True)
+        for i, (work, _, _) in enumerate(pieces):
+            work.handle.add(handle, lambda i=i: copy_back(summed, i), packed)
+        return
+    with comm_ctx._device_module.stream(comm_ctx.reduce_scatter_stream):
+        _, _, summed = issue(async_op=False)
+        for i in range(len(pieces)):
+            copy_back(summed, i)
+
+
+def reduce_scatter_issued(work: ReduceScatterWork, comm_ctx: CommContext) -> None:
+    """Every column of `work`'s bucket is issued: on CUDA queue what `finish` waits for (the replica
+    all-reduce and the division); on CPU `finish` does it after the wait."""
+    if comm_ctx.uses_streams:
+        with comm_ctx._device_module.stream(comm_ctx.reduce_scatter_stream):
+            work.reduce_across_replicas_and_divide(comm_ctx)
+            work.event = comm_ctx.reduce_scatter_stream.record_event()

@@ -12,7 +12,17 @@ import torch.distributed as dist
 
 from . import traced
 from .bucket_layout import FLAGS, BucketLayout
-from .collectives import AllGatherWork, CommContext, CommHook, ReduceControls, all_gather, copy_out, reduce_scatter
+from .collectives import (
+    AllGatherWork,
+    CommContext,
+    CommHook,
+    ReduceControls,
+    ReduceScatterWork,
+    all_gather,
+    copy_out,
+    prepare_all_gather,
+    reduce_scatter,
+)
 from .custom_comms import AllGather, ProcessGroupAllocator, ReduceScatter, has_own_allocator
 from .mesh_info import MeshInfo
 from .param import ShardedParam, hook_even_if_frozen
@@ -208,16 +218,30 @@ class ParamGroup:
                     allocator=self._allocator(mesh.group),
                 )
             else:
-                for p in self.params:
-                    p.follow_registered_param()  # [Note: The sharded parameter is the one its module holds]
-                    p.check_gatherable()
-                    p.refresh_gather_hooks()  # [Note: Extensions found on the tensor instance]
-                layout = self.refresh_layout()
+                layout = self._refresh_for_gather()
                 self._all_gather = all_gather(
                     layout, self.params, self.mesh_info.shard_group, self.world, self.comm,
                     async_op, comm=self.custom_all_gather, allocator=self._allocator(self.mesh_info.shard_group),
                     shard_buffer=self.refresh_shard_buffer(),
                 )
+
+    def prepare_all_gather(self) -> AllGatherWork:
+        """This group's bucket with its shards copied in, for a replay to issue in the compiled
+        graph's collectives ([Note: A compiled graph's buckets on the eager hooks] in
+        runtime/collectives.py); waited as `unshard`'s all-gather is. The group must be sharded."""
+        layout = self._refresh_for_gather()
+        self._all_gather = prepare_all_gather(
+            layout, self.params, self.mesh_info.shard_group, self.world, self.comm, self.refresh_shard_buffer()
+        )
+        return self._all_gather
+
+    def _refresh_for_gather(self) -> BucketLayout:
+        """Take up what changed in the sharded parameters since the last gather; their layout."""
+        for p in self.params:
+            p.follow_registered_param()  # [Note: The sharded parameter is the one its module holds]
+            p.check_gatherable()
+            p.refresh_gather_hooks()  # [Note: Extensions found on the tensor instance]
+        return self.refresh_layout()
 
     def follow_registered_params(self) -> None:
         """Take the sharded parameters the modules hold now (replaced, or converted by `_apply`:
@@ -310,8 +334,11 @@ class ParamGroup:
         if self._num_grads_ready == self.num_trainable:
             self.on_all_grads_ready()
 
-    def post_backward(self) -> None:
-        """Reduce-scatter this group's unsharded gradients (once per backward) and reshard.
+    def post_backward(self, defer: Optional[Callable[[ReduceScatterWork], None]] = None) -> None:
+        """Reduce-scatter this group's unsharded gradients (once per backward) and reshard. With
+        `defer`, the gradients are packed and the packed work handed to it, to be issued in the
+        compiled graph's collectives ([Note: A compiled graph's buckets on the eager hooks] in
+        runtime/collectives.py).
 
         Every rank reduce-scatters every trainable parameter, whether or not it has a gradient
         here: see [Note: Every rank packs every parameter] in runtime/collectives.py.
@@ -333,8 +360,12 @@ class ParamGroup:
                     self.layout, self.params, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm,
                     self.comm_hook, self.reduce_controls, self.custom_reduce_scatter,
                     self._allocator(self.reduce_controls.reduce_scatter_group or self.mesh_info.shard_group),
+                    issue=defer is None,
                 )
-                self.comm.add_reduce_scatter(work)
+                if defer is None:
+                    self.comm.add_reduce_scatter(work)
+                else:
+                    defer(work)
                 self.holds_unreduced_grads = False
             elif any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in trainable):
                 self.holds_unreduced_grads = True

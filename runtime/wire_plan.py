@@ -21,9 +21,11 @@ groups the plan re-gathers in backward reshard after forward and the others stay
 the graph. What is left at the end of a forward or backward is issued then, unused gathers too, so
 that the wire carries what the graph's wire carries.
 
-A plan is made only of single groups' all-gathers and reduce-scatters; a frame whose graph merged
-groups into one collective, or holds another collective (tensor parallel, HSDP's all-reduce), gets
-no plan, and its fallback issues the hooks' own order. A backward that needs a group's parameters
+A plan is made of FSDP groups' all-gathers and reduce-scatters: each group's alone, several groups'
+merged into one collective, or one group's bucket cut in pieces, as `auto_bucket` left them (the
+hooks issue those as [Note: A compiled graph's buckets on the eager hooks] in runtime/collectives.py
+says). A frame whose graph holds another collective (tensor parallel, HSDP's all-reduce) or a
+group's bucket twice gets no plan, and its fallback issues the hooks' own order. A backward that needs a group's parameters
 before a reduce-scatter the plan puts first (an autograd order other than the graph's) cannot keep
 the plan: that is logged as a warning and the hooks go on in their own order.
 """
@@ -31,9 +33,11 @@ the plan: that is logged as a warning and the hooks go on in their own order.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Optional
 
+from .collectives import AllGatherWork, ReduceScatterWork, all_gather_pieces, reduce_scatter_issued, reduce_scatter_pieces
 from .param_group import ParamGroup, ShardedState
 
 logger = logging.getLogger(__name__)
@@ -41,19 +45,31 @@ logger = logging.getLogger(__name__)
 GATHER = "all_gather"
 REDUCE = "reduce_scatter"
 
+# One collective of a plan: GATHER or REDUCE, the groups whose buckets it carries side by side, and
+# (k, n) where it is piece k of n of one group's bucket (passes/wire_order.py's `eager_collectives`).
+Collective = tuple[str, tuple[str, ...], Optional[tuple[int, int]]]
+
 
 @dataclass(frozen=True)
 class WirePlan:
-    """The collectives of a compiled frame's forward and backward graphs, in wire order, as
-    (GATHER or REDUCE, group name) pairs."""
+    """The collectives of a compiled frame's forward and backward graphs, in wire order."""
 
-    forward: tuple[tuple[str, str], ...]
-    backward: tuple[tuple[str, str], ...]
+    forward: tuple[Collective, ...]
+    backward: tuple[Collective, ...]
 
     @property
     def regathered(self) -> frozenset[str]:
         """The groups the backward gathers again: those the forward resharded."""
-        return frozenset(name for kind, name in self.backward if kind == GATHER)
+        return frozenset(name for kind, names, _ in self.backward if kind == GATHER for name in names)
+
+
+def _columns(width: int, piece: Optional[tuple[int, int]]) -> tuple[int, int]:
+    """The columns of a bucket `width` wide that piece (k, n) carries: as passes/bucketing.py cuts."""
+    if piece is None:
+        return 0, width
+    k, n = piece
+    step = math.ceil(width / n)
+    return min(k * step, width), min((k + 1) * step, width)
 
 
 class Replay:
@@ -65,19 +81,22 @@ class Replay:
         self.items = plan.forward
         self.cursor = 0  # items before it are issued
         self.pending: set[str] = set()  # groups done with their backward, whose reduce-scatter waits its turn
+        # Buckets issued in pieces or with other groups' buckets, by group, with the pieces issued so far.
+        self.gathering: dict[str, tuple[AllGatherWork, int]] = {}
+        self.reducing: dict[str, tuple[Optional[ReduceScatterWork], int]] = {}
         self.kept_order = True
 
     def gather(self, group: ParamGroup) -> None:
         """Issue `group`'s all-gather where the plan has it (what comes before it first), or as the
         hooks would where the plan has none left for it."""
-        index = self._next(GATHER, group.name)
+        index = self._last(GATHER, group.name)
         if index is not None and not self._issue_through(index):
             self._lose_order(f"{group.name}'s all-gather waits for a reduce-scatter whose gradients are not here")
         group.unshard()
 
     def reduce(self, group: ParamGroup) -> None:
         """`group`'s gradients are all here: reduce-scatter them in their turn."""
-        index = self._next(REDUCE, group.name)
+        index = self._last(REDUCE, group.name)
         if index is None:
             group.post_backward()
             return
@@ -99,36 +118,94 @@ class Replay:
         came (every rank reduces every group) and gathers nobody here used."""
         self._issue_through(len(self.items) - 1, finishing=True)
 
-    def _next(self, kind: str, name: str) -> Optional[int]:
+    def _last(self, kind: str, name: str) -> Optional[int]:
+        """The plan's last collective of `kind` left that carries `name`'s bucket (or a piece of it)."""
+        found = None
         for index in range(self.cursor, len(self.items)):
-            if self.items[index] == (kind, name):
-                return index
-        return None
+            item_kind, names, _ = self.items[index]
+            if item_kind == kind and name in names:
+                found = index
+        return found
 
     def _issue_through(self, end: int, finishing: bool = False) -> bool:
         """Issue items up to `end`, then the reduce-scatters already due after it; False where a
         reduce-scatter not yet due stopped it first (`finishing`: every one is due)."""
         while self.cursor < len(self.items):
-            kind, name = self.items[self.cursor]
-            if self.cursor > end and not (kind == REDUCE and name in self.pending):
+            kind, names, piece = self.items[self.cursor]
+            due = kind == REDUCE and all(name in self.pending for name in names)
+            if self.cursor > end and not due:
                 break
-            group = self.groups.get(name)
             if kind == REDUCE:
-                if name not in self.pending and not finishing:
+                if not due and not finishing:
                     return False
-                self.pending.discard(name)
-                if group is not None:
-                    group.post_backward()
-            elif group is not None:
-                if group.state is ShardedState.UNSHARDED:
-                    group.reshard()  # gathered already, but the graph gathers it here: so does this rank
-                group.unshard(async_op=True)
-                if finishing:  # a gather nobody here uses
-                    group.wait_for_unshard()
-                    if self.items is self.plan.forward:
-                        self.after_forward(group)
+                self._reduce(names, piece)
+            else:
+                self._gather(names, piece, finishing)
             self.cursor += 1
         return True
+
+    def _gather(self, names: tuple[str, ...], piece: Optional[tuple[int, int]], finishing: bool) -> None:
+        groups = [self.groups.get(name) for name in names]
+        if None in groups:
+            self._lose_order(f"the plan gathers {names}, groups this root does not hold")
+            return
+        if len(groups) == 1 and piece is None:
+            self._unshard_now(groups[0])
+        else:
+            pieces = []
+            for group in groups:
+                work, issued = self.gathering.get(group.name, (None, 0))
+                if work is None:
+                    if group.state is not ShardedState.SHARDED:
+                        group.reshard()  # gathered already, but the graph gathers it here: so does this rank
+                    work = group.prepare_all_gather()
+                self.gathering[group.name] = (work, issued + 1)
+                pieces.append((work, *_columns(work.input.numel(), piece)))
+            all_gather_pieces(pieces, groups[0].mesh_info.shard_group, groups[0].world, groups[0].comm)
+            issued = [group for group in groups if self.gathering[group.name][1] == (piece[1] if piece else 1)]
+            for group in issued:
+                del self.gathering[group.name]
+            groups = issued  # the others have pieces still to come
+        if finishing:  # gathers nobody here uses
+            for group in groups:
+                group.wait_for_unshard()
+                if self.items is self.plan.forward:
+                    self.after_forward(group)
+
+    def _unshard_now(self, group: ParamGroup) -> None:
+        if group.state is ShardedState.UNSHARDED:
+            group.reshard()  # gathered already, but the graph gathers it here: so does this rank
+        group.unshard(async_op=True)
+
+    def _reduce(self, names: tuple[str, ...], piece: Optional[tuple[int, int]]) -> None:
+        groups = [self.groups.get(name) for name in names]
+        if None in groups:
+            self._lose_order(f"the plan reduces {names}, groups this root does not hold")
+            return
+        if len(groups) == 1 and piece is None:
+            self.pending.discard(names[0])
+            groups[0].post_backward()
+            return
+        pieces = []
+        for group in groups:
+            work, issued = self.reducing.get(group.name, (None, 0))
+            if issued == 0:
+                packed: list[ReduceScatterWork] = []
+                group.post_backward(defer=packed.append)
+                if not packed:
+                    self._lose_order(f"{group.name} has no gradients to reduce where the graph reduces them")
+                    return
+                work = packed[0]
+            self.reducing[group.name] = (work, issued + 1)
+            pieces.append((work, *_columns(work.keep_alive[0].numel() // group.world, piece)))
+        reduce_group = groups[0].reduce_controls.reduce_scatter_group or groups[0].mesh_info.shard_group
+        reduce_scatter_pieces(pieces, reduce_group, groups[0].world, groups[0].comm)
+        for group, (work, _, _) in zip(groups, pieces):
+            if self.reducing[group.name][1] == (piece[1] if piece else 1):
+                del self.reducing[group.name]
+                self.pending.discard(group.name)
+                reduce_scatter_issued(work, group.comm)
+                group.comm.add_reduce_scatter(work)
 
     def _lose_order(self, why: str) -> None:
         if self.kept_order:

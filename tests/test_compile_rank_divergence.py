@@ -371,9 +371,22 @@ def test_one_rank_on_its_first_graph_while_the_other_recompiles():
     run_ranks(_one_rank_stays_on_the_first_graph, 2, 4, ([24, 24, 24], [24, 32, 40]), timeout_s=120)
 
 
-def _falls_back_at_the_recompile_limit(rank, world_size):
+def _falls_back_at_the_recompile_limit(rank, world_size, buckets=None):
+    """Rank 1 at a recompile limit of 1, taking new lengths: it falls back at its second step.
+    `buckets`: "merged" has auto_bucket merge blocks' collectives in twos (a latency-bound link),
+    "split" cut each bucket in pieces (a small cap)."""
+    from fsdp_graph.passes.cost_model import HardwareProfile
+
     torch._dynamo.config.recompile_limit = 1 if rank == 1 else 8
-    return _one_rank_stays_on_the_first_graph(rank, world_size, 8, ([24, 24, 24], [24, 32, 40]), fallbacks_expected=True)
+    options = {
+        None: None,
+        # Each block's bucket is about 0.73 MB, the root's 0.52 MB.
+        "merged": {"hardware_profile": HardwareProfile("latency-bound", 1e9, 1e9, 1e9, 0.0, 1e-3, 1e15),
+                   "bucket_cap_bytes": 2_000_000},
+        "split": {"bucket_cap_bytes": 300_000},
+    }[buckets]
+    return _one_rank_stays_on_the_first_graph(rank, world_size, 8, ([24, 24, 24], [24, 32, 40]), options,
+                                              fallbacks_expected=True)
 
 
 def test_a_rank_falling_back_in_a_later_step_keeps_the_graphs_wire_order():
@@ -383,4 +396,13 @@ def test_a_rank_falling_back_in_a_later_step_keeps_the_graphs_wire_order():
     both ranks waited for ever. The fallback now issues the graph's order ([Note: A fallback keeps
     the frame's wire order] in runtime/wire_plan.py), against the unsharded reference."""
     on_rank0, on_rank1 = run_ranks(_falls_back_at_the_recompile_limit, 2, timeout_s=180)
+    assert on_rank0 == set() and {"<root>", "layers.0", "layers.7"} <= on_rank1, (on_rank0, on_rank1)
+
+
+@pytest.mark.parametrize("buckets", ["merged", "split"])
+def test_a_rank_falling_back_keeps_the_graphs_merged_and_split_buckets(buckets):
+    """As above, where auto_bucket merged blocks' buckets into one collective or cut each in
+    pieces: the fallback issues the same collectives ([Note: A compiled graph's buckets on the eager
+    hooks] in runtime/collectives.py); before, it issued one per group and both ranks hung."""
+    on_rank0, on_rank1 = run_ranks(_falls_back_at_the_recompile_limit, 2, buckets, timeout_s=180)
     assert on_rank0 == set() and {"<root>", "layers.0", "layers.7"} <= on_rank1, (on_rank0, on_rank1)

@@ -8,7 +8,7 @@ from _harness import fake_process_group
 from _schedule_helpers import FIXED, LATENCY_BOUND, capture_graphs, sharded_stack
 from fsdp_graph.passes.bucketing import auto_bucket, bucket_by_group
 from fsdp_graph.passes.reorder import reorder_for_overlap
-from fsdp_graph.passes.wire_order import order_collectives_as, single_group_collectives, wire_order
+from fsdp_graph.passes.wire_order import eager_collectives, order_collectives_as, wire_order
 
 
 def _backward_graphs(scheduled=True):
@@ -85,20 +85,31 @@ def test_another_model_with_the_same_names_records_its_own_order(caplog):
     assert not [r for r in caplog.records if "recompiles a frame" in r.getMessage()]
 
 
-def test_the_eager_hooks_plan_holds_single_groups_collectives_only():
+def test_the_eager_hooks_plan_holds_each_groups_collectives_merged_or_in_pieces():
     """A rank that runs the step on the eager hooks issues each group's collectives where the
     graph's order has them ([Note: A fallback keeps the frame's wire order] in
-    runtime/wire_plan.py): that order as (collective, group) pairs, or None where the graph merged
-    or split a group's bucket, which the hooks gather whole."""
+    runtime/wire_plan.py): that order as (collective, groups, piece), with the groups `auto_bucket`
+    merged into one collective and the pieces it cut a bucket into."""
     program, scheduled = _backward_graphs()
     gather, reduce = "all_gather", "reduce_scatter"
-    assert single_group_collectives(wire_order(scheduled)) == (
-        (gather, "blocks.2"), (gather, "blocks.1"), (reduce, "blocks.2"), (gather, "blocks.0"), (reduce, "blocks.1"),
-        (reduce, "<root>"), (reduce, "blocks.0"))  # each re-gather prefetched: the hooks' order it is not
+    assert eager_collectives(wire_order(scheduled)) == (
+        (gather, ("blocks.2",), None), (gather, ("blocks.1",), None), (reduce, ("blocks.2",), None),
+        (gather, ("blocks.0",), None), (reduce, ("blocks.1",), None), (reduce, ("<root>",), None),
+        (reduce, ("blocks.0",), None))  # each re-gather prefetched: the hooks' order it is not
     with fake_process_group(8):
         merged = auto_bucket(bucket_by_group(capture_graphs(sharded_stack(), torch.randn(4, 16))["backward"]), LATENCY_BOUND,
                              bucket_cap_bytes=1 << 20)
         split = auto_bucket(bucket_by_group(capture_graphs(sharded_stack(), torch.randn(4, 16))["backward"]), FIXED,
                             bucket_cap_bytes=64)
-    assert any("+" in label for label in wire_order(merged)) and single_group_collectives(wire_order(merged)) is None
-    assert len(set(wire_order(split))) < len(wire_order(split)) and single_group_collectives(wire_order(split)) is None
+    plan = eager_collectives(wire_order(merged))
+    assert plan is not None and any(len(groups) > 1 for _, groups, _ in plan)
+    assert sorted(g for kind, groups, _ in plan if kind == reduce for g in groups) == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+    plan = eager_collectives(wire_order(split))
+    pieces = [(kind, groups, piece) for kind, groups, piece in plan if piece is not None]
+    assert pieces and all(len(groups) == 1 for _, groups, _ in plan)
+    for kind, groups, (k, n) in pieces:  # every piece of a cut bucket, once
+        assert sorted(p[0] for c, g, p in pieces if (c, g) == (kind, groups)) == list(range(n))
+    # What the hooks cannot issue in the graph's order: another parallelism's collective, a bucket twice.
+    assert eager_collectives(("all_gather_into_tensor a", "all_reduce [tp]")) is None
+    assert eager_collectives(("all_gather_into_tensor a", "all_gather_into_tensor a")) is None
+    assert eager_collectives(("reduce_scatter_tensor a piece 1/2",)) is None  # a piece missing

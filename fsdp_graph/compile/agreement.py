@@ -75,7 +75,7 @@ import torch.distributed as dist
 from torch.fx import GraphModule
 
 from ..passes.nodes import fsdp_meta
-from ..passes.wire_order import gathered_groups, order_collectives_as, single_group_collectives, wire_order
+from ..passes.wire_order import eager_collectives, gathered_groups, order_collectives_as, wire_order
 from ..runtime import peer_log
 from ..runtime.meta import GROUP_KEY
 from ..runtime.wire_plan import WirePlan
@@ -249,12 +249,12 @@ class FrameWireOrder:
         root = self._root() if self._root is not None else None
         if root is None or "forward" not in self.orders or "backward" not in self.orders:
             return
-        forward, backward = (single_group_collectives(self.orders[kind]) for kind in ("forward", "backward"))
+        forward, backward = (eager_collectives(self.orders[kind]) for kind in ("forward", "backward"))
         if forward is None or backward is None:
             root.wire_plans.pop(self._key, None)
-            logger.info("fsdp_graph: the compiled frame's graphs merge groups' collectives or hold others, which "
-                        "the eager hooks cannot issue: a rank that falls back to them later does not keep their "
-                        "order ([Note: A fallback keeps the frame's wire order])")
+            logger.info("fsdp_graph: the compiled frame's graphs hold collectives the eager hooks cannot issue in "
+                        "their order (another parallelism's, or a group's bucket twice): a rank that falls back to "
+                        "them later does not keep that order ([Note: A fallback keeps the frame's wire order])")
             return
         root.wire_plans[self._key] = WirePlan(forward, backward)
 
