@@ -25,9 +25,10 @@ A plan is made of FSDP groups' all-gathers and reduce-scatters: each group's alo
 merged into one collective, or one group's bucket cut in pieces, as `auto_bucket` left them (the
 hooks issue those as [Note: A compiled graph's buckets on the eager hooks] in runtime/collectives.py
 says). A frame whose graph holds another collective (tensor parallel, HSDP's all-reduce) or a
-group's bucket twice gets no plan, and its fallback issues the hooks' own order. A backward that needs a group's parameters
-before a reduce-scatter the plan puts first (an autograd order other than the graph's) cannot keep
-the plan: that is logged as a warning and the hooks go on in their own order.
+group's bucket twice gets no plan, and its fallback issues the hooks' own order. A backward that
+needs a group's parameters before a reduce-scatter the plan puts first (an autograd order other
+than the graph's) cannot keep the plan: that is logged as a warning and the hooks go on in their
+own order.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ def _columns(width: int, piece: Optional[tuple[int, int]]) -> tuple[int, int]:
     return min(k * step, width), min((k + 1) * step, width)
 
 
+def _sharded(group: ParamGroup) -> ParamGroup:
+    """`group`, resharded if it is gathered already: the graph gathers it where the plan does, so
+    this rank does too."""
+    if group.state is not ShardedState.SHARDED:
+        group.reshard()
+    return group
+
+
 class Replay:
     """One step of a `WirePlan` on the eager hooks: [Note: A fallback keeps the frame's wire order]."""
 
@@ -83,7 +92,7 @@ class Replay:
         self.pending: set[str] = set()  # groups done with their backward, whose reduce-scatter waits its turn
         # Buckets issued in pieces or with other groups' buckets, by group, with the pieces issued so far.
         self.gathering: dict[str, tuple[AllGatherWork, int]] = {}
-        self.reducing: dict[str, tuple[Optional[ReduceScatterWork], int]] = {}
+        self.reducing: dict[str, tuple[ReduceScatterWork, int]] = {}
         self.kept_order = True
 
     def gather(self, group: ParamGroup) -> None:
@@ -150,15 +159,13 @@ class Replay:
             self._lose_order(f"the plan gathers {names}, groups this root does not hold")
             return
         if len(groups) == 1 and piece is None:
-            self._unshard_now(groups[0])
+            _sharded(groups[0]).unshard(async_op=True)
         else:
             pieces = []
             for group in groups:
                 work, issued = self.gathering.get(group.name, (None, 0))
                 if work is None:
-                    if group.state is not ShardedState.SHARDED:
-                        group.reshard()  # gathered already, but the graph gathers it here: so does this rank
-                    work = group.prepare_all_gather()
+                    work = _sharded(group).prepare_all_gather()
                 self.gathering[group.name] = (work, issued + 1)
                 pieces.append((work, *_columns(work.input.numel(), piece)))
             all_gather_pieces(pieces, groups[0].mesh_info.shard_group, groups[0].world, groups[0].comm)
@@ -171,11 +178,6 @@ class Replay:
                 group.wait_for_unshard()
                 if self.items is self.plan.forward:
                     self.after_forward(group)
-
-    def _unshard_now(self, group: ParamGroup) -> None:
-        if group.state is ShardedState.UNSHARDED:
-            group.reshard()  # gathered already, but the graph gathers it here: so does this rank
-        group.unshard(async_op=True)
 
     def _reduce(self, names: tuple[str, ...], piece: Optional[tuple[int, int]]) -> None:
         groups = [self.groups.get(name) for name in names]
