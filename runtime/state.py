@@ -122,9 +122,12 @@ class RootContext:
 
     def replay_for_fallback(self) -> Optional[Replay]:
         """For a root call that runs on the eager hooks inside a compiled call: the compiled frame's
-        wire order to keep, if one frame's is known ([Note: A fallback keeps the frame's wire order])."""
+        wire order to keep, if one frame's is known ([Note: A fallback keeps the frame's wire order]).
+        None where a group stays on the hooks by a setting of the user's (`eager_only_reason`: no
+        sync, comm hooks, ...): every rank has it, so no rank runs the graph, and the hooks do
+        what the setting asks."""
         plans = set(self.wire_plans.values())
-        if len(plans) != 1 or not torch.is_grad_enabled():
+        if len(plans) != 1 or not torch.is_grad_enabled() or self.root.eager_only_reason() is not None:
             return None
         logger.info("fsdp_graph: the root's call runs on the eager hooks where its compiled graph ran before; "
                     "its collectives keep the graph's order ([Note: A fallback keeps the frame's wire order])")
