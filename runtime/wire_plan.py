@@ -19,7 +19,9 @@ plan has it, after everything the plan has before it (all-gathers are issued ear
 a reduce-scatter whose group is not done waits for it, and the collectives after it wait too); the
 groups the plan re-gathers in backward reshard after forward and the others stay gathered, as in
 the graph. What is left at the end of a forward or backward is issued then, unused gathers too, so
-that the wire carries what the graph's wire carries.
+that the wire carries what the graph's wire carries. A root that runs on the hooks because of a
+setting of the user's (no sync, a comm hook: `eager_only_reason`) replays nothing: every rank has
+the setting, so no rank runs the graph, and the hooks do what the setting asks.
 
 A plan is made of FSDP groups' all-gathers and reduce-scatters: each group's alone, several groups'
 merged into one collective, or one group's bucket cut in pieces, as `auto_bucket` left them (the
