@@ -17,6 +17,7 @@ from typing import Optional
 
 from torch.fx import GraphModule, Node
 
+from ..runtime.wire_plan import GATHER, REDUCE, Collective
 from .nodes import collective_label, is_collective, owned_by
 
 
@@ -31,47 +32,37 @@ def gathered_groups(order: tuple[str, ...]) -> frozenset[str]:
     groups: set[str] = set()
     for label in order:
         kind, carried, _ = _read_label(label)
-        if kind == "all_gather":
+        if kind == GATHER:
             groups.update(carried)
     return frozenset(groups)
 
 
-# One collective as the eager hooks issue it: "all_gather" or "reduce_scatter", the FSDP groups whose
-# buckets it carries side by side, and (k, n) where it is piece k of n of one group's bucket.
-EagerCollective = tuple[str, tuple[str, ...], Optional[tuple[int, int]]]
-
-
-def eager_collectives(order: tuple[str, ...]) -> Optional[tuple[EagerCollective, ...]]:
+def eager_collectives(order: tuple[str, ...]) -> Optional[tuple[Collective, ...]]:
     """A wire order (`wire_order`) as the eager hooks can issue it (runtime/wire_plan.py): each
     group's all-gather and reduce-scatter once, alone, merged with other groups' (`auto_bucket`) or
     in pieces. None if it holds another collective (tensor parallel's, an all-reduce) or a group's
     bucket twice: those the hooks cannot keep in the graph's order."""
-    items: list[EagerCollective] = []
-    pieces: dict[tuple[str, str], Optional[tuple[int, set[int]]]] = {}  # per (op, group): (n, pieces seen)
+    items: list[Collective] = []
+    pieces: dict[tuple[str, str], list[Optional[tuple[int, int]]]] = {}  # per (op, group); [None]: whole
     for label in order:
         kind, carried, piece = _read_label(label)
         if kind is None or not carried or len(set(carried)) != len(carried) or (piece and len(carried) > 1):
             return None
         for group in carried:
-            seen = pieces.get((kind, group), ())
-            if seen != () and (piece is None or seen is None or seen[0] != piece[1] or piece[0] in seen[1]):
-                return None
-            if piece is None:
-                pieces[(kind, group)] = None
-            else:
-                pieces.setdefault((kind, group), (piece[1], set()))[1].add(piece[0])
+            pieces.setdefault((kind, group), []).append(piece)
         items.append((kind, tuple(carried), piece))
-    if any(seen is not None and len(seen[1]) != seen[0] for seen in pieces.values()):
-        return None
+    for seen in pieces.values():
+        if seen != [None] and (None in seen or sorted(seen) != [(k, seen[0][1]) for k in range(seen[0][1])]):
+            return None  # a bucket twice, or not every piece of it once
     return tuple(items)
 
 
 def _read_label(label: str) -> tuple[Optional[str], list[str], Optional[tuple[int, int]]]:
-    """A `wire_order` label read back: "all_gather" or "reduce_scatter" (None for another op), the
-    FSDP groups the collective carries (none for another parallelism's, "[tp]"), and (k, n) for
-    piece k of n of a split bucket (`collective_label` counts pieces from 1)."""
+    """A `wire_order` label read back: GATHER or REDUCE (None for another op), the FSDP groups the
+    collective carries (none for another parallelism's, "[tp]"), and (k, n) for piece k of n of a
+    split bucket (`collective_label` counts pieces from 1)."""
     op, _, rest = label.partition(" ")
-    kind = next((k for k in ("all_gather", "reduce_scatter") if op.startswith(k)), None)
+    kind = next((k for k in (GATHER, REDUCE) if op.startswith(k)), None)
     if not rest or rest.startswith("["):
         return kind, [], None
     carried, _, piece = rest.partition(" piece ")

@@ -219,10 +219,7 @@ def all_gather(
         return AllGatherWork(output, row, widths, layout, handle=handle, done=not async_op)
 
     mod = comm_ctx._device_module
-    comm_ctx.release_retired()
-    comm_ctx.copy_in_waits_for_optimizer()
-    with mod.stream(comm_ctx.copy_in_stream):
-        output, row, widths = output_and_row()
+    output, row, widths = _on_copy_in_stream(comm_ctx, output_and_row)
     comm_ctx.all_gather_stream.wait_stream(comm_ctx.copy_in_stream)
     with mod.stream(comm_ctx.all_gather_stream):
         if comm is not None:
@@ -234,6 +231,15 @@ def all_gather(
     if not async_op:
         work.wait(comm_ctx)
     return work
+
+
+def _on_copy_in_stream(comm_ctx: CommContext, copy_in: Callable[[], tuple]) -> tuple:
+    """Run `copy_in` on the copy-in stream (CUDA), after the retired all-gather buffers are free and
+    the optimizer step is done with the shards."""
+    comm_ctx.release_retired()
+    comm_ctx.copy_in_waits_for_optimizer()
+    with comm_ctx._device_module.stream(comm_ctx.copy_in_stream):
+        return copy_in()
 
 
 def copy_out(params: list[ShardedParam], work: AllGatherWork, world: int) -> None:
@@ -544,14 +550,13 @@ def prepare_all_gather(
     """`all_gather`'s bucket, this rank's row copied in, nothing issued: `all_gather_pieces` issues
     it. Waited as an issued all-gather once every column of it was."""
     rank = dist.get_rank(group)
+
+    def copy_in() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        return _copy_in(layout, params, world, rank, None, comm_ctx.device, shard_buffer)
+
     if not comm_ctx.uses_streams:
-        output, row, widths = _copy_in(layout, params, world, rank, None, comm_ctx.device, shard_buffer)
-        return AllGatherWork(output, row, widths, layout, handle=PieceHandles())
-    comm_ctx.release_retired()
-    comm_ctx.copy_in_waits_for_optimizer()
-    with comm_ctx._device_module.stream(comm_ctx.copy_in_stream):
-        output, row, widths = _copy_in(layout, params, world, rank, None, comm_ctx.device, shard_buffer)
-    return AllGatherWork(output, row, widths, layout)
+        return AllGatherWork(*copy_in(), layout, handle=PieceHandles())
+    return AllGatherWork(*_on_copy_in_stream(comm_ctx, copy_in), layout)
 
 
 def _copy_columns(buffer: torch.Tensor, world: int, offset: int, tensor: torch.Tensor, lo: int, hi: int, into_tensor: bool) -> None:
