@@ -68,9 +68,15 @@ class CommContext:
         """Track an issued reduce-scatter until `finish_reduce_scatters`."""
         self.pending_reduce_scatters.append(work)
 
-    def finish_reduce_scatters(self) -> None:
-        while self.pending_reduce_scatters:
-            self.pending_reduce_scatters.pop(0).finish(self)
+    def finish_reduce_scatters(self, but_waiting: bool = False) -> None:
+        """Finish the issued reduce-scatters; with `but_waiting`, not those whose replica all-reduce
+        waits for its turn in a replayed plan (`ReduceScatterWork.all_reduce_later`)."""
+        works, self.pending_reduce_scatters = self.pending_reduce_scatters, []
+        for work in works:
+            if but_waiting and work.all_reduce_later:
+                self.pending_reduce_scatters.append(work)
+            else:
+                work.finish(self)
 
     def discard_reduce_scatters(self) -> None:
         """Wait for the issued reduce-scatters to end and drop their gradients (`reset_iter_state`)."""
@@ -322,19 +328,50 @@ class ReduceScatterWork:
     # CUDA: the packed input and the unsharded gradients, read on the reduce-scatter stream but
     # allocated on the current one; they die in `finish`, after the current stream waited `event`.
     keep_alive: list = field(default_factory=list)
+    # HSDP on a rank that replays a compiled graph's collectives: the replica all-reduce waits for
+    # its turn in the graph's order, `issue_replica_all_reduce` ([Note: A fallback keeps the frame's
+    # wire order] in runtime/wire_plan.py).
+    all_reduce_later: bool = False
+    all_reduced: bool = False  # CPU: `handle` is the replica all-reduce's, issued in its turn
 
     def reduce_across_replicas_and_divide(self, comm_ctx: Optional[CommContext] = None) -> None:
         """The replica all-reduce, the all-reduce hook and the division; `comm_ctx` when this runs on the
         reduce-scatter stream (CUDA), for the hook's own stream."""
+        self._all_reduce_across_replicas(async_op=False)
+        self._divide(comm_ctx)
+
+    def _all_reduce_across_replicas(self, async_op: bool) -> Optional[dist.Work]:
+        """Add what earlier reduce-scatters kept, then HSDP's all-reduce of the sum over the replicas."""
         controls = self.controls
         if controls.partial is not None:  # reduce-scattered earlier without the replica all-reduce
             self.output.add_(controls.partial)
             controls.partial = None
-        if self.mesh_info.is_hsdp:
-            if not controls.all_reduce:
-                return  # `finish` keeps the sum as the next reduction's partial
-            if self.mesh_info.replicate_size > 1:  # [Note: One rank issues no collectives]
-                dist.all_reduce(self.output, group=self.mesh_info.replicate_group)
+        if self.mesh_info.is_hsdp and controls.all_reduce and self.mesh_info.replicate_size > 1:
+            # [Note: One rank issues no collectives]
+            return dist.all_reduce(self.output, group=self.mesh_info.replicate_group, async_op=async_op)
+        return None
+
+    def issue_replica_all_reduce(self, comm_ctx: CommContext) -> None:
+        """The replica all-reduce of `all_reduce_later`, now: once the reduce-scatter ended (CPU, then
+        `finish` waits for the all-reduce and divides), or queued after it with the division (CUDA)."""
+        self.all_reduce_later = False
+        if comm_ctx.uses_streams:
+            with comm_ctx._device_module.stream(comm_ctx.reduce_scatter_stream):
+                self.reduce_across_replicas_and_divide(comm_ctx)
+                self.event = comm_ctx.reduce_scatter_stream.record_event()
+            return
+        if self.handle is not None:
+            self.handle.wait()
+        self.handle = self._all_reduce_across_replicas(async_op=True)
+        self.all_reduced = True
+        if self.handle is None:
+            self._divide()
+
+    def _divide(self, comm_ctx: Optional[CommContext] = None) -> None:
+        """The all-reduce hook and the division, after the reduction over the replicas."""
+        controls = self.controls
+        if self.mesh_info.is_hsdp and not controls.all_reduce:
+            return  # `finish` keeps the sum as the next reduction's partial
         hook = controls.all_reduce_hook
         grads = self.output[: self.output.numel() - len(self.params)]
         # FSDP2 hands the hook an already averaged output when its collectives average (fp32/bf16
@@ -368,9 +405,11 @@ class ReduceScatterWork:
 
     @torch.no_grad()
     def finish(self, comm_ctx: CommContext) -> None:
+        if self.all_reduce_later:  # finished before the replayed plan reached its all-reduce
+            self.issue_replica_all_reduce(comm_ctx)
         if self.handle is not None:
             self.handle.wait()
-            self.reduce_across_replicas_and_divide()
+            (self._divide if self.all_reduced else self.reduce_across_replicas_and_divide)()
         if self.event is not None:
             comm_ctx.current_stream().wait_event(self.event)
         if self.mesh_info.is_hsdp and not self.controls.all_reduce:
@@ -431,6 +470,7 @@ def reduce_scatter(
     comm: Optional[ReduceScatter] = None,
     allocator: Optional[Comm] = None,
     issue: bool = True,
+    all_reduce_later: bool = False,
 ) -> ReduceScatterWork:
     """Reduce-scatter the unsharded gradients of the group's trainable parameters (`layout.reduced`
     of `params`) as one bucket and average them.
@@ -443,7 +483,8 @@ def reduce_scatter(
     reduce-scatter itself (it runs synchronously); HSDP's all-reduce and the division stay ours.
     A custom `comm` (`set_custom_reduce_scatter`) allocates the buffers and runs the SUM; else an
     `allocator` (`ProcessGroupAllocator`) may allocate them. With `issue` False the gradients are
-    only packed, for `reduce_scatter_pieces` to issue.
+    only packed, for `reduce_scatter_pieces` to issue. With `all_reduce_later` HSDP's all-reduce and
+    the division wait for `ReduceScatterWork.issue_replica_all_reduce`.
     """
     buffers = comm if comm is not None else allocator
     world = mesh_info.shard_size
@@ -457,6 +498,7 @@ def reduce_scatter(
     controls = controls or ReduceControls()
     had_grad = [grad is not None for grad in grads]
     work = ReduceScatterWork(trainable, output, mesh_info, post, had_grad, controls, layout.reduce_widths)
+    work.all_reduce_later = all_reduce_later
     shard_group = controls.reduce_scatter_group or mesh_info.shard_group
 
     if not comm_ctx.uses_streams:
@@ -472,7 +514,8 @@ def reduce_scatter(
             return work
         if world == 1:  # [Note: One rank issues no collectives]
             output.copy_(packed)
-            work.reduce_across_replicas_and_divide()
+            if not all_reduce_later:
+                work.reduce_across_replicas_and_divide()
             return work
         if comm is not None:
             work.handle = comm(output, packed, shard_group, dist.ReduceOp.SUM, async_op=True)
@@ -480,7 +523,7 @@ def reduce_scatter(
             work.handle = dist.reduce_scatter_single(
                 output, packed, op=dist.ReduceOp.SUM, group=shard_group, async_op=True
             )
-        if work.handle is None:  # a custom comm that ran synchronously
+        if work.handle is None and not all_reduce_later:  # a custom comm that ran synchronously
             work.reduce_across_replicas_and_divide()
         work.keep_alive = [packed]
         return work
@@ -502,8 +545,9 @@ def reduce_scatter(
             comm(output, packed, shard_group, dist.ReduceOp.SUM)
         else:
             dist.reduce_scatter_single(output, packed, op=dist.ReduceOp.SUM, group=shard_group)
-        work.reduce_across_replicas_and_divide(comm_ctx)
-        work.event = comm_ctx.reduce_scatter_stream.record_event()
+        if not all_reduce_later:
+            work.reduce_across_replicas_and_divide(comm_ctx)
+            work.event = comm_ctx.reduce_scatter_stream.record_event()
     work.keep_alive = [packed, grads]
     return work
 
@@ -640,8 +684,8 @@ def reduce_scatter_pieces(
 
 def reduce_scatter_issued(work: ReduceScatterWork, comm_ctx: CommContext) -> None:
     """Every column of `work`'s bucket is issued: on CUDA queue what `finish` waits for (the replica
-    all-reduce and the division); on CPU `finish` does it after the wait."""
-    if comm_ctx.uses_streams:
+    all-reduce and the division, unless `all_reduce_later`); on CPU `finish` does it after the wait."""
+    if comm_ctx.uses_streams and not work.all_reduce_later:
         with comm_ctx._device_module.stream(comm_ctx.reduce_scatter_stream):
             work.reduce_across_replicas_and_divide(comm_ctx)
             work.event = comm_ctx.reduce_scatter_stream.record_event()

@@ -334,11 +334,14 @@ class ParamGroup:
         if self._num_grads_ready == self.num_trainable:
             self.on_all_grads_ready()
 
-    def post_backward(self, defer: Optional[Callable[[ReduceScatterWork], None]] = None) -> None:
-        """Reduce-scatter this group's unsharded gradients (once per backward) and reshard. With
-        `defer`, the gradients are packed and the packed work handed to it, to be issued in the
-        compiled graph's collectives ([Note: A compiled graph's buckets on the eager hooks] in
-        runtime/collectives.py).
+    def post_backward(
+        self, defer: Optional[Callable[[ReduceScatterWork], None]] = None, all_reduce_later: bool = False
+    ) -> Optional[ReduceScatterWork]:
+        """Reduce-scatter this group's unsharded gradients (once per backward) and reshard; returns
+        the reduce-scatter issued, if one was. With `defer`, the gradients are packed and the packed
+        work handed to it, to be issued in the compiled graph's collectives ([Note: A compiled graph's
+        buckets on the eager hooks] in runtime/collectives.py); with `all_reduce_later`, HSDP's
+        all-reduce waits for that graph's turn too (`ReduceScatterWork.issue_replica_all_reduce`).
 
         Every rank reduce-scatters every trainable parameter, whether or not it has a gradient
         here: see [Note: Every rank packs every parameter] in runtime/collectives.py.
@@ -346,6 +349,7 @@ class ParamGroup:
         if self.reduced_this_backward:
             return None
         self.reduced_this_backward = True
+        work = None
         with torch.profiler.record_function(f"fsdp_graph::post_backward ({self.name})"):
             logger.debug("fsdp_graph::post_backward (%s)", self.name)
             trainable = [self.params[i] for i in self.layout.reduced]
@@ -354,13 +358,13 @@ class ParamGroup:
             elif trainable and self.requires_gradient_sync:
                 # The previous group's reduce-scatter had this group's backward to finish: wait
                 # for it first, so at most one packed gradient buffer is alive at a time.
-                self.comm.finish_reduce_scatters()
+                self.comm.finish_reduce_scatters(but_waiting=True)
                 factor = self.gradient_divide_factor or self.world * self.mesh_info.replicate_size
                 work = reduce_scatter(
                     self.layout, self.params, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm,
                     self.comm_hook, self.reduce_controls, self.custom_reduce_scatter,
                     self._allocator(self.reduce_controls.reduce_scatter_group or self.mesh_info.shard_group),
-                    issue=defer is None,
+                    issue=defer is None, all_reduce_later=all_reduce_later,
                 )
                 if defer is None:
                     self.comm.add_reduce_scatter(work)
@@ -373,6 +377,7 @@ class ParamGroup:
                     p.accumulate_unreduced_grad(self.mp_policy.reduce_dtype)
             if self.reshard_after_backward and self._num_input_grads_pending == 0:
                 self.reshard()
+        return work
 
     # [Note: Frozen parameters outlive the gradients]
     # A trainable parameter's gradient accumulates only after every backward op that saved the

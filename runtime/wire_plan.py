@@ -26,8 +26,13 @@ the setting, so no rank runs the graph, and the hooks do what the setting asks.
 A plan is made of FSDP groups' all-gathers and reduce-scatters: each group's alone, several groups'
 merged into one collective, or one group's bucket cut in pieces, as `auto_bucket` left them (the
 hooks issue those as [Note: A compiled graph's buckets on the eager hooks] in runtime/collectives.py
-says). A frame whose graph holds another collective (tensor parallel, HSDP's all-reduce) or a
-group's bucket twice gets no plan, and its fallback issues the hooks' own order. A backward that
+says), and HSDP's all-reduces of each group's reduced shard over the replicas. The graph issues an
+all-reduce later than the hooks do (after the next block's re-gather; the root's before the first
+block's), so a replayed reduce-scatter leaves its all-reduce and division for the plan to issue
+(`ReduceScatterWork.all_reduce_later`); on the replicate group as on the shard group, every rank
+then issues the graph's order, and no rank waits on one collective while the others wait on one it
+has yet to issue. A frame whose graph holds another collective (tensor parallel's) or a group's
+bucket twice gets no plan, and its fallback issues the hooks' own order. A backward that
 needs a group's parameters before a reduce-scatter the plan puts first (an autograd order other
 than the graph's) cannot keep the plan: that is logged as a warning and the hooks go on in their
 own order.
@@ -47,9 +52,11 @@ logger = logging.getLogger(__name__)
 
 GATHER = "all_gather"
 REDUCE = "reduce_scatter"
+ALL_REDUCE = "all_reduce"  # HSDP's, of one group's reduce-scattered shard over the replicas
 
-# One collective of a plan: GATHER or REDUCE, the groups whose buckets it carries side by side, and
-# (k, n) where it is piece k of n of one group's bucket (passes/wire_order.py's `eager_collectives`).
+# One collective of a plan: GATHER, REDUCE or ALL_REDUCE, the groups whose buckets it carries side by
+# side, and (k, n) where it is piece k of n of one group's bucket (passes/wire_order.py's
+# `eager_collectives`).
 Collective = tuple[str, tuple[str, ...], Optional[tuple[int, int]]]
 
 
@@ -92,6 +99,8 @@ class Replay:
         self.items = plan.forward
         self.cursor = 0  # items before it are issued
         self.pending: set[str] = set()  # groups done with their backward, whose reduce-scatter waits its turn
+        # Groups reduce-scattered whose replica all-reduce (HSDP) waits its turn.
+        self.reduced: dict[str, ReduceScatterWork] = {}
         # Buckets issued in pieces or with other groups' buckets, by group, with the pieces issued so far.
         self.gathering: dict[str, tuple[AllGatherWork, int]] = {}
         self.reducing: dict[str, tuple[ReduceScatterWork, int]] = {}
@@ -106,8 +115,11 @@ class Replay:
         group.unshard()
 
     def reduce(self, group: ParamGroup) -> None:
-        """`group`'s gradients are all here: reduce-scatter them in their turn."""
+        """`group`'s gradients are all here: reduce-scatter them in their turn (or all-reduce them, on
+        one rank per shard group, where the graph has only HSDP's all-reduce)."""
         index = self._last(REDUCE, group.name)
+        if index is None:
+            index = self._last(ALL_REDUCE, group.name)
         if index is None:
             group.post_backward()
             return
@@ -143,17 +155,25 @@ class Replay:
         reduce-scatter not yet due stopped it first (`finishing`: every one is due)."""
         while self.cursor < len(self.items):
             kind, names, piece = self.items[self.cursor]
-            due = kind == REDUCE and all(name in self.pending for name in names)
+            if kind == REDUCE:
+                due = all(name in self.pending for name in names)
+            else:
+                due = kind == ALL_REDUCE and all(name in self.reduced or name in self.pending for name in names)
             if self.cursor > end and not due:
                 break
+            if kind != GATHER and not due and not finishing:
+                return False
             if kind == REDUCE:
-                if not due and not finishing:
-                    return False
                 self._reduce(names, piece)
+            elif kind == ALL_REDUCE:
+                self._all_reduce(names)
             else:
                 self._gather(names, piece, finishing)
             self.cursor += 1
         return True
+
+    def _all_reduces_later(self, name: str) -> bool:
+        return self._last(ALL_REDUCE, name) is not None
 
     def _gather(self, names: tuple[str, ...], piece: Optional[tuple[int, int]], finishing: bool) -> None:
         groups = [self.groups.get(name) for name in names]
@@ -188,14 +208,14 @@ class Replay:
             return
         if len(groups) == 1 and piece is None:
             self.pending.discard(names[0])
-            groups[0].post_backward()
+            self._reduced(groups[0], groups[0].post_backward(all_reduce_later=self._all_reduces_later(names[0])))
             return
         pieces = []
         for group in groups:
             work, issued = self.reducing.get(group.name, (None, 0))
             if issued == 0:
                 packed: list[ReduceScatterWork] = []
-                group.post_backward(defer=packed.append)
+                group.post_backward(defer=packed.append, all_reduce_later=self._all_reduces_later(group.name))
                 if not packed:
                     self._lose_order(f"{group.name} has no gradients to reduce where the graph reduces them")
                     return
@@ -210,6 +230,23 @@ class Replay:
                 self.pending.discard(group.name)
                 reduce_scatter_issued(work, group.comm)
                 group.comm.add_reduce_scatter(work)
+                self._reduced(group, work)
+
+    def _reduced(self, group: ParamGroup, work: Optional[ReduceScatterWork]) -> None:
+        if work is not None and work.all_reduce_later:
+            self.reduced[group.name] = work
+
+    def _all_reduce(self, names: tuple[str, ...]) -> None:
+        (name,) = names
+        group = self.groups.get(name)
+        work = self.reduced.pop(name, None)
+        if work is None and group is not None:  # no reduce-scatter before it: one rank per shard group
+            self.pending.discard(name)
+            work = group.post_backward(all_reduce_later=True)
+        if work is None or not work.all_reduce_later:
+            self._lose_order(f"{name} has no reduced gradients where the graph all-reduces them")
+            return
+        work.issue_replica_all_reduce(group.comm)
 
     def _lose_order(self, why: str) -> None:
         if self.kept_order:

@@ -303,17 +303,21 @@ def test_relaunches_from_each_cache_keep_the_wire_orders_and_each_ranks_backward
     assert run_ranks(_per_rank_padding_inductor, 2, cache_dir, False, unbucketed) == 1
 
 
-def _one_rank_stays_on_the_first_graph(rank, world_size, layers, lengths, backend_options=None, fallbacks_expected=False):
+def _one_rank_stays_on_the_first_graph(rank, world_size, layers, lengths, backend_options=None, fallbacks_expected=False,
+                                       mesh_shape=None):
     """Rank 0 keeps its first length (its first graph, static) while rank 1 takes new ones (a
-    recompile, symbolic in the length), against an unsharded reference on both ranks' batches.
-    Returns each rank's groups that ran on the eager hooks inside the compiled call."""
+    recompile, symbolic in the length), against an unsharded reference on every rank's batch
+    (`lengths` per rank). `mesh_shape`: HSDP on a 2-D mesh of that shape. Returns each rank's groups
+    that ran on the eager hooks inside the compiled call."""
     import copy
 
     from _models import Llama, LlamaConfig, shard_llama
+    from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
     reference = Llama(LlamaConfig(vocab_size=512, dim=128, num_layers=layers, num_heads=4, num_kv_heads=2, hidden_dim=344))
-    model = shard_llama(copy.deepcopy(reference), fully_shard)
+    mesh = {} if mesh_shape is None else {"mesh": init_device_mesh("cpu", mesh_shape)}
+    model = shard_llama(copy.deepcopy(reference), fully_shard, **mesh)
     run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", **(backend_options or {})))
     fallbacks = _steps_against_reference(rank, world_size, reference, model, run, lengths, 4, fallbacks_expected)
     every_rank = [None] * world_size
@@ -371,10 +375,11 @@ def test_one_rank_on_its_first_graph_while_the_other_recompiles():
     run_ranks(_one_rank_stays_on_the_first_graph, 2, 4, ([24, 24, 24], [24, 32, 40]), timeout_s=120)
 
 
-def _falls_back_at_the_recompile_limit(rank, world_size, buckets=None):
-    """Rank 1 at a recompile limit of 1, taking new lengths: it falls back at its second step.
-    `buckets`: "merged" has auto_bucket merge blocks' collectives in twos (a latency-bound link),
-    "split" cut each bucket in pieces (a small cap)."""
+def _falls_back_at_the_recompile_limit(rank, world_size, buckets=None, mesh_shape=None):
+    """Rank 1 at a recompile limit of 1, taking new lengths: it falls back at its second step; the
+    other ranks stay on their first length and graph. `buckets`: "merged" has auto_bucket merge
+    blocks' collectives in twos (a latency-bound link), "split" cut each bucket in pieces (a small
+    cap). `mesh_shape`: HSDP on a 2-D mesh of that shape."""
     from fsdp_graph.passes.cost_model import HardwareProfile
 
     torch._dynamo.config.recompile_limit = 1 if rank == 1 else 8
@@ -385,8 +390,9 @@ def _falls_back_at_the_recompile_limit(rank, world_size, buckets=None):
                    "bucket_cap_bytes": 2_000_000},
         "split": {"bucket_cap_bytes": 300_000},
     }[buckets]
-    return _one_rank_stays_on_the_first_graph(rank, world_size, 8, ([24, 24, 24], [24, 32, 40]), options,
-                                              fallbacks_expected=True)
+    lengths = [[24, 32, 40] if r == 1 else [24, 24, 24] for r in range(world_size)]
+    return _one_rank_stays_on_the_first_graph(rank, world_size, 8, lengths, options, fallbacks_expected=True,
+                                              mesh_shape=mesh_shape)
 
 
 def test_a_rank_falling_back_in_a_later_step_keeps_the_graphs_wire_order():
@@ -406,3 +412,16 @@ def test_a_rank_falling_back_keeps_the_graphs_merged_and_split_buckets(buckets):
     hooks] in runtime/collectives.py); before, it issued one per group and both ranks hung."""
     on_rank0, on_rank1 = run_ranks(_falls_back_at_the_recompile_limit, 2, buckets, timeout_s=180)
     assert on_rank0 == set() and {"<root>", "layers.0", "layers.7"} <= on_rank1, (on_rank0, on_rank1)
+
+
+@pytest.mark.parametrize("buckets", [None, "split"])
+def test_a_rank_falling_back_keeps_hsdps_all_reduces_in_the_graphs_order(buckets):
+    """HSDP on 4 ranks (2 replicas of 2 shards), rank 1 falling back at its second length: the
+    graph all-reduces each block's reduce-scattered shard over the replicas after gathering the
+    next block, and the root's before block 0's, where the hooks all-reduce each group as its
+    reduce-scatter ends. Ranks 1 and 3, whose all-reduces met in another order, waited for ever
+    (each bucket whole) or gloo aborted ("131206 vs 65604", split buckets). The plan now holds the
+    all-reduces and the fallback issues each in its turn."""
+    fallbacks = run_ranks(_falls_back_at_the_recompile_limit, 4, buckets, (2, 2), timeout_s=240)
+    assert [f == set() for f in fallbacks] == [True, False, True, True], fallbacks
+    assert {"<root>", "layers.0", "layers.7"} <= fallbacks[1], fallbacks

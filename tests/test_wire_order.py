@@ -109,7 +109,13 @@ def test_the_eager_hooks_plan_holds_each_groups_collectives_merged_or_in_pieces(
     assert pieces and all(len(groups) == 1 for _, groups, _ in plan)
     for kind, groups, (k, n) in pieces:  # every piece of a cut bucket, once
         assert sorted(p[0] for c, g, p in pieces if (c, g) == (kind, groups)) == list(range(n))
+    # HSDP's all-reduce of a group's reduced shard over the replicas, in its place.
+    assert eager_collectives(("reduce_scatter_tensor.default a", "all_gather_into_tensor_out.default b",
+                              "all_reduce.default a")) == (
+        (reduce, ("a",), None), (gather, ("b",), None), ("all_reduce", ("a",), None))
     # What the hooks cannot issue in the graph's order: another parallelism's collective, a bucket twice.
     assert eager_collectives(("all_gather_into_tensor a", "all_reduce [tp]")) is None
+    assert eager_collectives(("all_reduce.default a", "all_reduce.default a")) is None
+    assert eager_collectives(("all_reduce.default a+b",)) is None
     assert eager_collectives(("all_gather_into_tensor a", "all_gather_into_tensor a")) is None
     assert eager_collectives(("reduce_scatter_tensor a piece 1/2",)) is None  # a piece missing
