@@ -13,6 +13,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from ..runtime.mesh_info import parallelism_name
 from ..runtime.meta import GROUP_KEY
 
 C10D = torch.ops._c10d_functional  # the functional collectives traced graphs hold
@@ -111,10 +112,7 @@ def parallelism_of(node: Node) -> str:
     if group_of(node) is not None:
         return "fsdp"
     group = _process_group(node)
-    if group is None:
-        return str(node.args[-1])
-    desc = group.group_desc
-    return desc.removeprefix("mesh_") if desc.startswith("mesh_") else str(node.args[-1])
+    return str(node.args[-1]) if group is None else parallelism_name(group)
 
 
 def backend_of(node: Node) -> Optional[str]:

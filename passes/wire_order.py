@@ -17,7 +17,7 @@ from typing import Optional
 
 from torch.fx import GraphModule, Node
 
-from ..runtime.wire_plan import ALL_REDUCE, GATHER, REDUCE, Collective
+from ..runtime.wire_plan import ALL_REDUCE, GATHER, OTHER, REDUCE, Collective
 from .nodes import collective_label, is_collective, owned_by
 
 
@@ -40,12 +40,16 @@ def gathered_groups(order: tuple[str, ...]) -> frozenset[str]:
 def eager_collectives(order: tuple[str, ...]) -> Optional[tuple[Collective, ...]]:
     """A wire order (`wire_order`) as the eager hooks can issue it (runtime/wire_plan.py): each
     group's all-gather and reduce-scatter once, alone, merged with other groups' (`auto_bucket`) or
-    in pieces, and HSDP's all-reduce of a group once. None if it holds another collective (tensor
-    parallel's) or a group's bucket twice: those the hooks cannot keep in the graph's order."""
+    in pieces, HSDP's all-reduce of a group once, and another parallelism's collectives as OTHER
+    items naming it (the model's code issues those). None if it holds a group's bucket twice or a
+    collective of the graph's own: those the hooks cannot keep in the graph's order."""
     items: list[Collective] = []
     pieces: dict[tuple[str, str], list[Optional[tuple[int, int]]]] = {}  # per (op, group); [None]: whole
     for label in order:
         kind, carried, piece = _read_label(label)
+        if kind == OTHER:
+            items.append((OTHER, tuple(carried), None))
+            continue
         if kind is None or not carried or len(set(carried)) != len(carried) or (piece and len(carried) > 1):
             return None
         if kind == ALL_REDUCE and (piece or len(carried) > 1):
@@ -60,12 +64,14 @@ def eager_collectives(order: tuple[str, ...]) -> Optional[tuple[Collective, ...]
 
 
 def _read_label(label: str) -> tuple[Optional[str], list[str], Optional[tuple[int, int]]]:
-    """A `wire_order` label read back: GATHER, REDUCE or ALL_REDUCE (None for another op), the FSDP
-    groups the collective carries (none for another parallelism's, "[tp]"), and (k, n) for piece k
-    of n of a split bucket (`collective_label` counts pieces from 1)."""
+    """A `wire_order` label read back: GATHER, REDUCE or ALL_REDUCE (None for another op) and the FSDP
+    groups the collective carries, with (k, n) for piece k of n of a split bucket (`collective_label`
+    counts pieces from 1); or OTHER and the parallelism whose collective it is ("[tp]")."""
     op, _, rest = label.partition(" ")
     kind = next((k for k in (GATHER, REDUCE, ALL_REDUCE) if op.startswith(k)), None)
-    if not rest or rest.startswith("["):
+    if rest.startswith("["):
+        return OTHER, [rest[1:].partition("]")[0]], None
+    if not rest:
         return kind, [], None
     carried, _, piece = rest.partition(" piece ")
     if not piece:

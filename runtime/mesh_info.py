@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, Replicate, Shard
+
+
+def parallelism_name(group: dist.ProcessGroup) -> str:
+    """What a process group is called where a wire order names a collective that is not FSDP's: the
+    DeviceMesh dim it spans ("tp"), or else its name."""
+    desc = group.group_desc
+    return desc.removeprefix("mesh_") if desc.startswith("mesh_") else group.group_name
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,11 @@ class MeshInfo:
     @property
     def replicate_group(self):
         return self.mesh.get_group(0) if self.is_hsdp else None
+
+    def parallelism_names(self) -> frozenset[str]:
+        """`parallelism_name` of each process group the group's collectives run on."""
+        groups = [self.shard_group] + ([self.replicate_group] if self.is_hsdp else [])
+        return frozenset(parallelism_name(g) for g in groups)
 
     def placements(self, shard_dim: int = 0) -> tuple:
         return (Replicate(), Shard(shard_dim)) if self.is_hsdp else (Shard(shard_dim),)

@@ -24,7 +24,7 @@ from .collectives import (
     reduce_scatter,
 )
 from .custom_comms import AllGather, ProcessGroupAllocator, ReduceScatter, has_own_allocator
-from .mesh_info import MeshInfo
+from .mesh_info import MeshInfo, parallelism_name
 from .param import ShardedParam, hook_even_if_frozen
 from .policies import MixedPrecisionPolicy
 from .shard_buffer import ShardBuffer, shard_buffer_for
@@ -333,6 +333,11 @@ class ParamGroup:
         self._num_grads_ready += 1
         if self._num_grads_ready == self.num_trainable:
             self.on_all_grads_ready()
+
+    def parallelism_names(self) -> frozenset[str]:
+        """The names (`parallelism_name`) of the process groups this group's collectives run on."""
+        separate = self.reduce_controls.reduce_scatter_group
+        return self.mesh_info.parallelism_names() | ({parallelism_name(separate)} if separate is not None else set())
 
     def post_backward(
         self, defer: Optional[Callable[[ReduceScatterWork], None]] = None, all_reduce_later: bool = False

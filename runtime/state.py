@@ -129,9 +129,18 @@ class RootContext:
         plans = set(self.wire_plans.values())
         if len(plans) != 1 or not torch.is_grad_enabled() or self.root.eager_only_reason() is not None:
             return None
+        (plan,) = plans
+        groups = {s.group.name: s.group for s in self.states if s.group is not None}
+        shared = plan.others & {name for group in groups.values() for name in group.parallelism_names()}
+        if shared:
+            logger.warning("fsdp_graph: the root's call runs on the eager hooks where its compiled graph ran before, "
+                           "and the graph holds collectives of its own on the groups' process groups (%s), which "
+                           "the hooks cannot place: they issue their own order ([Note: A fallback keeps the "
+                           "frame's wire order])", ", ".join(sorted(shared)))
+            return None
         logger.info("fsdp_graph: the root's call runs on the eager hooks where its compiled graph ran before; "
                     "its collectives keep the graph's order ([Note: A fallback keeps the frame's wire order])")
-        return Replay(plans.pop(), {s.group.name: s.group for s in self.states if s.group is not None})
+        return Replay(plan, groups)
 
 
 # Every root context alive, for `_follow_all_roots`; contexts of outer roots replace inner ones.

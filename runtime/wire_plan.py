@@ -31,8 +31,11 @@ all-reduce later than the hooks do (after the next block's re-gather; the root's
 block's), so a replayed reduce-scatter leaves its all-reduce and division for the plan to issue
 (`ReduceScatterWork.all_reduce_later`); on the replicate group as on the shard group, every rank
 then issues the graph's order, and no rank waits on one collective while the others wait on one it
-has yet to issue. A frame whose graph holds another collective (tensor parallel's) or a group's
-bucket twice gets no plan, and its fallback issues the hooks' own order. A backward that
+has yet to issue. Tensor parallel's collectives are the model's code's to issue, where it runs: the
+plan names them (`OTHER`, by mesh dim) and skips them, which keeps FSDP's order on FSDP's process
+groups; that holds while the ranks of a tp group fall back together (they see the same inputs, so
+they compile alike). A graph with collectives of its own on a group's process group gets no replay,
+nor does a frame whose graph holds a group's bucket twice: the fallback issues the hooks' own order. A backward that
 needs a group's parameters before a reduce-scatter the plan puts first (an autograd order other
 than the graph's) cannot keep the plan: that is logged as a warning and the hooks go on in their
 own order.
@@ -53,10 +56,11 @@ logger = logging.getLogger(__name__)
 GATHER = "all_gather"
 REDUCE = "reduce_scatter"
 ALL_REDUCE = "all_reduce"  # HSDP's, of one group's reduce-scattered shard over the replicas
+OTHER = "other"  # another parallelism's (tensor parallel's): the model's code issues it
 
 # One collective of a plan: GATHER, REDUCE or ALL_REDUCE, the groups whose buckets it carries side by
 # side, and (k, n) where it is piece k of n of one group's bucket (passes/wire_order.py's
-# `eager_collectives`).
+# `eager_collectives`); or OTHER and the parallelism it belongs to (`parallelism_name`).
 Collective = tuple[str, tuple[str, ...], Optional[tuple[int, int]]]
 
 
@@ -71,6 +75,11 @@ class WirePlan:
     def regathered(self) -> frozenset[str]:
         """The groups the backward gathers again: those the forward resharded."""
         return frozenset(name for kind, names, _ in self.backward if kind == GATHER for name in names)
+
+    @property
+    def others(self) -> frozenset[str]:
+        """The parallelisms whose collectives the graphs hold beside the groups' (`OTHER`)."""
+        return frozenset(names[0] for kind, names, _ in self.forward + self.backward if kind == OTHER)
 
 
 def _columns(width: int, piece: Optional[tuple[int, int]]) -> tuple[int, int]:
@@ -155,6 +164,9 @@ class Replay:
         reduce-scatter not yet due stopped it first (`finishing`: every one is due)."""
         while self.cursor < len(self.items):
             kind, names, piece = self.items[self.cursor]
+            if kind == OTHER:  # the model's code issues it where it runs
+                self.cursor += 1
+                continue
             if kind == REDUCE:
                 due = all(name in self.pending for name in names)
             else:

@@ -11,6 +11,7 @@ import logging
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
@@ -495,6 +496,52 @@ def test_compiled_traces_tensor_parallel_groups(sequence_parallel, tmp_path):
         assert by[("forward", "tp", "all_reduce")] == {"[tp]"}
     assert any(b == "tp" for (kind, b, _) in by if kind == "backward")
     print("compiled fsdp + tp, max |grad diff| against unsharded:", max_diff, sorted(by))
+
+
+def _a_tensor_parallel_pair_falls_back(rank, world_size):
+    """8 blocks compiled whole step; the tp pair on dp rank 0 takes new lengths at a recompile limit
+    of 1, so both fall back to the eager hooks at the second step, while the pair on dp rank 1 runs
+    its first graph. Every step's loss and gradients against the unsharded model on both dp ranks'
+    batches. Returns each rank's groups that ran on the eager hooks."""
+    mesh = mesh_2x2()
+    dp_rank = mesh["dp"].get_local_rank()
+    torch._dynamo.config.recompile_limit = 1 if dp_rank == 0 else 8
+    torch.manual_seed(0)
+    reference = Transformer(num_blocks=8)
+    model = parallelize(copy.deepcopy(reference), mesh)
+    run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager"))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_params = dict(reference.named_parameters())
+    lengths = ([SEQ, SEQ + 3, SEQ + 6], [SEQ, SEQ, SEQ])  # per dp rank
+    for step in range(3):
+        tokens = [torch.randint(0, VOCAB, (4, lengths[d][step] + 1), generator=torch.Generator().manual_seed(10 * step + d))
+                  for d in range(2)]
+        ref_loss = sum(loss_of(reference, t[:, :-1], t[:, 1:]) for t in tokens) / 2
+        ref_loss.backward()
+        mine = tokens[dp_rank]
+        loss = loss_of(run, mine[:, :-1], mine[:, 1:])
+        loss.backward()
+        torch.testing.assert_close(global_mean(loss), ref_loss.item(), rtol=1e-5, atol=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref_params[name].grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+    fallbacks = [None] * world_size
+    dist.all_gather_object(fallbacks, set(model._fsdp_state.ctx.fallbacks))
+    return fallbacks
+
+
+def test_a_tensor_parallel_pair_falling_back_keeps_the_graphs_fsdp_order():
+    """The graph holds tensor parallel's collectives beside FSDP's; a rank falling back in a later
+    step issued FSDP's in the hooks' own order (no plan for such graphs) and gloo aborted ("10698 vs
+    794"). The plan now names the tp collectives, which the model's code issues on the tp group (both
+    ranks of a pair on the hooks here), and keeps the graph's order of FSDP's ([Note: A fallback keeps
+    the frame's wire order] in runtime/wire_plan.py)."""
+    fallbacks = run_ranks(_a_tensor_parallel_pair_falls_back, 4, timeout_s=240)
+    assert fallbacks[2] == fallbacks[3] == set() and {"<root>", "blocks.0", "blocks.7"} <= fallbacks[0] == fallbacks[1]
 
 
 def _hsdp_tensor_parallel(rank, world_size):

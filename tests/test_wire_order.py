@@ -113,8 +113,12 @@ def test_the_eager_hooks_plan_holds_each_groups_collectives_merged_or_in_pieces(
     assert eager_collectives(("reduce_scatter_tensor.default a", "all_gather_into_tensor_out.default b",
                               "all_reduce.default a")) == (
         (reduce, ("a",), None), (gather, ("b",), None), ("all_reduce", ("a",), None))
-    # What the hooks cannot issue in the graph's order: another parallelism's collective, a bucket twice.
-    assert eager_collectives(("all_gather_into_tensor a", "all_reduce [tp]")) is None
+    # Another parallelism's collectives, which the model's code issues: named, for the runtime to
+    # check that they run on process groups of their own.
+    assert eager_collectives(("all_gather_into_tensor a", "all_reduce [tp]", "all_gather_into_tensor [tp] chunk 1/2")) == (
+        (gather, ("a",), None), ("other", ("tp",), None), ("other", ("tp",), None))
+    # What the hooks cannot issue in the graph's order: a bucket twice, a group's collective of another kind.
+    assert eager_collectives(("broadcast a",)) is None
     assert eager_collectives(("all_reduce.default a", "all_reduce.default a")) is None
     assert eager_collectives(("all_reduce.default a+b",)) is None
     assert eager_collectives(("all_gather_into_tensor a", "all_gather_into_tensor a")) is None
