@@ -9,6 +9,8 @@ is written (it changes no value and no byte on the wire).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -41,7 +43,7 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
             continue
         with gm.graph.inserting_before(node):
             out = gm.graph.call_function(
-                torch.ops.aten.empty.memory_format, (list(val.shape),), {"dtype": val.dtype, "device": val.device}
+                torch.ops.aten.empty.memory_format, (_gathered_size(gm, node),), {"dtype": val.dtype, "device": val.device}
             )
             out.meta.update({k: v for k, v in node.meta.items() if k != "val"})
             out.meta["val"] = val
@@ -50,6 +52,25 @@ def plain_all_gathers_on_gloo(gm: GraphModule) -> GraphModule:
         node.replace_all_uses_with(gathered)
         gm.graph.erase_node(node)
     return gm
+
+
+def _gathered_size(gm: GraphModule, gather: Node) -> list:
+    """The size of `gather`'s output as graph arguments: ints, and for a symbolic dim (an
+    activation's sequence length under tensor parallel) nodes that read it from the input, since a
+    graph cannot take a SymInt of its own as an argument."""
+    inp, world = gather.args[0], gather.args[1]
+    size = []
+    for dim, n in enumerate(gather.meta["val"].shape):
+        if not isinstance(n, torch.SymInt):
+            size.append(int(n))
+            continue
+        read = gm.graph.call_function(torch.ops.aten.sym_size.int, (inp, dim))
+        read.meta["val"] = inp.meta["val"].shape[dim]
+        if dim == 0:
+            read = gm.graph.call_function(operator.mul, (read, world))
+            read.meta["val"] = n
+        size.append(read)
+    return size
 
 
 # [Note: Reduce-scatters on gloo]

@@ -498,23 +498,22 @@ def test_compiled_traces_tensor_parallel_groups(sequence_parallel, tmp_path):
     print("compiled fsdp + tp, max |grad diff| against unsharded:", max_diff, sorted(by))
 
 
-def _a_tensor_parallel_pair_falls_back(rank, world_size):
-    """8 blocks compiled whole step; the tp pair on dp rank 0 takes new lengths at a recompile limit
-    of 1, so both fall back to the eager hooks at the second step, while the pair on dp rank 1 runs
-    its first graph. Every step's loss and gradients against the unsharded model on both dp ranks'
-    batches. Returns each rank's groups that ran on the eager hooks."""
+def _compiled_over_lengths(rank, world_size, lengths, blocks=2, sequence_parallel=False, limit_on_dp0=8):
+    """The whole step compiled, one step per length, dp rank d on `lengths[d]` (the tp ranks of a
+    pair share their batch), each step's loss and gradients against the unsharded model on both dp
+    ranks' batches. `limit_on_dp0`: Dynamo's recompile limit on dp rank 0's pair. Returns each
+    rank's groups that ran on the eager hooks."""
     mesh = mesh_2x2()
     dp_rank = mesh["dp"].get_local_rank()
-    torch._dynamo.config.recompile_limit = 1 if dp_rank == 0 else 8
+    torch._dynamo.config.recompile_limit = limit_on_dp0 if dp_rank == 0 else 8
     torch.manual_seed(0)
-    reference = Transformer(num_blocks=8)
-    model = parallelize(copy.deepcopy(reference), mesh)
+    reference = Transformer(num_blocks=blocks)
+    model = parallelize(copy.deepcopy(reference), mesh, sequence_parallel=sequence_parallel)
     run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager"))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters())
-    lengths = ([SEQ, SEQ + 3, SEQ + 6], [SEQ, SEQ, SEQ])  # per dp rank
-    for step in range(3):
+    for step in range(len(lengths[0])):
         tokens = [torch.randint(0, VOCAB, (4, lengths[d][step] + 1), generator=torch.Generator().manual_seed(10 * step + d))
                   for d in range(2)]
         ref_loss = sum(loss_of(reference, t[:, :-1], t[:, 1:]) for t in tokens) / 2
@@ -535,13 +534,27 @@ def _a_tensor_parallel_pair_falls_back(rank, world_size):
 
 
 def test_a_tensor_parallel_pair_falling_back_keeps_the_graphs_fsdp_order():
-    """The graph holds tensor parallel's collectives beside FSDP's; a rank falling back in a later
-    step issued FSDP's in the hooks' own order (no plan for such graphs) and gloo aborted ("10698 vs
-    794"). The plan now names the tp collectives, which the model's code issues on the tp group (both
-    ranks of a pair on the hooks here), and keeps the graph's order of FSDP's ([Note: A fallback keeps
-    the frame's wire order] in runtime/wire_plan.py)."""
-    fallbacks = run_ranks(_a_tensor_parallel_pair_falls_back, 4, timeout_s=240)
+    """8 blocks; the tp pair on dp rank 0 takes new lengths at a recompile limit of 1, so both fall
+    back to the eager hooks at the second step, while the pair on dp rank 1 runs its first graph.
+    The graph holds tensor parallel's collectives beside FSDP's; the fallback issued FSDP's in the
+    hooks' own order (no plan for such graphs) and gloo aborted ("10698 vs 794"). The plan now names
+    the tp collectives, which the model's code issues on the tp group, and keeps the graph's order
+    of FSDP's ([Note: A fallback keeps the frame's wire order] in runtime/wire_plan.py)."""
+    lengths = ([SEQ, SEQ + 3, SEQ + 6], [SEQ, SEQ, SEQ])
+    fallbacks = run_ranks(_compiled_over_lengths, 4, lengths, 8, False, 1, timeout_s=240)
     assert fallbacks[2] == fallbacks[3] == set() and {"<root>", "blocks.0", "blocks.7"} <= fallbacks[0] == fallbacks[1]
+
+
+def test_sequence_parallel_compiled_over_lengths():
+    """With sequence parallelism the second length's graph is symbolic in it, and so is the tp
+    all-gather of the sequence shards: on gloo it became an all-gather into a buffer allocated with
+    the symbolic size as a raw SymInt, and the graph failed at its first run ("NameError: name 's50'
+    is not defined"). The size is now read from the gather's input in the graph (passes/gloo.py).
+    (torch's fully_shard + torch.compile fails on this model from the first step: "Mixing fake
+    modes NYI". Lengths are even: sequence parallel over 2 tp ranks does not take odd ones, eager
+    torch's fully_shard neither, gloo aborting on the sizes.)"""
+    lengths = ([SEQ, SEQ + 2, SEQ + 6], [SEQ, SEQ + 4, SEQ + 2])
+    assert run_ranks(_compiled_over_lengths, 4, lengths, 2, True) == [set()] * 4
 
 
 def _hsdp_tensor_parallel(rank, world_size):

@@ -253,8 +253,9 @@ class FrameWireOrder:
         if forward is None or backward is None:
             root.wire_plans.pop(self._key, None)
             logger.info("fsdp_graph: the compiled frame's graphs hold collectives the eager hooks cannot issue in "
-                        "their order (another parallelism's, or a group's bucket twice): a rank that falls back to "
-                        "them later does not keep that order ([Note: A fallback keeps the frame's wire order])")
+                        "their order (a group's bucket twice, or a collective of the graph's own on a group): a rank "
+                        "that falls back to them later does not keep that order ([Note: A fallback keeps the frame's "
+                        "wire order])")
             return
         root.wire_plans[self._key] = WirePlan(forward, backward)
 
