@@ -81,8 +81,9 @@ def _gathered_size(gm: GraphModule, gather: Node) -> list:
 # gloo's wire and the same sums bit for bit, without the clone of the whole bucket and the copy
 # (docs/benchmarks.md has the step times and heaps of both). The divide after it
 # reads the row and makes the shard-sized gradient, so the bucket dies there as before. Only
-# where the input is a fresh tensor nothing else reads (not a view, not a graph input); any other
-# reduce-scatter stays as it is. Applied for Inductor only (aot_eager runs the graph as traced, op
+# where the input is a flat bucket, a fresh tensor nothing else reads (not a view, not a graph
+# input); any other reduce-scatter (tensor parallel's of activations: a row of those is not flat)
+# stays as it is. Applied for Inductor only (aot_eager runs the graph as traced, op
 # for op like eager mode) and after the program is written for the inspector, which shows the
 # reduce-scatter as scheduled. The memory model keeps planning gloo's copies of a reduce-scatter
 # (passes/simulator.py), true of aot_eager: under Inductor the heap stays about a bucket below the
@@ -90,17 +91,19 @@ def _gathered_size(gm: GraphModule, gather: Node) -> list:
 
 
 def reduce_scatters_in_place_on_gloo(gm: GraphModule) -> GraphModule:
-    """Each reduce-scatter on gloo whose input it owns, rewritten as `all_reduce_` of that input and
-    this rank's row of it after the wait; see [Note: Reduce-scatters on gloo]."""
+    """Each reduce-scatter on gloo of a flat bucket it owns, rewritten as `all_reduce_` of that input
+    and this rank's row of it after the wait; see [Note: Reduce-scatters on gloo]."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not C10D.reduce_scatter_tensor.default:
             continue
         bucket, reduce_op, world, group_name = node.args
         waits = list(node.users)
+        full = bucket.meta["val"]
+        if full.dim() != 1:  # not a flat bucket: tensor parallel's reduce-scatter of activations
+            continue
         if backend_of(node) != "gloo" or not owned_by(bucket, node) or not all(is_wait_tensor(w) for w in waits):
             continue
         rank = _process_group(node).rank()
-        full = bucket.meta["val"]
         with gm.graph.inserting_before(node):
             reduced = gm.graph.call_function(C10D.all_reduce_.default, (bucket, reduce_op, group_name))
         reduced.meta.update({k: v for k, v in node.meta.items() if k != "val"})
