@@ -35,10 +35,10 @@ has yet to issue. Tensor parallel's collectives are the model's code's to issue,
 plan names them (`OTHER`, by mesh dim) and skips them, which keeps FSDP's order on FSDP's process
 groups; that holds while the ranks of a tp group fall back together (they see the same inputs, so
 they compile alike). A graph with collectives of its own on a group's process group gets no replay,
-nor does a frame whose graph holds a group's bucket twice: the fallback issues the hooks' own order. A backward that
-needs a group's parameters before a reduce-scatter the plan puts first (an autograd order other
-than the graph's) cannot keep the plan: that is logged as a warning and the hooks go on in their
-own order.
+nor does a frame whose graph holds a group's bucket twice: the fallback issues the hooks' own
+order. A backward that needs a group's parameters before a reduce-scatter the plan puts first (an
+autograd order other than the graph's) cannot keep the plan: that is logged as a warning and the
+hooks go on in their own order.
 """
 
 from __future__ import annotations
