@@ -356,9 +356,7 @@ class ReduceScatterWork:
         `finish` waits for the all-reduce and divides), or queued after it with the division (CUDA)."""
         self.all_reduce_later = False
         if comm_ctx.uses_streams:
-            with comm_ctx._device_module.stream(comm_ctx.reduce_scatter_stream):
-                self.reduce_across_replicas_and_divide(comm_ctx)
-                self.event = comm_ctx.reduce_scatter_stream.record_event()
+            reduce_scatter_issued(self, comm_ctx)
             return
         if self.handle is not None:
             self.handle.wait()

@@ -340,11 +340,11 @@ class ParamGroup:
         return self.mesh_info.parallelism_names() | ({parallelism_name(separate)} if separate is not None else set())
 
     def post_backward(
-        self, defer: Optional[Callable[[ReduceScatterWork], None]] = None, all_reduce_later: bool = False
+        self, issue: bool = True, all_reduce_later: bool = False
     ) -> Optional[ReduceScatterWork]:
         """Reduce-scatter this group's unsharded gradients (once per backward) and reshard; returns
-        the reduce-scatter issued, if one was. With `defer`, the gradients are packed and the packed
-        work handed to it, to be issued in the compiled graph's collectives ([Note: A compiled graph's
+        the reduce-scatter, if there was one. With `issue` False the gradients are only packed, and
+        the caller issues the work in the compiled graph's collectives ([Note: A compiled graph's
         buckets on the eager hooks] in runtime/collectives.py); with `all_reduce_later`, HSDP's
         all-reduce waits for that graph's turn too (`ReduceScatterWork.issue_replica_all_reduce`).
 
@@ -369,12 +369,10 @@ class ParamGroup:
                     self.layout, self.params, self.mesh_info, self.mp_policy.reduce_dtype, factor, self.comm,
                     self.comm_hook, self.reduce_controls, self.custom_reduce_scatter,
                     self._allocator(self.reduce_controls.reduce_scatter_group or self.mesh_info.shard_group),
-                    issue=defer is None, all_reduce_later=all_reduce_later,
+                    issue=issue, all_reduce_later=all_reduce_later,
                 )
-                if defer is None:
+                if issue:
                     self.comm.add_reduce_scatter(work)
-                else:
-                    defer(work)
                 self.holds_unreduced_grads = False
             elif any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in trainable):
                 self.holds_unreduced_grads = True

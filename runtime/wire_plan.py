@@ -226,12 +226,10 @@ class Replay:
         for group in groups:
             work, issued = self.reducing.get(group.name, (None, 0))
             if issued == 0:
-                packed: list[ReduceScatterWork] = []
-                group.post_backward(defer=packed.append, all_reduce_later=self._all_reduces_later(group.name))
-                if not packed:
+                work = group.post_backward(issue=False, all_reduce_later=self._all_reduces_later(group.name))
+                if work is None:
                     self._lose_order(f"{group.name} has no gradients to reduce where the graph reduces them")
                     return
-                work = packed[0]
             self.reducing[group.name] = (work, issued + 1)
             pieces.append((work, *_columns(work.keep_alive[0].numel() // group.world, piece)))
         reduce_group = groups[0].reduce_controls.reduce_scatter_group or groups[0].mesh_info.shard_group
