@@ -62,7 +62,7 @@ def rank_context():
     process groups, meshes, Dynamo caches, garbage that would skew live-tensor counts).
     """
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "fsdp_graph", "_harness", "_models"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "fsdp_graph", "_harness", "_models", "_forkserver_warmup"])
     return ctx
 
 
