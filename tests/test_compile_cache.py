@@ -44,23 +44,21 @@ def _compile_in_fresh_process(rank: int, cache_dir: Path, uneven: bool, **env_va
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_restart_on_another_rank_hits_both_caches(tmp_path):
+def test_restart_on_another_rank_hits_both_caches_and_the_fx_graph_cache_alone(tmp_path):
+    """Rank 0 compiles; rank 1, restarted, loads the step from both caches, and restarted again
+    without AOTAutogradCache finds each graph in Inductor's FX graph cache: where AOTAutogradCache
+    cannot serve the step (it refuses selective activation checkpointing whose context_fn has no
+    cache_hash, as torchtitan's). The backward is lowered lazily, at the first backward, after our
+    backend returned: its key held the mesh's per-process fields, so every restart compiled the
+    backward again."""
     first = _compile_in_fresh_process(0, tmp_path, uneven=False)
     assert first.get("fxgraph_cache_miss") == 2 and first.get("autograd_cache_saved") == 1, first
     second = _compile_in_fresh_process(1, tmp_path, uneven=False)
     # Forward and backward from the FX graph cache, the whole compiled pair from AOTAutogradCache.
     assert second.get("fxgraph_cache_hit") == 2 and "fxgraph_cache_miss" not in second, second
     assert second.get("autograd_cache_hit") == 1 and "autograd_cache_bypass" not in second, second
-
-
-def test_restart_without_the_autograd_cache_finds_both_graphs_in_the_fx_graph_cache(tmp_path):
-    """Where AOTAutogradCache cannot serve the step (it refuses selective activation checkpointing
-    whose context_fn has no cache_hash, as torchtitan's), each graph comes from Inductor's FX graph
-    cache. The backward is lowered lazily, at the first backward, after our backend returned: its
-    key held the mesh's per-process fields, so every restart compiled the backward again."""
-    _compile_in_fresh_process(0, tmp_path, uneven=False)
-    second = _compile_in_fresh_process(1, tmp_path, uneven=False, TORCHINDUCTOR_AUTOGRAD_CACHE="0")
-    assert second.get("fxgraph_cache_hit") == 2 and "fxgraph_cache_miss" not in second, second
+    third = _compile_in_fresh_process(1, tmp_path, uneven=False, TORCHINDUCTOR_AUTOGRAD_CACHE="0")
+    assert third.get("fxgraph_cache_hit") == 2 and "fxgraph_cache_miss" not in third, third
 
 
 def test_ranks_with_shorter_shards_compile_their_own(tmp_path):
