@@ -55,10 +55,10 @@ def _train(rank, world_size, lengths, impl, dynamic=None, mark_dynamic=False, ba
 _LENGTHS = [8, 12, 16, 20, 11, 24]
 
 
-@functools.lru_cache(maxsize=None)
-def _torch_eager(lengths: tuple) -> tuple:
-    """Torch's `fully_shard`, eager, over `lengths`: the reference, run once for the tests that share it."""
-    return run_ranks(_train, 2, list(lengths), "torch-eager")
+@functools.cache
+def _torch_eager() -> tuple:
+    """Torch's `fully_shard`, eager, over `_LENGTHS`: the reference, run once for the tests that share it."""
+    return run_ranks(_train, 2, _LENGTHS, "torch-eager")
 
 
 @pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic=True"])
@@ -67,7 +67,7 @@ def test_new_lengths_do_not_recompile_the_whole_step(dynamic):
     guarded the graph to that length (`Eq(2*s50, 24)`)."""
     ours_graphs, ours_losses, ours_grads = run_ranks(_train, 2, _LENGTHS, "ours", dynamic)
     torch_graphs, _, _ = run_ranks(_train, 2, _LENGTHS, "torch", dynamic)
-    _, losses, grads = _torch_eager(tuple(_LENGTHS))
+    _, losses, grads = _torch_eager()
     assert ours_graphs <= min(torch_graphs, 2), (ours_graphs, torch_graphs)
     assert ours_losses == losses  # bit for bit: aot_eager against torch's fully_shard, eager
     for name, grad in grads.items():
@@ -77,7 +77,7 @@ def test_new_lengths_do_not_recompile_the_whole_step(dynamic):
 def test_marked_dynamic_dim_compiles_once():
     graphs, losses, _ = run_ranks(_train, 2, _LENGTHS, "ours", None, True)
     assert graphs == 1
-    assert losses == _torch_eager(tuple(_LENGTHS))[1]
+    assert losses == _torch_eager()[1]
 
 
 def test_submodules_with_hooks_of_their_own_compile_once():
