@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import queue
@@ -63,6 +64,19 @@ def rank_context():
     """
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "fsdp_graph", "_harness", "_models", "_forkserver_warmup"])
+    # The fork server imports its preloads on the interpreter's own sys.path, not on this process's
+    # (Python 3.11), and skips those it cannot import without a word: this directory goes on its
+    # PYTHONPATH while it starts, or the test modules above would be imported again in every rank.
+    here = os.path.dirname(os.path.abspath(__file__))
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved) if p)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
     return ctx
 
 
