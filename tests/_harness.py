@@ -13,6 +13,7 @@ import tempfile
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -68,15 +69,9 @@ def rank_context():
     # (Python 3.11), and skips those it cannot import without a word: this directory goes on its
     # PYTHONPATH while it starts, or the test modules above would be imported again in every rank.
     here = os.path.dirname(os.path.abspath(__file__))
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved) if p)
-    try:
+    search_path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    with mock.patch.dict(os.environ, {"PYTHONPATH": search_path}):
         multiprocessing.forkserver.ensure_running()
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
     return ctx
 
 

@@ -6,11 +6,14 @@ import sys
 from _harness import run_ranks
 
 
+_PRELOADED = ("_models", "_forkserver_warmup", "torch._inductor.compile_fx")
+
+
 def _already_imported(rank, world_size):
-    return {name: name in sys.modules for name in ("_models", "_forkserver_warmup", "torch._inductor.compile_fx")}
+    return {name: name in sys.modules for name in _PRELOADED}
 
 
 def test_ranks_inherit_the_fork_servers_preloads():
     """Python 3.11's fork server imported its preloads on the interpreter's default sys.path and
     silently dropped the test modules: every rank imported them, and Inductor, again."""
-    assert run_ranks(_already_imported, 2) == dict.fromkeys(("_models", "_forkserver_warmup", "torch._inductor.compile_fx"), True)
+    assert run_ranks(_already_imported, 2) == dict.fromkeys(_PRELOADED, True)
