@@ -74,7 +74,7 @@ import fsdp_graph  # noqa: E402
 from fsdp_graph import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 SCHEDULING = {"bucket_by_group", "auto_bucket", "reorder_for_overlap", "pin_order"}
-ROWS = ("scheduled", "regions", "every-block", "block-scope", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes",
+ROWS = ("scheduled", "pieces", "regions", "every-block", "block-scope", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes",
         "blocks", "fsdp2-blocks", "floor", "collectives")
 MODELS = {"ours": "Llama (examples/llama.py)", "hf-llama": "HF LlamaForCausalLM", "hf-gpt2": "HF GPT2LMHeadModel"}
 
@@ -371,6 +371,9 @@ def timings(args) -> None:
     in_tree = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all", "reorder_for_compute_comm_overlap": True}
     makers = {
         "scheduled": lambda: make_row("fsdp_graph scheduled", model(fully_shard), ours),
+        # The same, Inductor compiling the step piece by piece, each repeated piece once.
+        "pieces": lambda: make_row("fsdp_graph scheduled, pieces", model(fully_shard),
+                                   fsdp_graph.backend(compiler="inductor", pieces=True)),
         # The same, the blocks marked as compile regions: one body compiled for all blocks.
         "regions": lambda: make_row("fsdp_graph scheduled, blocks as regions", marked_as_regions(model), ours),
         # The same regions, no class marked: the backend makes every block one (regions="blocks").

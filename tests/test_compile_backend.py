@@ -121,6 +121,7 @@ def test_backend_on_a_model_never_sharded_names_fully_shard():
         ({"scope": "layer"}, ValueError, r"scope must be one of \['step', 'block'\], got 'layer'"),
         ({"regions": "all"}, ValueError, r"regions must be one of \['marked', 'blocks'\], got 'all'"),
         ({"rank_divergent_graphs": "yes"}, ValueError, "rank_divergent_graphs must be a bool, got 'yes'"),
+        ({"pieces": 1}, ValueError, "pieces must be a bool, got 1"),
         ({"compile": "inductor"}, ValueError, r"Unknown fsdp_graph backend option\(s\) \['compile'\]"),
     ],
 )

@@ -10,6 +10,7 @@ partitioner (fsdp_graph/compile/partition.py), and hands forward and backward to
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -19,6 +20,7 @@ from importlib.metadata import entry_points
 from typing import Any, Callable, Optional
 
 import torch
+from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule
@@ -27,6 +29,7 @@ from .agreement import AGREEMENT, FrameWireOrder, graph_groups
 from .cache_key import local_shapes, own_sources_digest, stable_cache_keys, wire_orders_file
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
+from .pieces import compile_in_pieces
 from ..passes.nodes import fsdp_meta, is_backward_graph, is_region_call
 from ..passes.pipeline import GraphPass, PassPipeline
 from ..passes.async_tp import async_tp_on_cuda
@@ -105,6 +108,13 @@ class BackendConfig:
             so that a block that breaks the graph falls back as without regions ([Note: Every
             block a compile region] in fsdp_graph/api/module.py). A graph break inside a region
             is an error (torch's rule).
+        pieces: with Inductor, compile the step's forward and backward graphs piece by piece: the
+            computation between two collectives is a piece, and pieces of the same structure (the
+            blocks of one code, shapes and schedule) are compiled once, so Inductor's cost stays
+            nearly flat in depth; the collectives run in the scheduled order between them
+            ([Note: Pieces between the collectives] in fsdp_graph/compile/pieces.py). Same values
+            as one graph, within Inductor's rounding. A relaunch loads the step from AOTAutograd's
+            cache, except a graph symbolic in a size (its pieces then come from Inductor's cache).
     The options the passes read, one field each (`Option`s of passes/table.py):
     """
 
@@ -114,6 +124,7 @@ class BackendConfig:
     rank_divergent_graphs: bool = False
     scope: str = "step"
     regions: str = "marked"
+    pieces: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -139,6 +150,8 @@ class BackendConfig:
             object.__setattr__(self, "disabled_passes", frozenset(self.disabled_passes))
         if not isinstance(self.rank_divergent_graphs, bool):
             problems.append(f"rank_divergent_graphs must be a bool, got {self.rank_divergent_graphs!r}")
+        if not isinstance(self.pieces, bool):
+            problems.append(f"pieces must be a bool, got {self.pieces!r}")
         if self.scope not in SCOPES:
             problems.append(f"scope must be one of {list(SCOPES)}, got {self.scope!r}")
         if self.regions not in REGIONS:
@@ -291,14 +304,26 @@ class FSDPGraphBackend:
             from torch._inductor.compile_fx import compile_fx
 
             patches = self.inductor_patches(gm, example_inputs, graph_id, dump, order)
-            with stable_cache_keys():  # see [Note: Rank-independent cache keys]
-                compiled = compile_fx(gm, example_inputs, inner_compile=_inner_compile, config_patches=patches)
+            inner, aot_config = _inner_compile, {}
+            if self.config.pieces and _pieces_apply(gm):  # [Note: Pieces between the collectives] in compile/pieces.py
+                schedule_pass = patches["post_grad_custom_post_pass"]
+                # the passes run in `compile_in_pieces`, their key stays in the caches' keys
+                patches["post_grad_custom_post_pass"] = _KeyOnly(schedule_pass.uuid())
+                schedule_pass.lower = self._pipeline(Stage.LOWER, self.config.resolved_options(), dump, skip={"pin_order"})
+                inner = functools.partial(_inner_compile, compile_fx_inner=functools.partial(compile_in_pieces, schedule_pass))
+                # [Note: A step of pieces in AOTAutograd's cache]: stored bundled, and the backward
+                # compiled with the forward, so that the entry is saved while these settings hold.
+                aot_config = {"bundled_autograd_cache": True, "force_non_lazy_backward_lowering": True}
+            with stable_cache_keys(), functorch_config.patch(aot_config):  # see [Note: Rank-independent cache keys]
+                compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
         if dump is None:
             return compiled
         return _RecordFallbacks(compiled, owners, dump)
 
-    def _pipeline(self, stage: Stage, resolved: dict[str, Any], dump: Optional[GraphDump]) -> PassPipeline:
-        return PassPipeline(stage.value, self.config.passes(stage, resolved), self.config.disabled_passes, dump)
+    def _pipeline(
+        self, stage: Stage, resolved: dict[str, Any], dump: Optional[GraphDump], skip: frozenset[str] = frozenset()
+    ) -> PassPipeline:
+        return PassPipeline(stage.value, self.config.passes(stage, resolved), self.config.disabled_passes | skip, dump)
 
     def _aot_eager(self, gm, example_inputs, graph_id, dump: Optional[GraphDump], order: Optional[FrameWireOrder]):
         from torch._dynamo.backends.common import aot_autograd
@@ -383,6 +408,20 @@ class FSDPGraphBackend:
         return patches
 
 
+def _pieces_apply(gm: GraphModule) -> bool:
+    """Whether `pieces=True` compiles this graph in pieces: not where its blocks are compile regions
+    (a region's body is a submodule of the graph, which a piece does not carry) nor under CUDA
+    graphs (pieces compile without them); those compile as one graph, and the log says so."""
+    from torch._inductor import config as inductor_config
+
+    why = "it holds compile regions" if any(is_region_call(n) for n in gm.graph.nodes) else None
+    if why is None and inductor_config.triton.cudagraphs:
+        why = "CUDA graphs are on"
+    if why is not None:
+        logger.info("fsdp_graph: pieces=True, but the graph compiles whole: %s", why)
+    return why is None
+
+
 def _gloo_rank(example_inputs: list) -> str:
     """This rank, for the schedule pass's key, where the graph's groups run on gloo: there a
     backward reads this rank's row of each reduce-scatter ([Note: Reduce-scatters on gloo] in
@@ -394,11 +433,12 @@ def _gloo_rank(example_inputs: list) -> str:
     return ""
 
 
-def _inner_compile(*args, **kwargs):
-    """Inductor's `compile_fx_inner` with rank-independent cache keys: AOTAutograd lowers the
-    backward lazily, at the first backward, after `compile_fx` has returned, so the context around
-    that call does not cover it ([Note: Rank-independent cache keys])."""
-    from torch._inductor.compile_fx import compile_fx_inner
+def _inner_compile(*args, compile_fx_inner: Optional[Callable] = None, **kwargs):
+    """Inductor's `compile_fx_inner` (or the given inner compiler) with rank-independent cache keys:
+    AOTAutograd lowers the backward lazily, at the first backward, after `compile_fx` has returned,
+    so the context around that call does not cover it ([Note: Rank-independent cache keys])."""
+    if compile_fx_inner is None:
+        from torch._inductor.compile_fx import compile_fx_inner
 
     with stable_cache_keys():
         return compile_fx_inner(*args, **kwargs)
@@ -461,6 +501,21 @@ class _InductorSchedulePass(CustomGraphPass):
         if self.dump is not None:
             _log_graph(self.graph_id, kind, graph.owning_module, self.dump)
         _schedule(self.schedule, self.lower, self.graph_id, kind, graph.owning_module, self.dump, self.order)
+
+    def uuid(self) -> Optional[str]:
+        return self.key
+
+
+class _KeyOnly(CustomGraphPass):
+    """A pass that changes nothing, for its `uuid`: what a graph compiled in pieces depends on in
+    our passes, which run outside Inductor there, so that the FX graph cache and AOTAutogradCache
+    keys still hold it (this rank on gloo, the wire order, the options)."""
+
+    def __init__(self, key: Optional[str]) -> None:
+        self.key = key
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        pass
 
     def uuid(self) -> Optional[str]:
         return self.key

@@ -1,0 +1,425 @@
+"""Compile a scheduled forward or backward graph piece by piece, each piece's code once.
+
+[Note: Pieces between the collectives]
+Inductor lowers, schedules and generates code for every node of the graph it is given, and the
+whole-step graph holds every layer: its cost grows with depth where FSDP2 + `torch.compile(model)`,
+whose graphs break at every block, compiles one block and reuses it. Here the scheduled graph is cut
+at its collectives and waits: those stay in an outer program, run in the planned order, and the runs
+of computation between them become pieces that Inductor compiles. Blocks of the same code, shapes and
+schedule give pieces that differ only in their node names; pieces are compared by structure
+(`piece_key`), and each structure is compiled once, its compiled code run for every piece of it.
+
+The outer program runs the collectives as the compiled graph would have (Inductor calls the same
+functional collectives as extern kernels), in the graph's order, which is the schedule: nothing can
+move a collective across a piece, so no ordering edges are needed (the `pin_order` pass is skipped).
+Every value is dropped after its last use, as Inductor's code frees buffers. Each piece keeps the
+strides its values have in the graph, since the piece after it was compiled for them.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import sympy
+import torch
+from torch.fx.experimental.symbolic_shapes import free_symbols
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_arg
+from torch._dynamo.utils import counters
+from torch._inductor.output_code import OutputCode
+from torch._inductor.utils import BoxedBool
+
+logger = logging.getLogger(__name__)
+
+_OUTSIDE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
+
+
+def _stays_outside(node: Node) -> bool:
+    """A collective, a wait, or an item of one's result: run by the outer program, in order."""
+    if node.op == "get_attr":  # a constant of the graph: in the piece that reads it
+        return False
+    if node.op != "call_function":
+        return True
+    target = node.target
+    if target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, Node) and _stays_outside(source)
+    namespace = getattr(target, "namespace", None)
+    return namespace in _OUTSIDE_NAMESPACES
+
+
+@dataclass
+class _Piece:
+    """A run of computation between two collectives: its nodes in order, the values it reads
+    from outside (first use first) and those read after it."""
+
+    nodes: list[Node]
+    inputs: list[Node]
+    outputs: list[Node]
+
+    @functools.cached_property
+    def key(self) -> str:
+        return piece_key(self)
+
+
+def split_pieces(gm: GraphModule) -> list:
+    """The graph's nodes in order, consecutive computation grouped into `_Piece`s; collectives,
+    waits, placeholders and the output stay single nodes."""
+    steps: list = []
+    current: list[Node] = []
+    for node in gm.graph.nodes:
+        if not _stays_outside(node):
+            current.append(node)
+            continue
+        if current:
+            steps.append(current)
+            current = []
+        steps.append(node)
+    if current:
+        steps.append(current)
+    symbols = _symbol_inputs(gm)
+    pieces = []
+    for step in steps:
+        if isinstance(step, list):
+            members = set(step)
+            inputs: dict[Node, None] = {}
+            for node in step:
+                for arg in node.all_input_nodes:
+                    if arg not in members:
+                        inputs.setdefault(arg)
+            if symbols:
+                # every size symbol the piece's values use comes in as a number of its own, so that
+                # Inductor can bind it where no input has it as a whole size (2 * s0 only)
+                used = set().union(*(free_symbols(n.meta.get("val")) for n in (*inputs, *step)))
+                for symbol in sorted(used, key=str):
+                    if symbol in symbols:
+                        inputs.setdefault(symbols[symbol])
+            outputs = [n for n in step if any(u not in members for u in n.users)]
+            pieces.append(_Piece(step, list(inputs), outputs))
+        else:
+            pieces.append(step)
+    return pieces
+
+
+def _symbol_inputs(gm: GraphModule) -> dict:
+    """The graph's inputs that are a size symbol, by symbol."""
+    found = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) and isinstance(val.node.expr, sympy.Symbol):
+            found.setdefault(val.node.expr, node)
+    return found
+
+
+def _meta_repr(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"T({value.dtype},{value.device},{tuple(value.shape)},{value.stride()},{value.storage_offset()})"
+    return f"V({type(value).__name__},{value})"
+
+
+def piece_graph(piece: _Piece) -> GraphModule:
+    """The piece as a graph of its own, with canonical names: inputs `in<i>`, values `v<i>`, so that
+    pieces of the same structure print alike (and meet in the FX graph cache)."""
+    graph = Graph()
+    root = torch.nn.Module()
+    env: dict[Node, Node] = {}
+    items: dict[Node, list[Node]] = {}
+    for i, node in enumerate(piece.inputs):
+        arity = _arity(node)
+        if arity is None:
+            placeholder = graph.placeholder(f"in{i}")
+            placeholder.meta["val"] = node.meta.get("val")
+            env[node] = placeholder
+            continue
+        # a list of tensors enters the piece as its items
+        items[node] = []
+        for k in range(arity):
+            placeholder = graph.placeholder(f"in{i}_{k}")
+            placeholder.meta["val"] = node.meta["val"][k]
+            items[node].append(placeholder)
+        env[node] = items[node]
+    for i, node in enumerate(piece.nodes):
+        if node.target is operator.getitem and node.args[0] in items:
+            env[node] = items[node.args[0]][node.args[1]]
+            continue
+        copy = graph.create_node(
+            node.op, node.target, map_arg(node.args, env.__getitem__), map_arg(node.kwargs, env.__getitem__),
+            name=f"v{i}",
+        )
+        copy.meta = dict(node.meta)
+        env[node] = copy
+        if node.op == "get_attr":
+            _set_attr(root, node.target, _get_attr(node.graph.owning_module, node.target))
+    flat = []
+    for node in piece.outputs:
+        arity = _arity(node)
+        if arity is None:
+            flat.append(env[node])
+            continue
+        for k in range(arity):  # a list of tensors leaves the piece as its items
+            item = graph.call_function(operator.getitem, (env[node], k))
+            item.meta["val"] = node.meta["val"][k]
+            flat.append(item)
+    out = graph.output(tuple(flat))
+    # every output keeps its graph strides: the next piece was compiled for them
+    out.meta["user_visible_output_idxs"] = list(range(len(flat)))
+    return GraphModule(root, graph)
+
+
+def _get_attr(module: torch.nn.Module, target: str) -> Any:
+    for name in target.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def _set_attr(module: torch.nn.Module, target: str, value: Any) -> None:
+    *path, name = target.split(".")
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, torch.nn.Module())
+        module = getattr(module, part)
+    setattr(module, name, value)
+
+
+def _arity(node: Node) -> Optional[int]:
+    """How many items the node's value has, when it is a list or tuple; None for one value."""
+    val = node.meta.get("val")
+    return len(val) if isinstance(val, (list, tuple)) else None
+
+
+def piece_key(piece: _Piece) -> str:
+    """What a piece's compiled code depends on: its ops and their arguments by position, and the
+    metadata of its inputs."""
+    index = {n: f"in{i}" for i, n in enumerate(piece.inputs)}
+    index.update({n: f"v{i}" for i, n in enumerate(piece.nodes)})
+    parts = [_meta_repr(n.meta.get("val")) for n in piece.inputs]
+    for node in piece.nodes:
+        args = map_arg((node.args, node.kwargs), lambda n: index[n])
+        parts.append(f"{node.target}{args!r}")
+    parts.append(repr([index[n] for n in piece.outputs]))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+class PieceProgram(OutputCode):
+    """Runs the outer program: collectives and waits as calls, pieces through their compiled code;
+    each value dropped after its last use. Called boxed, like Inductor's compiled graphs. An
+    `OutputCode`, so that AOTAutogradCache can store it (bundled: [Note: A step of pieces in
+    AOTAutograd's cache]): the pieces go as Inductor's serialized graphs, the calls by op name."""
+
+    def __init__(self, gm: GraphModule, pieces: list, compiled: dict[str, Any], output_strides: list) -> None:
+        super().__init__()
+        self._boxed_call = True  # on the instance: wrappers copy the instance's __dict__
+        self.pieces = list(compiled.values())
+        position = {key: i for i, key in enumerate(compiled)}
+        self.output_strides = output_strides
+        slots: dict[Node, int] = {}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for i, n in enumerate(placeholders):
+            slots[n] = i
+        self.num_inputs = len(placeholders)
+        steps = []
+        output_nodes: set[Node] = set()
+        for step in pieces:
+            if isinstance(step, _Piece):
+                ins = [(slots[n], _arity(n)) for n in step.inputs]
+                for n in step.outputs:
+                    slots[n] = len(slots)
+                outs = [(slots[n], _arity(n)) for n in step.outputs]
+                steps.append((position[step.key], ins, outs, step.inputs))
+            elif step.op == "call_function":
+                args = map_arg((step.args, step.kwargs), lambda n: _Slot(slots[n]))
+                slots[step] = len(slots)
+                steps.append((step.target, args, [(slots[step], None)], step.all_input_nodes))
+            elif step.op == "output":
+                self.output = map_arg(step.args[0], lambda n: _Slot(slots[n]))
+                output_nodes = set(step.all_input_nodes)
+        self.num_slots = len(slots)
+        # each value is dropped after the step that reads it last
+        last: dict[int, int] = {}
+        for k, (_, _, _, reads) in enumerate(steps):
+            for n in reads:
+                last[slots[n]] = k
+        keep = {slots[n] for n in output_nodes}
+        frees: list[list[int]] = [[] for _ in steps]
+        for slot, k in last.items():
+            if slot not in keep:
+                frees[k].append(slot)
+        self.steps = [(what, args, outs, frees[k]) for k, (what, args, outs, _) in enumerate(steps)]
+
+    def __call__(self, args: list) -> Any:
+        env: list = [None] * self.num_slots
+        env[: self.num_inputs] = args
+        args.clear()
+        for what, ins, outs, frees in self.steps:
+            if isinstance(what, int):
+                flat = []
+                for slot, arity in ins:
+                    if arity is None:
+                        flat.append(env[slot])
+                    else:
+                        flat.extend(env[slot])
+                results = self.pieces[what](flat)
+                k = 0
+                for slot, arity in outs:
+                    if arity is None:
+                        env[slot] = results[k]
+                        k += 1
+                    else:
+                        env[slot] = list(results[k:k + arity])
+                        k += arity
+            else:
+                a, kw = _load(ins, env)
+                env[outs[0][0]] = what(*a, **kw)
+            for slot in frees:
+                env[slot] = None
+        return _load(self.output, env)
+
+    # [Note: A step of pieces in AOTAutograd's cache]
+    # AOTAutogradCache stores a compiled forward and backward either as keys into Inductor's FX
+    # graph cache, which a program of pieces has none of, or, bundled, as the OutputCode itself,
+    # pickled after `prepare_for_serialization` (on a shallow copy) and loaded with `post_compile`.
+    # The backend turns bundling on for its own compiles with pieces (fsdp_graph/compile/backend.py).
+
+    def prepare_for_serialization(self) -> None:
+        from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+
+        if any(not isinstance(x, int) for strides in self.output_strides if strides is not None for x in strides):
+            raise BypassAOTAutogradCache("fsdp_graph: a program of pieces with symbolic output strides")
+        pieces = []
+        for piece in self.pieces:
+            piece = copy.copy(piece)
+            piece.prepare_for_serialization()
+            pieces.append(piece)
+        self.pieces = pieces  # the copy's own list: the running program keeps its callables
+        self.steps = [(_OpName.of(what) if not isinstance(what, int) else what, args, outs, frees)
+                      for what, args, outs, frees in self.steps]
+
+    def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
+        from torch._inductor.codecache import FxGraphCache
+
+        context = torch._guards.TracingContext.try_get()
+        strides = context.output_strides if context is not None else None
+        if context is not None:
+            context.output_strides = None  # the pieces' strides are not the step's
+        try:
+            for i, piece in enumerate(self.pieces):
+                if piece.current_callable is None:
+                    loaded, _ = FxGraphCache.cache_hit_post_compile(piece, {}, constants)
+                    if loaded is None:
+                        raise RuntimeError("fsdp_graph: a compiled piece could not be loaded")
+                    loaded.post_compile([], constants, {**graph_kwargs, "cudagraphs": BoxedBool(False)})
+                    self.pieces[i] = loaded
+        finally:
+            if context is not None:
+                context.output_strides = strides
+        self.steps = [(what.resolve() if isinstance(what, _OpName) else what, args, outs, frees)
+                      for what, args, outs, frees in self.steps]
+        if strides is not None:
+            strides.extend(self.output_strides)
+
+    def set_triton_bundle(self, triton_bundle: Any) -> None:
+        pass  # each piece carries its own
+
+
+@dataclass(frozen=True)
+class _OpName:
+    """An op by name, for pickling (torch's op overloads do not pickle)."""
+
+    namespace: str
+    name: str
+    overload: str
+
+    @classmethod
+    def of(cls, op: Any) -> "_OpName":
+        if not isinstance(op, torch._ops.OpOverload):
+            raise TypeError(f"fsdp_graph: cannot save a program that calls {op!r}")
+        return cls(op.namespace, op._schema.name.split("::")[-1], op._overloadname)
+
+    def resolve(self) -> Any:
+        return getattr(getattr(getattr(torch.ops, self.namespace), self.name), self.overload)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    index: int
+
+
+def _load(template: Any, env: list) -> Any:
+    if isinstance(template, _Slot):
+        return env[template.index]
+    if isinstance(template, (list, tuple)):
+        return type(template)(_load(t, env) for t in template)
+    if isinstance(template, dict):
+        return {k: _load(v, env) for k, v in template.items()}
+    return template
+
+
+def compile_pieces(gm: GraphModule, compile_piece: Callable[[GraphModule, list], Callable]) -> PieceProgram:
+    """Cut `gm` at its collectives, compile each distinct piece with `compile_piece(graph,
+    example_inputs)`, and return the program that runs them. Counts both in torch's counters
+    (`torch._dynamo.utils.counters["fsdp_graph"]`: "pieces", "pieces_compiled")."""
+    pieces = split_pieces(gm)
+    compiled: dict[str, Callable] = {}
+    total = 0
+    for step in pieces:
+        if not isinstance(step, _Piece):
+            continue
+        total += 1
+        key = step.key
+        if key in compiled:
+            continue
+        inputs = []
+        for node in step.inputs:
+            val = node.meta.get("val")
+            inputs.extend(val if _arity(node) is not None else [val])
+        compiled[key] = compile_piece(piece_graph(step), inputs)
+    counters["fsdp_graph"]["pieces"] += total
+    counters["fsdp_graph"]["pieces_compiled"] += len(compiled)
+    logger.debug("fsdp_graph::pieces %d pieces, %d compiled", total, len(compiled))
+    output_strides = []
+    for value in gm.graph.output_node().args[0]:
+        val = value.meta.get("val") if isinstance(value, Node) else None
+        output_strides.append(tuple(val.stride()) if isinstance(val, torch.Tensor) else None)
+    return PieceProgram(gm, pieces, compiled, output_strides)
+
+
+def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+    """Inductor's inner compiler for a scheduled graph in pieces: `schedule` runs our scheduling and
+    lowering passes on the graph (without `pin_order`), then each distinct piece goes through
+    `compile_fx_inner` with the keyword arguments AOTAutograd gave for the whole graph, and its
+    inputs' fake values. Inductor's own post-grad passes run on each piece."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner, fake_tensor_prop
+    schedule(gm.graph)
+    gm.recompile()
+    with torch.no_grad():  # the values of the nodes our passes made
+        fake_tensor_prop(gm, example_inputs, True)
+
+    def compile_piece(graph: GraphModule, inputs: list) -> Callable:
+        with inductor_config.patch(post_grad_custom_post_pass=None):
+            return compile_fx_inner(
+                graph, inputs, cudagraphs=BoxedBool(False), static_input_idxs=(),
+                is_backward=kwargs.get("is_backward", False), is_inference=kwargs.get("is_inference", False),
+                graph_id=kwargs.get("graph_id"),
+            )
+
+    # Each compile would report its outputs' strides to AOTAutograd; the graph's are what count,
+    # and every piece keeps them.
+    context = torch._guards.TracingContext.try_get()
+    strides = context.output_strides if context is not None else None
+    if context is not None:
+        context.output_strides = None
+    try:
+        program = compile_pieces(gm, compile_piece)
+    finally:
+        if context is not None:
+            context.output_strides = strides
+    if strides is not None:
+        strides.extend(program.output_strides)
+    return program

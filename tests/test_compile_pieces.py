@@ -1,0 +1,70 @@
+"""The whole step compiled by Inductor in pieces (`fsdp_graph.backend(pieces=True)`): the computation
+between collectives compiled once per structure ([Note: Pieces between the collectives] in
+fsdp_graph/compile/pieces.py), against an unsharded model on the same global batch, compiled and
+then loaded from AOTAutograd's cache ([Note: A step of pieces in AOTAutograd's cache])."""
+
+import copy
+import os
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import fsdp_graph
+from _harness import run_ranks
+from _models import check_grads_match, check_params_match, global_mean, shard_llama, tiny_llama
+from fsdp_graph import fully_shard
+
+
+def _train(reference, rank, world_size, lengths):
+    """AdamW steps over `lengths` of the unsharded `reference` and of its copy sharded and compiled
+    in pieces, on the same global batches: the losses and gradients every step, then the parameters."""
+    model = shard_llama(copy.deepcopy(reference), fully_shard)
+    # auto_bucket off: every block keeps its own all-gather and reduce-scatter, so that each block's
+    # computation is a piece of its own (auto_bucket merges the tiny blocks' buckets).
+    compiled = torch.compile(model, backend=fsdp_graph.backend(pieces=True, disabled_passes={"auto_bucket"}))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
+    per_rank = 2
+    for step, length in enumerate(lengths):
+        tokens = torch.randint(0, 64, (per_rank * world_size, length + 1), generator=torch.Generator().manual_seed(step))
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        loss = F.cross_entropy(compiled(x[mine]).flatten(0, 1), y[mine].flatten())
+        loss.backward()
+        expected = F.cross_entropy(reference(x).flatten(0, 1), y.flatten())
+        expected.backward()
+        got = global_mean(loss)
+        assert abs(got - expected.item()) <= 1e-5 * abs(expected.item()), f"step {step}: {got} != {expected.item()}"
+        # Inductor fuses and reorders arithmetic: gradients within its rounding
+        check_grads_match(model, reference, rtol=1e-4, atol=1e-5)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    check_params_match(model, reference, rtol=1e-4, atol=1e-5)
+    assert dict(model._fsdp_state.ctx.fallbacks) == {}, model._fsdp_state.ctx.fallbacks
+
+
+def _compile_then_load(rank, world_size, cache_dir):
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # ranks fork from a server started before the test
+    torch.manual_seed(0)
+    initial = tiny_llama(6)
+    counters.clear()
+    # the first length compiles a static graph, the second one symbolic in the length
+    _train(copy.deepcopy(initial), rank, world_size, [8, 12])
+    compiled = dict(counters["fsdp_graph"])
+    # as a relaunch would: nothing compiled in this process is reused but the caches on disk
+    torch._dynamo.reset()
+    counters.clear()
+    _train(copy.deepcopy(initial), rank, world_size, [8])
+    return {"compiled": compiled, "relaunch": {**counters["fsdp_graph"], **counters["aot_autograd"]}}
+
+
+def test_pieces_train_as_the_unsharded_model_compile_repeated_blocks_once_and_load_from_the_cache(tmp_path):
+    result = run_ranks(_compile_then_load, 2, str(tmp_path / "inductor"))
+    count = result["compiled"]
+    # each graph (forward and backward, static and symbolic) compiles its middle blocks' pieces once:
+    # six blocks, at least three repeats per graph
+    assert count["pieces"] - count["pieces_compiled"] >= 3 * 3, count
+    # the static graph's forward and backward come from AOTAutograd's cache, nothing cut again
+    assert result["relaunch"].get("autograd_cache_hit", 0) >= 1, result["relaunch"]
+    assert result["relaunch"].get("pieces", 0) == 0, result["relaunch"]
