@@ -18,6 +18,7 @@ strides its values have in the graph, since the piece after it was compiled for 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -148,14 +149,15 @@ def piece_graph(piece: _Piece) -> GraphModule:
         if node.target is operator.getitem and node.args[0] in items:
             env[node] = items[node.args[0]][node.args[1]]
             continue
+        target = node.target
+        if node.op == "get_attr":  # the constant, under the value's own name in the piece
+            target = f"v{i}"
+            setattr(root, target, operator.attrgetter(node.target)(node.graph.owning_module))
         copy = graph.create_node(
-            node.op, node.target, map_arg(node.args, env.__getitem__), map_arg(node.kwargs, env.__getitem__),
-            name=f"v{i}",
+            node.op, target, map_arg(node.args, env.__getitem__), map_arg(node.kwargs, env.__getitem__), name=f"v{i}",
         )
         copy.meta = dict(node.meta)
         env[node] = copy
-        if node.op == "get_attr":
-            _set_attr(root, node.target, _get_attr(node.graph.owning_module, node.target))
     flat = []
     for node in piece.outputs:
         arity = _arity(node)
@@ -170,21 +172,6 @@ def piece_graph(piece: _Piece) -> GraphModule:
     # every output keeps its graph strides: the next piece was compiled for them
     out.meta["user_visible_output_idxs"] = list(range(len(flat)))
     return GraphModule(root, graph)
-
-
-def _get_attr(module: torch.nn.Module, target: str) -> Any:
-    for name in target.split("."):
-        module = getattr(module, name)
-    return module
-
-
-def _set_attr(module: torch.nn.Module, target: str, value: Any) -> None:
-    *path, name = target.split(".")
-    for part in path:
-        if not hasattr(module, part):
-            module.add_module(part, torch.nn.Module())
-        module = getattr(module, part)
-    setattr(module, name, value)
 
 
 def _arity(node: Node) -> Optional[int]:
@@ -303,11 +290,7 @@ class PieceProgram(OutputCode):
     def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
         from torch._inductor.codecache import FxGraphCache
 
-        context = torch._guards.TracingContext.try_get()
-        strides = context.output_strides if context is not None else None
-        if context is not None:
-            context.output_strides = None  # the pieces' strides are not the step's
-        try:
+        with _step_output_strides(self.output_strides):
             for i, piece in enumerate(self.pieces):
                 if piece.current_callable is None:
                     loaded, _ = FxGraphCache.cache_hit_post_compile(piece, {}, constants)
@@ -315,13 +298,8 @@ class PieceProgram(OutputCode):
                         raise RuntimeError("fsdp_graph: a compiled piece could not be loaded")
                     loaded.post_compile([], constants, {**graph_kwargs, "cudagraphs": BoxedBool(False)})
                     self.pieces[i] = loaded
-        finally:
-            if context is not None:
-                context.output_strides = strides
         self.steps = [(what.resolve() if isinstance(what, _OpName) else what, args, outs, frees)
                       for what, args, outs, frees in self.steps]
-        if strides is not None:
-            strides.extend(self.output_strides)
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         pass  # each piece carries its own
@@ -382,11 +360,7 @@ def compile_pieces(gm: GraphModule, compile_piece: Callable[[GraphModule, list],
     counters["fsdp_graph"]["pieces"] += total
     counters["fsdp_graph"]["pieces_compiled"] += len(compiled)
     logger.debug("fsdp_graph::pieces %d pieces, %d compiled", total, len(compiled))
-    output_strides = []
-    for value in gm.graph.output_node().args[0]:
-        val = value.meta.get("val") if isinstance(value, Node) else None
-        output_strides.append(tuple(val.stride()) if isinstance(val, torch.Tensor) else None)
-    return PieceProgram(gm, pieces, compiled, output_strides)
+    return PieceProgram(gm, pieces, compiled, graph_output_strides(gm))
 
 
 def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
@@ -409,17 +383,32 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
                 graph_id=kwargs.get("graph_id"),
             )
 
-    # Each compile would report its outputs' strides to AOTAutograd; the graph's are what count,
-    # and every piece keeps them.
+    with _step_output_strides(graph_output_strides(gm)):
+        return compile_pieces(gm, compile_piece)
+
+
+@contextlib.contextmanager
+def _step_output_strides(strides: list):
+    """Inductor reports a compiled graph's output strides to AOTAutograd through the tracing
+    context; each piece's compile or load would report its own. Hide the context's list while the
+    pieces compile or load, then report the step's `strides` (every piece keeps them)."""
     context = torch._guards.TracingContext.try_get()
-    strides = context.output_strides if context is not None else None
+    reported = context.output_strides if context is not None else None
     if context is not None:
         context.output_strides = None
     try:
-        program = compile_pieces(gm, compile_piece)
+        yield
     finally:
         if context is not None:
-            context.output_strides = strides
-    if strides is not None:
-        strides.extend(program.output_strides)
-    return program
+            context.output_strides = reported
+    if reported is not None:
+        reported.extend(strides)
+
+
+def graph_output_strides(gm: GraphModule) -> list:
+    """The strides of the graph's outputs, None for an output that is not a tensor."""
+    strides = []
+    for value in gm.graph.output_node().args[0]:
+        val = value.meta.get("val") if isinstance(value, Node) else None
+        strides.append(tuple(val.stride()) if isinstance(val, torch.Tensor) else None)
+    return strides
