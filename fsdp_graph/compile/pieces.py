@@ -29,7 +29,9 @@ from typing import Any, Callable, Optional
 
 import sympy
 import torch
-from torch.fx.experimental.symbolic_shapes import free_symbols
+import torch.fx.passes.fake_tensor_prop
+from torch._dispatch.python import enable_python_dispatcher
+from torch.fx.experimental.symbolic_shapes import SymExprPrinter, free_symbols
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 from torch._dynamo.utils import counters
@@ -204,7 +206,7 @@ class PieceProgram(OutputCode):
         self._boxed_call = True  # on the instance: wrappers copy the instance's __dict__
         self.pieces = list(compiled.values())
         position = {key: i for i, key in enumerate(compiled)}
-        self.output_strides = output_strides
+        self.output_strides = _print_strides(output_strides)  # as Inductor keeps them: stored and loaded as text
         slots: dict[Node, int] = {}
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for i, n in enumerate(placeholders):
@@ -251,6 +253,8 @@ class PieceProgram(OutputCode):
                         flat.append(env[slot])
                     else:
                         flat.extend(env[slot])
+                for slot in frees:  # the piece holds its inputs alone and frees each after its last use
+                    env[slot] = None
                 results = self.pieces[what](flat)
                 k = 0
                 for slot, arity in outs:
@@ -274,10 +278,6 @@ class PieceProgram(OutputCode):
     # The backend turns bundling on for its own compiles with pieces (fsdp_graph/compile/backend.py).
 
     def prepare_for_serialization(self) -> None:
-        from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
-
-        if any(not isinstance(x, int) for strides in self.output_strides if strides is not None for x in strides):
-            raise BypassAOTAutogradCache("fsdp_graph: a program of pieces with symbolic output strides")
         pieces = []
         for piece in self.pieces:
             piece = copy.copy(piece)
@@ -290,7 +290,7 @@ class PieceProgram(OutputCode):
     def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
         from torch._inductor.codecache import FxGraphCache
 
-        with _step_output_strides(self.output_strides):
+        with _step_output_strides(_evaluate_strides(self.output_strides, example_inputs)):
             for i, piece in enumerate(self.pieces):
                 if piece.current_callable is None:
                     loaded, _ = FxGraphCache.cache_hit_post_compile(piece, {}, constants)
@@ -368,15 +368,20 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
     lowering passes on the graph (without `pin_order`), then each distinct piece goes through
     `compile_fx_inner` with the keyword arguments AOTAutograd gave for the whole graph, and its
     inputs' fake values. Inductor's own post-grad passes run on each piece."""
+    from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx_inner, fake_tensor_prop
+    from torch._inductor.compile_fx import compile_fx_inner
     schedule(gm.graph)
     gm.recompile()
-    with torch.no_grad():  # the values of the nodes our passes made
-        fake_tensor_prop(gm, example_inputs, True)
+    _propagate_new_values(gm, example_inputs)
 
     def compile_piece(graph: GraphModule, inputs: list) -> Callable:
-        with inductor_config.patch(post_grad_custom_post_pass=None):
+        # Inductor skips its FX graph cache while AOTAutograd bundles its entries; a piece uses it, so
+        # that where AOTAutogradCache cannot serve the step (it refuses torchtitan's selective
+        # checkpointing), a relaunch still loads every piece. A piece without calls compiles to
+        # a plain function unless bundling is on: it stays on for those.
+        caching = {"bundled_autograd_cache": False} if any(n.op == "call_function" for n in graph.graph.nodes) else {}
+        with inductor_config.patch(post_grad_custom_post_pass=None), functorch_config.patch(caching):
             return compile_fx_inner(
                 graph, inputs, cudagraphs=BoxedBool(False), static_input_idxs=(),
                 is_backward=kwargs.get("is_backward", False), is_inference=kwargs.get("is_inference", False),
@@ -385,6 +390,36 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
 
     with _step_output_strides(graph_output_strides(gm)):
         return compile_pieces(gm, compile_piece)
+
+
+class _NewValues(torch.fx.passes.fake_tensor_prop.FakeTensorProp):
+    """Fake values for the nodes that have none: a node with a value keeps it, and its users
+    compute theirs from it."""
+
+    def run_node(self, n: Node) -> Any:
+        if n.op != "placeholder" and "val" in n.meta:
+            return n.meta["val"]
+        return super().run_node(n)
+
+
+def _propagate_new_values(gm: GraphModule, example_inputs: list) -> None:
+    """Fake values for the nodes our passes made, which the pieces' inputs and keys read. AOTAutograd
+    traced every other node with its value, so only the new ones are computed: a full propagation
+    would dispatch every op of the step again."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import fake_tensor_prop
+
+    mode = detect_fake_mode(example_inputs)
+    if mode is None:  # real inputs: Inductor makes a fake mode for them
+        with torch.no_grad():
+            fake_tensor_prop(gm, example_inputs, True)
+        return
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True  # constants of the graph
+    try:
+        with torch.no_grad(), enable_python_dispatcher():
+            _NewValues(gm, mode=mode).propagate_dont_convert_inputs(*example_inputs)
+    finally:
+        mode.allow_non_fake_inputs = allowed
 
 
 @contextlib.contextmanager
@@ -412,3 +447,27 @@ def graph_output_strides(gm: GraphModule) -> list:
         val = value.meta.get("val") if isinstance(value, Node) else None
         strides.append(tuple(val.stride()) if isinstance(val, torch.Tensor) else None)
     return strides
+
+
+def _print_strides(strides: list) -> list:
+    """The output strides as expressions in the graph's size symbols, as text."""
+    printer = SymExprPrinter()
+    return [None if s is None else tuple(printer.doprint(x.node.expr) if isinstance(x, torch.SymInt) else str(x) for x in s)
+            for s in strides]
+
+
+def _evaluate_strides(exprs: list, example_inputs: list) -> list:
+    """The printed output strides evaluated for a load, in the shape environment of the inputs: as
+    numbers, or as sizes of that environment where AOTAutograd asks for symbolic ones."""
+    from torch._inductor.utils import shape_env_from_inputs
+
+    shape_env = shape_env_from_inputs(example_inputs)
+    context = torch._guards.TracingContext.try_get()
+    symbolic = context is not None and context.fakify_first_call
+
+    def value(expr: str) -> Any:
+        if shape_env is None:
+            return int(expr)
+        return shape_env.deserialize_symexpr(expr) if symbolic else shape_env.evaluate_symexpr(expr)
+
+    return [None if s is None else tuple(value(e) for e in s) for s in exprs]
