@@ -74,7 +74,7 @@ import fsdp_graph  # noqa: E402
 from fsdp_graph import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 SCHEDULING = {"bucket_by_group", "auto_bucket", "reorder_for_overlap", "pin_order"}
-ROWS = ("scheduled", "pieces", "regions", "every-block", "block-scope", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes",
+ROWS = ("scheduled", "one-graph", "regions", "every-block", "block-scope", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes",
         "blocks", "fsdp2-blocks", "floor", "collectives")
 MODELS = {"ours": "Llama (examples/llama.py)", "hf-llama": "HF LlamaForCausalLM", "hf-gpt2": "HF GPT2LMHeadModel"}
 
@@ -371,9 +371,9 @@ def timings(args) -> None:
     in_tree = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all", "reorder_for_compute_comm_overlap": True}
     makers = {
         "scheduled": lambda: make_row("fsdp_graph scheduled", model(fully_shard), ours),
-        # The same, Inductor compiling the step piece by piece, each repeated piece once.
-        "pieces": lambda: make_row("fsdp_graph scheduled, pieces", model(fully_shard),
-                                   fsdp_graph.backend(compiler="inductor", pieces=True)),
+        # The same with pieces=False: Inductor compiles each scheduled graph whole, not piece by piece.
+        "one-graph": lambda: make_row("fsdp_graph scheduled, one graph", model(fully_shard),
+                                      fsdp_graph.backend(compiler="inductor", pieces=False)),
         # The same, the blocks marked as compile regions: one body compiled for all blocks.
         "regions": lambda: make_row("fsdp_graph scheduled, blocks as regions", marked_as_regions(model), ours),
         # The same regions, no class marked: the backend makes every block one (regions="blocks").
@@ -386,7 +386,9 @@ def timings(args) -> None:
         "fsdp2-compile": lambda: make_row("FSDP2 + compile", model(torch_fully_shard), "inductor"),
         # The same as the first row, its step saved by fsdp_graph.precompile: a relaunch loads it.
         "precompiled": lambda: make_row("fsdp_graph precompiled", model(fully_shard), ours, precompile_dir=args.precompile_dir),
-        "inductor-passes": lambda: make_row("ours + Inductor passes", model(fully_shard), unscheduled, in_tree),
+        # Inductor's passes see the collectives only in a graph it compiles whole
+        "inductor-passes": lambda: make_row("ours + Inductor passes", model(fully_shard),
+                                            fsdp_graph.backend(compiler="inductor", disabled_passes=SCHEDULING, pieces=False), in_tree),
         "blocks": lambda: make_row("fsdp_graph blocks compiled", model(fully_shard), compile_blocks=True),
         "fsdp2-blocks": lambda: make_row("FSDP2 blocks compiled", model(torch_fully_shard), compile_blocks=True),
         # The floor for any FSDP here: both ranks compute their own half batch at once, compiled,

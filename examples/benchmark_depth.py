@@ -13,8 +13,9 @@ seconds depend on which rank compiled first (FSDP2's blocks at 16 layers: 4.2 CP
     python examples/benchmark_depth.py --layers 4,16 --markdown depth.md # the table for docs/benchmarks.md
 Rows (benchmark_compile.py's names): `blocks` (our fully_shard, each block compiled on its own, the root
 eager), `fsdp2-blocks` (the same with FSDP2), `fsdp2-compile` (FSDP2, torch.compile of the whole model) and
-`scheduled` (ours, torch.compile(model, backend=fsdp_graph.backend(...)): the whole step in one graph), `pieces` (the
-same with `pieces=True`: Inductor compiles each repeated piece between collectives once), `regions`
+`scheduled` (ours, torch.compile(model, backend=fsdp_graph.backend(...)): the whole step, Inductor compiling each
+repeated piece between collectives once), `one-graph` (the same with `pieces=False`: Inductor compiles the step's
+graphs whole), `regions`
 (the same, the blocks marked as torch.compiler.nested_compile_region), `every-block` (the same regions made by
 `fsdp_graph.backend(regions="blocks")`, no block marked) and `block-scope` (ours,
 torch.compile(model, backend=fsdp_graph.backend(scope="block")): the whole model compiled block by block).
@@ -35,8 +36,8 @@ from bench_report import parse_rows, write_markdown  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = {"blocks": "ours, blocks compiled one by one", "fsdp2-blocks": "FSDP2, blocks compiled one by one",
-         "fsdp2-compile": "FSDP2, torch.compile(model)", "scheduled": "ours, whole step (fsdp_graph backend)",
-         "pieces": "ours, whole step, Inductor in pieces (pieces=True)",
+         "fsdp2-compile": "FSDP2, torch.compile(model)", "scheduled": "ours, whole step (fsdp_graph backend, in pieces)",
+         "one-graph": "ours, whole step, Inductor on one graph (pieces=False)",
          "regions": "ours, whole step, blocks as nested_compile_region",
          "every-block": "ours, whole step, regions=\"blocks\" (no block marked)",
          "block-scope": "ours, torch.compile(model) with scope=\"block\""}

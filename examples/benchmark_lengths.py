@@ -9,8 +9,9 @@ second pass (nothing left to compile), and the loss of each step.
     python examples/benchmark_lengths.py --lengths 24,32,40,48,56,64,72,80 --markdown lengths.md
     python examples/benchmark_lengths.py --per-rank                         # each rank its own lengths
 Rows: `fsdp2-compile` (torch's fully_shard, torch.compile(model) with Inductor) and `scheduled` (ours,
-torch.compile(model, backend="fsdp_graph"): the whole step in one graph) and `every-block` (the same,
-`fsdp_graph.backend(regions="blocks")`: the decoder layers as compile regions). `--per-rank` gives rank r the
+torch.compile(model, backend="fsdp_graph"): the whole step, Inductor compiling it in pieces), `one-graph` (the
+same with `fsdp_graph.backend(pieces=False)`: Inductor compiles the step's graphs whole) and `every-block` (the
+same, `fsdp_graph.backend(regions="blocks")`: the decoder layers as compile regions). `--per-rank` gives rank r the
 lengths shifted by r places, as when each rank pads to its own longest row.
 This is a benchmark, not a test: it asserts nothing.
 """
@@ -29,8 +30,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_report import parse_rows, write_markdown  # noqa: E402
 
-NAMES = {"fsdp2-compile": "FSDP2, torch.compile(model)", "scheduled": "ours, whole step (fsdp_graph backend)",
-         "every-block": "ours, whole step, regions=\"blocks\""}
+NAMES = {"fsdp2-compile": "FSDP2, torch.compile(model)", "scheduled": "ours, whole step (fsdp_graph backend, in pieces)",
+         "every-block": "ours, whole step, regions=\"blocks\"",
+         "one-graph": "ours, whole step, Inductor on one graph (pieces=False)"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,7 +72,8 @@ def worker(args) -> None:
         backend = "inductor"
     else:
         fully_shard = fsdp_graph.fully_shard
-        backend = fsdp_graph.backend(compiler=args.compiler, regions="blocks" if args.worker == "every-block" else "marked")
+        backend = fsdp_graph.backend(compiler=args.compiler, regions="blocks" if args.worker == "every-block" else "marked",
+                                     pieces=args.worker != "one-graph")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=256, hidden_size=args.dim, intermediate_size=args.dim * 8 // 3, num_hidden_layers=args.layers,

@@ -1,8 +1,10 @@
-"""Inductor keeps the schedule: the order of collectives in its generated code (a fake 8-rank group;
-the example Llama on 2 gloo ranks)."""
+"""Inductor keeps the schedule: the order in which a compiled step runs its collectives and
+matmuls, compiled in pieces (the default) or as one graph, whose generated code shows the order too
+(a fake 8-rank group; the example Llama on 2 gloo ranks)."""
 
 import re
 
+import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
@@ -27,14 +29,42 @@ def _calls(code: str) -> list[str]:
     return found
 
 
-def test_inductor_generated_code_keeps_prefetch_and_late_waits():
+_RUN_NAMES = {"_c10d_functional::all_gather_into_tensor": "AG", "_c10d_functional::all_gather_into_tensor_out": "AG",
+              "_c10d_functional::reduce_scatter_tensor": "RS", "_c10d_functional::all_reduce_": "RS",
+              "_c10d_functional::wait_tensor": "wait", "aten::mm": "mm", "aten::addmm": "mm"}
+
+
+def _ran(run) -> str:
+    """`AG`, `wait`, `RS` and `mm` in the order `run()` calls them, from torch's profiler: the calls
+    of Inductor's generated code, or of a program of pieces (fsdp_graph/compile/pieces.py). On gloo,
+    a reduce-scatter is an in-place all-reduce of the bucket ([Note: Reduce-scatters on gloo])."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    events = sorted((e for e in prof.events() if e.name in _RUN_NAMES), key=lambda e: e.time_range.start)
+    return " ".join(_RUN_NAMES[e.name] for e in events)
+
+
+def _run_order(step) -> tuple[str, str]:
+    """The run orders of the forward and of the backward of `step()` (a loss, compiled)."""
+    out = []
+    forward = _ran(lambda: out.append(step()))
+    return forward, _ran(lambda: out[0].backward())
+
+
+def test_inductor_generated_code_keeps_prefetch_and_late_waits(tmp_path, monkeypatch):
     # Auto-bucketing off, so that each group keeps its own all-gather and the order is visible.
     # A budget that never binds: the schedule overlap alone decides, as in test_passes_schedule
     # (and no group is kept unsharded by it: unshard_selection off, so backward re-gathers).
+    # One graph (pieces=False): the order Inductor's generated code runs (a program of pieces runs the
+    # graph's order by construction: test_inductor_runs_the_order_the_passes_planned checks both).
     backend = fsdp_graph.backend(
         compiler="inductor", hardware_profile=FIXED.profile, disabled_passes={"auto_bucket", "unshard_selection"},
-        memory_budget_bytes=1 << 50,
+        memory_budget_bytes=1 << 50, pieces=False,
     )
+    # A cache of its own: the wire order a compile keeps there ([Note: One wire order per frame])
+    # would hold the next one to its collectives' order (a program of pieces, scheduled before
+    # Inductor's post-grad passes, issues two reduce-scatters the other way round).
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     with fake_process_group(8):
         torch._dynamo.reset()
         compiled = torch.compile(sharded_stack(), backend=backend)
@@ -55,10 +85,10 @@ def test_inductor_generated_code_keeps_prefetch_and_late_waits():
 
 
 
-def _planned_and_ran(rank, world_size, dump_dir):
+def _planned_and_ran(rank, world_size, dump_dir, pieces):
     """Our example Llama's step compiled with Inductor on gloo, with the memory budget the
     per-model benchmark gives it: (kind, the order the scheduled program says, the order the
-    generated code runs), in AG / RS / wait / mm."""
+    step runs), in AG / RS / wait / mm."""
     from fsdp_graph.inspect.timeline import load_programs
     from fsdp_graph.passes.simulator import OpKind
     from _models import Llama, LlamaConfig, shard_llama
@@ -66,29 +96,35 @@ def _planned_and_ran(rank, world_size, dump_dir):
     torch.manual_seed(0)
     model = shard_llama(Llama(LlamaConfig(vocab_size=256, dim=256, num_layers=4, num_heads=4, hidden_dim=704,
                                           max_seq_len=65)), fully_shard)
-    backend = fsdp_graph.backend(compiler="inductor", memory_budget_bytes=31 << 20, dump_dir=f"{dump_dir}/{rank}")
+    backend = fsdp_graph.backend(compiler="inductor", memory_budget_bytes=31 << 20, dump_dir=f"{dump_dir}/{rank}",
+                                 pieces=pieces)
     compiled = torch.compile(model, backend=backend)
     tokens = torch.randint(0, 256, (4, 64))
     _, codes = run_and_get_code(lambda: compiled(tokens).sum().backward())
+    if pieces:  # the program's calls, as torch's profiler sees them in a second step
+        ran = [order.split() for order in _run_order(lambda: compiled(tokens).sum())]
+    else:  # the calls of the generated code
+        ran = [_calls(code.replace("all_gather_into_tensor_out.default(", "all_gather_into_tensor.default(")) for code in codes]
     programs = load_programs(f"{dump_dir}/{rank}")
     names = {OpKind.COLLECTIVE: "AG", OpKind.WAIT: "wait", OpKind.COMPUTE: "mm"}
     orders = []
-    for kind, code in zip(("forward", "backward"), codes):
+    for kind, order in zip(("forward", "backward"), ran):
         (program,) = [p for label, p in programs.items() if label.endswith(kind)]
         planned = ["RS" if "reduce_scatter" in op.target else names[op.kind] for op in program
                    if op.kind in (OpKind.COLLECTIVE, OpKind.WAIT) or op.target in ("mm", "addmm")]
-        code = code.replace("all_gather_into_tensor_out.default(", "all_gather_into_tensor.default(")  # gloo's
-        if kind == "backward":  # gloo's reduce-scatters, rewritten in place (passes/gloo.py)
-            assert "reduce_scatter_tensor.default(" not in code and "all_reduce_.default(" in code
-        orders.append((kind, planned, _calls(code)))
+        orders.append((kind, planned, order))
+    if not pieces:  # gloo's reduce-scatters, rewritten in place (passes/gloo.py)
+        assert "reduce_scatter_tensor.default(" not in codes[1] and "all_reduce_.default(" in codes[1]
     return orders
 
 
-def test_inductor_runs_the_order_the_passes_planned(tmp_path):
-    """The generated code issues and waits on each collective, and runs each matmul, in the order of
-    the scheduled program the memory budget was judged on. Inductor's own reorder_for_peak_memory,
+@pytest.mark.parametrize("pieces", [True, False], ids=["pieces", "one_graph"])
+def test_inductor_runs_the_order_the_passes_planned(tmp_path, pieces):
+    """The step issues and waits on each collective, and runs each matmul, in the order of the
+    scheduled program the memory budget was judged on: a program of pieces by construction, and the
+    one graph's generated code too. Inductor's own reorder_for_peak_memory,
     left on, postponed the backward's first weight-gradient matmuls and with them the all-gather
     pinned before them ([Note: Inductor keeps the planned order] in fsdp_graph/compile/backend.py)."""
     torch._dynamo.reset()
-    for kind, planned, ran in run_ranks(_planned_and_ran, 2, str(tmp_path)):
+    for kind, planned, ran in run_ranks(_planned_and_ran, 2, str(tmp_path), pieces):
         assert ran == planned, (kind, " ".join(ran), " ".join(planned))

@@ -108,13 +108,14 @@ class BackendConfig:
             so that a block that breaks the graph falls back as without regions ([Note: Every
             block a compile region] in fsdp_graph/api/module.py). A graph break inside a region
             is an error (torch's rule).
-        pieces: with Inductor, compile the step's forward and backward graphs piece by piece: the
-            computation between two collectives is a piece, and pieces of the same structure (the
-            blocks of one code, shapes and schedule) are compiled once, so Inductor's cost stays
-            nearly flat in depth; the collectives run in the scheduled order between them
-            ([Note: Pieces between the collectives] in fsdp_graph/compile/pieces.py). Same values
-            as one graph, within Inductor's rounding. A relaunch loads the step from AOTAutograd's
-            cache, except a graph symbolic in a size (its pieces then come from Inductor's cache).
+        pieces: with Inductor, compile the step's forward and backward graphs piece by piece (the
+            default): the computation between two collectives is a piece, and pieces of the same
+            structure (the blocks of one code, shapes and schedule) are compiled once, so Inductor's
+            cost stays nearly flat in depth; the collectives run in the scheduled order between
+            them ([Note: Pieces between the collectives] in fsdp_graph/compile/pieces.py). Same
+            values as one graph, within Inductor's rounding. A relaunch loads the step from
+            AOTAutograd's cache, or each piece from Inductor's where that cache cannot serve it.
+            False: Inductor compiles each graph whole (needed by Inductor's own collective passes).
     The options the passes read, one field each (`Option`s of passes/table.py):
     """
 
@@ -124,7 +125,7 @@ class BackendConfig:
     rank_divergent_graphs: bool = False
     scope: str = "step"
     regions: str = "marked"
-    pieces: bool = False
+    pieces: bool = True
 
     def __post_init__(self) -> None:
         problems = []
