@@ -289,8 +289,9 @@ class PieceProgram(OutputCode):
 
     def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
         from torch._inductor.codecache import FxGraphCache
+        from torch._inductor.utils import set_tracing_context_output_strides
 
-        with _step_output_strides(_evaluate_strides(self.output_strides, example_inputs)):
+        with _output_strides_hidden():
             for i, piece in enumerate(self.pieces):
                 if piece.current_callable is None:
                     loaded, _ = FxGraphCache.cache_hit_post_compile(piece, {}, constants)
@@ -298,6 +299,7 @@ class PieceProgram(OutputCode):
                         raise RuntimeError("fsdp_graph: a compiled piece could not be loaded")
                     loaded.post_compile([], constants, {**graph_kwargs, "cudagraphs": BoxedBool(False)})
                     self.pieces[i] = loaded
+        set_tracing_context_output_strides(example_inputs, self)  # the step's, evaluated as Inductor's graphs do
         self.steps = [(what.resolve() if isinstance(what, _OpName) else what, args, outs, frees)
                       for what, args, outs, frees in self.steps]
 
@@ -388,8 +390,12 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
                 graph_id=kwargs.get("graph_id"),
             )
 
-    with _step_output_strides(graph_output_strides(gm)):
-        return compile_pieces(gm, compile_piece)
+    with _output_strides_hidden():
+        program = compile_pieces(gm, compile_piece)
+    context = torch._guards.TracingContext.try_get()
+    if context is not None and context.output_strides is not None:
+        context.output_strides.extend(graph_output_strides(gm))  # every piece keeps the step's
+    return program
 
 
 class _NewValues(torch.fx.passes.fake_tensor_prop.FakeTensorProp):
@@ -423,10 +429,10 @@ def _propagate_new_values(gm: GraphModule, example_inputs: list) -> None:
 
 
 @contextlib.contextmanager
-def _step_output_strides(strides: list):
+def _output_strides_hidden():
     """Inductor reports a compiled graph's output strides to AOTAutograd through the tracing
     context; each piece's compile or load would report its own. Hide the context's list while the
-    pieces compile or load, then report the step's `strides` (every piece keeps them)."""
+    pieces compile or load: the caller then reports the step's (every piece keeps them)."""
     context = torch._guards.TracingContext.try_get()
     reported = context.output_strides if context is not None else None
     if context is not None:
@@ -436,8 +442,6 @@ def _step_output_strides(strides: list):
     finally:
         if context is not None:
             context.output_strides = reported
-    if reported is not None:
-        reported.extend(strides)
 
 
 def graph_output_strides(gm: GraphModule) -> list:
@@ -454,20 +458,3 @@ def _print_strides(strides: list) -> list:
     printer = SymExprPrinter()
     return [None if s is None else tuple(printer.doprint(x.node.expr) if isinstance(x, torch.SymInt) else str(x) for x in s)
             for s in strides]
-
-
-def _evaluate_strides(exprs: list, example_inputs: list) -> list:
-    """The printed output strides evaluated for a load, in the shape environment of the inputs: as
-    numbers, or as sizes of that environment where AOTAutograd asks for symbolic ones."""
-    from torch._inductor.utils import shape_env_from_inputs
-
-    shape_env = shape_env_from_inputs(example_inputs)
-    context = torch._guards.TracingContext.try_get()
-    symbolic = context is not None and context.fakify_first_call
-
-    def value(expr: str) -> Any:
-        if shape_env is None:
-            return int(expr)
-        return shape_env.deserialize_symexpr(expr) if symbolic else shape_env.evaluate_symexpr(expr)
-
-    return [None if s is None else tuple(value(e) for e in s) for s in exprs]
