@@ -7,11 +7,14 @@ import copy
 import os
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_graph
-from _harness import run_ranks
+from fsdp_graph.compile.pieces import compile_pieces
+from _harness import fake_process_group, run_ranks
 from _models import check_grads_match, check_params_match, global_mean, shard_llama, tiny_llama
 from fsdp_graph import fully_shard
 
@@ -69,3 +72,34 @@ def test_pieces_train_as_the_unsharded_model_compile_repeated_blocks_once_and_lo
     # both graphs, the static and the symbolic one, come from AOTAutograd's cache, nothing cut again
     assert result["relaunch"].get("autograd_cache_hit", 0) == 2, result["relaunch"]
     assert result["relaunch"].get("pieces", 0) == 0, result["relaunch"]
+
+
+def _step_of_distinct_pieces(x):
+    for op in (torch.sin, torch.cos, torch.exp, torch.tanh, torch.sigmoid):
+        x = funcol.all_reduce(op(x), "sum", torch.distributed.group.WORLD)
+    return (x * 2,)
+
+
+def test_each_local_rank_compiles_its_own_share_of_the_pieces_first(monkeypatch):
+    # [Note: Each rank compiles its own share of the pieces first]: ranks of one node that take the
+    # pieces in one order wait for each other's kernel builds; here each starts with a share of its
+    # own, and every rank still compiles each piece (or loads it) and runs the same program
+    with fake_process_group(2):
+        gm = make_fx(_step_of_distinct_pieces, tracing_mode="fake")(torch.randn(4))
+        orders, programs = [], []
+        for local_rank in range(2):
+            monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+            order = []
+
+            def compile_piece(graph, inputs):
+                order.append(graph.code)
+                return graph.code  # stands for the compiled piece: which code it came from
+
+            programs.append(compile_pieces(gm, compile_piece).pieces)
+            orders.append(order)
+    assert len(orders[0]) == len(set(orders[0])) == 6 and set(orders[0]) == set(orders[1]), orders
+    first_halves = [set(order[:3]) for order in orders]
+    assert not first_halves[0] & first_halves[1], "both ranks started with the same pieces"
+    assert programs[0] == programs[1] and set(programs[0]) == set(orders[0]), "the ranks' programs differ"
+    assert "sin" in programs[0][0] and "mul" in programs[0][-1], "the program's pieces are not in the graph's order"

@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import operator
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -345,24 +346,47 @@ def compile_pieces(gm: GraphModule, compile_piece: Callable[[GraphModule, list],
     example_inputs)`, and return the program that runs them. Counts both in torch's counters
     (`torch._dynamo.utils.counters["fsdp_graph"]`: "pieces", "pieces_compiled")."""
     pieces = split_pieces(gm)
-    compiled: dict[str, Callable] = {}
-    total = 0
+    distinct: dict[str, _Piece] = {}
     for step in pieces:
-        if not isinstance(step, _Piece):
-            continue
-        total += 1
-        key = step.key
-        if key in compiled:
-            continue
+        if isinstance(step, _Piece):
+            distinct.setdefault(step.key, step)
+    # [Note: Each rank compiles its own share of the pieces first]
+    keys = list(distinct)
+    local_rank, local_size = _local_rank()
+    own = keys[local_rank::local_size]
+    rest = [key for key in keys if key not in set(own)]
+    compiled: dict[str, Callable] = {}
+    for key in own + rest:
+        step = distinct[key]
         inputs = []
         for node in step.inputs:
             val = node.meta.get("val")
             inputs.extend(val if _arity(node) is not None else [val])
         compiled[key] = compile_piece(piece_graph(step), inputs)
+    compiled = {key: compiled[key] for key in keys}  # back in the graph's order: the same program on every rank
+    total = sum(isinstance(step, _Piece) for step in pieces)
     counters["fsdp_graph"]["pieces"] += total
     counters["fsdp_graph"]["pieces_compiled"] += len(compiled)
     logger.debug("fsdp_graph::pieces %d pieces, %d compiled", total, len(compiled))
     return PieceProgram(gm, pieces, compiled, graph_output_strides(gm))
+
+
+def _local_rank() -> tuple[int, int]:
+    """This rank's place among the ranks that share its compile caches, and their number.
+
+    [Note: Each rank compiles its own share of the pieces first]
+    Every rank of a node compiles the same pieces into one cache directory, and Inductor builds each
+    C++ kernel under a file lock, so ranks that go through the pieces in one order queue behind each
+    other: one builds, the others wait for the lock and load what it built. Each local rank compiles
+    every n-th piece first instead, then the rest: the ranks build different kernels at once, and a
+    rank that comes to a piece another rank has finished loads it from the FX graph cache (a piece's
+    key holds no rank) or its kernels from the C++ cache. The order changes what runs when, not what
+    any piece compiles to."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 0, 1
+    # the ranks sharing a cache directory are those of one node: torchrun says which they are
+    size = max(int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size())), 1)
+    return int(os.environ.get("LOCAL_RANK", torch.distributed.get_rank())) % size, size
 
 
 def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
@@ -383,7 +407,9 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
         # checkpointing), a relaunch still loads every piece. A piece without calls compiles to
         # a plain function unless bundling is on: it stays on for those.
         caching = {"bundled_autograd_cache": False} if any(n.op == "call_function" for n in graph.graph.nodes) else {}
-        with inductor_config.patch(post_grad_custom_post_pass=None), functorch_config.patch(caching):
+        # Our passes ran on the step: their keys (the joint pass's holds this rank's shard shapes)
+        # are no part of a piece's, so that ranks with the same piece share its cache entry.
+        with inductor_config.patch(post_grad_custom_post_pass=None, joint_custom_pre_pass=None), functorch_config.patch(caching):
             return compile_fx_inner(
                 graph, inputs, cudagraphs=BoxedBool(False), static_input_idxs=(),
                 is_backward=kwargs.get("is_backward", False), is_inference=kwargs.get("is_inference", False),
