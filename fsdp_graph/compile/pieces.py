@@ -346,17 +346,16 @@ def compile_pieces(gm: GraphModule, compile_piece: Callable[[GraphModule, list],
     example_inputs)`, and return the program that runs them. Counts both in torch's counters
     (`torch._dynamo.utils.counters["fsdp_graph"]`: "pieces", "pieces_compiled")."""
     pieces = split_pieces(gm)
+    runs = [step for step in pieces if isinstance(step, _Piece)]
     distinct: dict[str, _Piece] = {}
-    for step in pieces:
-        if isinstance(step, _Piece):
-            distinct.setdefault(step.key, step)
-    # [Note: Each rank compiles its own share of the pieces first]
+    for step in runs:
+        distinct.setdefault(step.key, step)
     keys = list(distinct)
+    # [Note: Each rank compiles its own share of the pieces first]: every n-th piece, then the rest
     local_rank, local_size = _local_rank()
-    own = keys[local_rank::local_size]
-    rest = [key for key in keys if key not in set(own)]
     compiled: dict[str, Callable] = {}
-    for key in own + rest:
+    for i in sorted(range(len(keys)), key=lambda i: i % local_size != local_rank):
+        key = keys[i]
         step = distinct[key]
         inputs = []
         for node in step.inputs:
@@ -364,10 +363,9 @@ def compile_pieces(gm: GraphModule, compile_piece: Callable[[GraphModule, list],
             inputs.extend(val if _arity(node) is not None else [val])
         compiled[key] = compile_piece(piece_graph(step), inputs)
     compiled = {key: compiled[key] for key in keys}  # back in the graph's order: the same program on every rank
-    total = sum(isinstance(step, _Piece) for step in pieces)
-    counters["fsdp_graph"]["pieces"] += total
+    counters["fsdp_graph"]["pieces"] += len(runs)
     counters["fsdp_graph"]["pieces_compiled"] += len(compiled)
-    logger.debug("fsdp_graph::pieces %d pieces, %d compiled", total, len(compiled))
+    logger.debug("fsdp_graph::pieces %d pieces, %d compiled", len(runs), len(compiled))
     return PieceProgram(gm, pieces, compiled, graph_output_strides(gm))
 
 
