@@ -103,3 +103,32 @@ def test_each_local_rank_compiles_its_own_share_of_the_pieces_first(monkeypatch)
     assert not first_halves[0] & first_halves[1], "both ranks started with the same pieces"
     assert programs[0] == programs[1] and set(programs[0]) == set(orders[0]), "the ranks' programs differ"
     assert "sin" in programs[0][0] and "mul" in programs[0][-1], "the program's pieces are not in the graph's order"
+
+
+def _backward_that_reads_a_saved_value_on_both_sides_of_a_collective(saved, grad):
+    doubled = funcol.all_reduce(saved * grad, "sum", torch.distributed.group.WORLD)
+    return (doubled + saved,)
+
+
+def test_a_piece_leaves_the_backwards_donated_inputs_alone():
+    # [Note: A piece donates none of its inputs]: AOTAutograd numbers the backward's donated inputs
+    # (saved activations the backward may overwrite) among the step's inputs; a piece must not take
+    # them for its own. Here the step's input 0 is donated, and the first piece's input 0 (`saved`)
+    # is read again after the all-reduce. Against the same graph run eagerly.
+    from torch._functorch._aot_autograd.schemas import ViewAndMutationMeta
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from fsdp_graph.compile.pieces import compile_in_pieces
+
+    saved, grad = torch.randn(64), torch.randn(64)
+    with fake_process_group(1):
+        gm = make_fx(_backward_that_reads_a_saved_value_on_both_sides_of_a_collective, tracing_mode="fake")(saved, grad)
+        (expected,) = gm(saved.clone(), grad.clone())
+        fakes = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+        context = TracingContext(detect_fake_mode(fakes))
+        context.fw_metadata = ViewAndMutationMeta.__new__(ViewAndMutationMeta)  # only what a backward's compile reads
+        context.fw_metadata.bw_donated_idxs = [0]
+        with tracing(context):
+            program = compile_in_pieces(lambda graph: None, gm, fakes, is_backward=True)
+        assert context.fw_metadata.bw_donated_idxs == [0], "the step's donated inputs were not given back"
+        (got,) = program([saved.clone(), grad.clone()])
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

@@ -26,7 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule
 
 from .agreement import AGREEMENT, FrameWireOrder, graph_groups
-from .cache_key import local_shapes, own_sources_digest, stable_cache_keys, wire_orders_file
+from .cache_key import KeyOnly, local_shapes, own_sources_digest, stable_cache_keys, wire_orders_file
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
 from .pieces import compile_in_pieces
@@ -309,7 +309,7 @@ class FSDPGraphBackend:
             if self.config.pieces and _pieces_apply(gm):  # [Note: Pieces between the collectives] in compile/pieces.py
                 schedule_pass = patches["post_grad_custom_post_pass"]
                 # the passes run in `compile_in_pieces`, their key stays in the caches' keys
-                patches["post_grad_custom_post_pass"] = _KeyOnly(schedule_pass.uuid())
+                patches["post_grad_custom_post_pass"] = KeyOnly(schedule_pass.uuid())
                 schedule_pass.lower = self._pipeline(Stage.LOWER, self.config.resolved_options(), dump, skip={"pin_order"})
                 inner = functools.partial(_inner_compile, compile_fx_inner=functools.partial(compile_in_pieces, schedule_pass))
                 # [Note: A step of pieces in AOTAutograd's cache]: stored bundled, and the backward
@@ -502,21 +502,6 @@ class _InductorSchedulePass(CustomGraphPass):
         if self.dump is not None:
             _log_graph(self.graph_id, kind, graph.owning_module, self.dump)
         _schedule(self.schedule, self.lower, self.graph_id, kind, graph.owning_module, self.dump, self.order)
-
-    def uuid(self) -> Optional[str]:
-        return self.key
-
-
-class _KeyOnly(CustomGraphPass):
-    """A pass that changes nothing, for its `uuid`: what a graph compiled in pieces depends on in
-    our passes, which run outside Inductor there, so that the FX graph cache and AOTAutogradCache
-    keys still hold it (this rank on gloo, the wire order, the options)."""
-
-    def __init__(self, key: Optional[str]) -> None:
-        self.key = key
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        pass
 
     def uuid(self) -> Optional[str]:
         return self.key

@@ -45,12 +45,13 @@ import importlib
 import os
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 # What a DeviceMesh holds that differs between ranks or processes of the same job (and the process
 # groups, which do not pickle).
@@ -77,6 +78,22 @@ def local_shapes(example_inputs) -> str:
     return ";".join(
         "x".join(map(str, t._local_tensor.shape)) for t in example_inputs if isinstance(t, DTensor)
     )
+
+
+class KeyOnly(CustomGraphPass):
+    """A pass that changes nothing, for its `uuid`: puts `key` into the FX graph cache's and
+    AOTAutogradCache's keys for work that happens outside Inductor's passes: our passes on a graph
+    compiled in pieces (this rank on gloo, the wire order, the options), and how a piece is compiled
+    (fsdp_graph/compile/pieces.py)."""
+
+    def __init__(self, key: Optional[str]) -> None:
+        self.key = key
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> Optional[str]:
+        return self.key
 
 
 @functools.lru_cache(maxsize=None)

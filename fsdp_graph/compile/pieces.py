@@ -39,6 +39,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.output_code import OutputCode
 from torch._inductor.utils import BoxedBool
 
+from .cache_key import KeyOnly, own_sources_digest
+
 logger = logging.getLogger(__name__)
 
 _OUTSIDE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
@@ -292,7 +294,7 @@ class PieceProgram(OutputCode):
         from torch._inductor.codecache import FxGraphCache
         from torch._inductor.utils import set_tracing_context_output_strides
 
-        with _output_strides_hidden():
+        with _step_context_hidden():
             for i, piece in enumerate(self.pieces):
                 if piece.current_callable is None:
                     loaded, _ = FxGraphCache.cache_hit_post_compile(piece, {}, constants)
@@ -391,7 +393,16 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
     """Inductor's inner compiler for a scheduled graph in pieces: `schedule` runs our scheduling and
     lowering passes on the graph (without `pin_order`), then each distinct piece goes through
     `compile_fx_inner` with the keyword arguments AOTAutograd gave for the whole graph, and its
-    inputs' fake values. Inductor's own post-grad passes run on each piece."""
+    inputs' fake values. Inductor's own post-grad passes run on each piece.
+
+    [Note: A piece donates none of its inputs]
+    AOTAutograd tells Inductor which inputs of a backward graph are donated: saved activations that
+    nothing else holds, whose buffers the backward's kernels may overwrite once they last read them.
+    It says so by their number among the step's inputs, through the tracing context, and a piece's
+    compile would read those numbers as its own inputs': any value at such a place, one a later
+    piece still reads included, could be overwritten (torchtitan's Llama trained on a wrong
+    gradient). The numbers are hidden while the pieces compile (`_step_context_hidden`), so no
+    piece overwrites an input; the program frees each value after its last reader instead."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
@@ -406,15 +417,17 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
         # a plain function unless bundling is on: it stays on for those.
         caching = {"bundled_autograd_cache": False} if any(n.op == "call_function" for n in graph.graph.nodes) else {}
         # Our passes ran on the step: their keys (the joint pass's holds this rank's shard shapes)
-        # are no part of a piece's, so that ranks with the same piece share its cache entry.
-        with inductor_config.patch(post_grad_custom_post_pass=None, joint_custom_pre_pass=None), functorch_config.patch(caching):
+        # are no part of a piece's, so that ranks with the same piece share its cache entry. What is
+        # in it is how the piece is compiled here (our sources), which no rank's key differs in.
+        piece_key = KeyOnly(f"fsdp_graph.piece:{own_sources_digest()[:16]}")
+        with inductor_config.patch(post_grad_custom_post_pass=piece_key, joint_custom_pre_pass=None), functorch_config.patch(caching):
             return compile_fx_inner(
                 graph, inputs, cudagraphs=BoxedBool(False), static_input_idxs=(),
                 is_backward=kwargs.get("is_backward", False), is_inference=kwargs.get("is_inference", False),
                 graph_id=kwargs.get("graph_id"),
             )
 
-    with _output_strides_hidden():
+    with _step_context_hidden():
         program = compile_pieces(gm, compile_piece)
     context = torch._guards.TracingContext.try_get()
     if context is not None and context.output_strides is not None:
@@ -453,19 +466,27 @@ def _propagate_new_values(gm: GraphModule, example_inputs: list) -> None:
 
 
 @contextlib.contextmanager
-def _output_strides_hidden():
-    """Inductor reports a compiled graph's output strides to AOTAutograd through the tracing
-    context; each piece's compile or load would report its own. Hide the context's list while the
-    pieces compile or load: the caller then reports the step's (every piece keeps them)."""
+def _step_context_hidden():
+    """Inductor reads two things of the step from the tracing context that a piece must not see:
+    the list through which a compiled graph reports its output strides (each piece's compile or
+    load would report its own; the caller reports the step's, which every piece keeps), and the
+    backward's donated inputs, by their number among the step's inputs ([Note: A piece donates
+    none of its inputs]). Both are hidden while the pieces compile or load."""
     context = torch._guards.TracingContext.try_get()
-    reported = context.output_strides if context is not None else None
-    if context is not None:
-        context.output_strides = None
+    if context is None:
+        yield
+        return
+    reported, context.output_strides = context.output_strides, None
+    metadata = context.fw_metadata
+    donated = metadata.bw_donated_idxs if metadata is not None else None
+    if metadata is not None:
+        metadata.bw_donated_idxs = None
     try:
         yield
     finally:
-        if context is not None:
-            context.output_strides = reported
+        context.output_strides = reported
+        if metadata is not None:
+            metadata.bw_donated_idxs = donated
 
 
 def graph_output_strides(gm: GraphModule) -> list:

@@ -1,10 +1,11 @@
 """torchtitan's Trainer (llama3 debug model) for a few steps on 2 gloo ranks; prints the losses.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/frameworks/torchtitan_train.py \
-        {torch,ours} {eager,whole} {partial_dtensor,full_dtensor} ASSETS_DIR
+        {torch,ours} {eager,whole,whole-inductor} {partial_dtensor,full_dtensor} ASSETS_DIR
 
 `ours` makes torchtitan use fsdp_graph's `fully_shard` (`fsdp_graph.use_in_place_of_torch_fsdp()`);
-`whole` compiles the whole step with the fsdp_graph backend (aot_eager). See docs/frameworks/torchtitan.md.
+`whole` compiles the whole step with the fsdp_graph backend (aot_eager), `whole-inductor` with its
+default (Inductor, in pieces). See docs/frameworks/torchtitan.md.
 """
 
 import json
@@ -13,7 +14,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The CPU stand-ins live beside the examples, which use them too (examples/benchmark_torchtitan.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
 import torchtitan_on_cpu  # noqa: E402
 
 impl, mode, spmd_backend, assets = sys.argv[1:5]
@@ -53,6 +55,8 @@ if impl == "torch":  # gloo has no PREMUL_SUM, which FSDP2 uses for torchtitan's
                 module.set_force_sum_reduction_for_comms(True)
 if mode == "whole":
     trainer.model_parts[0].compile(backend=fsdp_graph.backend(compiler="aot_eager"))
+elif mode == "whole-inductor":
+    trainer.model_parts[0].compile(backend="fsdp_graph")
 
 losses = []
 forward_backward_step = trainer.forward_backward_step
