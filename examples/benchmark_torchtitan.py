@@ -1,0 +1,188 @@
+"""Compile cost on a model we did not write: torchtitan's Trainer and its llama3 debug model, on 2 gloo ranks.
+
+Each row runs as its own `torchrun --nproc-per-node 2` launch of this script, twice: first with an empty
+Inductor cache (the cold start), then with the cache the first launch left (the relaunch). The trainer is
+torchtitan's own (its data loader, chunked loss, selective activation checkpointing, AdamW), built from
+`llama3_debugmodel()` with the CPU stand-ins of examples/torchtitan_on_cpu.py, fp32:
+    python examples/benchmark_torchtitan.py                                   # every row, 6 layers
+    python examples/benchmark_torchtitan.py --rows fsdp2-compile,scheduled --markdown titan.md
+Rows: `fsdp2-compile` (torch's fully_shard, `model.compile()` of the whole model, Inductor),
+`fsdp2-blocks` (torch's fully_shard, torchtitan's `compile.enable`: each block and the loss compiled on
+their own, torchtitan's default way) and `scheduled` (fsdp_graph's fully_shard through
+`fsdp_graph.use_in_place_of_torch_fsdp()`, `model.compile(backend="fsdp_graph")`: the whole step).
+FSDP2's whole-model compile breaks its graph at torchtitan's selective activation checkpointing (its
+default; `--ac none` turns it off) and runs the blocks eagerly, so the whole step is held against both
+FSDP2 rows.
+Inductor is imported before the clock starts in every row; the first step is rank 0's wall seconds from
+the compile call (torchtitan's blocks row: from the start of training, its compile calls being made in
+the build) to the end of the step, what a user waits. Run it on a quiet machine.
+This is a benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_report import parse_rows, write_markdown  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+NAMES = {"fsdp2-compile": "FSDP2, model.compile() (whole model)",
+         "fsdp2-blocks": "FSDP2, torchtitan's compile.enable (blocks and loss)",
+         "scheduled": "ours, model.compile(backend=\"fsdp_graph\") (whole step)"}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default=",".join(NAMES), help=f"comma-separated rows, of {','.join(NAMES)}")
+    parser.add_argument("--layers", type=int, default=6, help="the debug model's first LAYERS layers (it has 6)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per rank per step (batch 1)")
+    parser.add_argument("--ac", choices=("selective", "none"), default="selective",
+                        help="torchtitan's activation checkpointing: its default (selective, per op) or none")
+    parser.add_argument("--rounds", type=int, default=3, help="steady steps timed per launch, after 2 warm-up steps")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown, with date, machine and command")
+    parser.add_argument("--worker", metavar="ROW", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is None:
+        args.rows = parse_rows(parser, args.rows, NAMES)
+    return args
+
+
+def worker(args) -> None:
+    """One row under torchrun: build torchtitan's trainer, train, and have rank 0 write its figures."""
+    import torch
+
+    row = args.worker
+    if row == "scheduled":
+        import fsdp_graph
+
+        fsdp_graph.use_in_place_of_torch_fsdp()
+    import torchtitan_on_cpu
+
+    torchtitan_on_cpu.prepare()
+    import torch._inductor.compile_fx  # noqa: F401  every row's clock starts with Inductor imported
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    rank = int(os.environ["RANK"])
+    assets = tempfile.mkdtemp(prefix="titan-assets-")
+    tokenizer_dir, data_dir = torchtitan_on_cpu.write_assets(assets)
+    config = llama3_debugmodel()
+    config.model_spec.model.layers = config.model_spec.model.layers[:args.layers]
+    config.hf_assets_path = tokenizer_dir
+    config.dataloader.dataset_path = data_dir
+    config.training.steps = 3 + args.rounds
+    config.training.seq_len = args.seq_len
+    config.training.local_batch_size = 1
+    config.training.mixed_precision_param = "float32"
+    config.parallelism.data_parallel_shard_degree = 2
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.checkpoint.enable = False
+    config.metrics.log_freq = 1000
+    config.debug.seed = 0
+    config.dump_folder = os.path.join(assets, "outputs")
+    config.compile.enable = row == "fsdp2-blocks"
+    if args.ac == "none":
+        config.activation_checkpoint = None
+    trainer = config.build()
+    if row != "scheduled":  # gloo has no PREMUL_SUM, which FSDP2 uses for torchtitan's divide factor
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in trainer.model_parts[0].modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    step_ends, losses = [], []
+    train_step, forward_backward_step = trainer.train_step, trainer.forward_backward_step
+
+    def timed_step(*a, **k):
+        train_step(*a, **k)
+        step_ends.append(time.perf_counter())
+
+    def recording_step(*a, **k):
+        loss = forward_backward_step(*a, **k)
+        value = loss.detach()
+        losses.append((value.full_tensor() if hasattr(value, "full_tensor") else value).item())
+        return loss
+
+    trainer.train_step, trainer.forward_backward_step = timed_step, recording_step
+    start = time.perf_counter()
+    if row == "fsdp2-compile":
+        trainer.model_parts[0].compile()
+    elif row == "scheduled":
+        trainer.model_parts[0].compile(backend="fsdp_graph")
+    trainer.train()
+    if rank == 0:
+        steps = [b - a for a, b in zip(step_ends[2:], step_ends[3:])]
+        with open(args.json, "w") as f:
+            json.dump({"first_step_s": step_ends[0] - start, "step_ms": 1e3 * statistics.median(steps),
+                       "losses": losses}, f)
+    torch.distributed.destroy_process_group()
+
+
+def launch(args, row: str, cache_dir: str) -> dict:
+    """One launch of this script's worker with one row; its JSON figures."""
+    out = os.path.join(cache_dir, f"{row}.json")
+    if os.path.exists(out):
+        os.remove(out)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", HERE,
+               "--worker", row, "--json", out, "--layers", str(args.layers), "--seq-len", str(args.seq_len),
+               "--rounds", str(args.rounds), "--ac", args.ac]
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"), TORCHINDUCTOR_COMPILE_THREADS="1")
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"{row} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker is not None:
+        worker(args)
+        return
+    # The first launch of a series pays for something that outlives an Inductor cache directory
+    # (examples/benchmark_depth.py): an untimed one first.
+    with tempfile.TemporaryDirectory() as cache_dir:
+        launch(args, args.rows[0], cache_dir)
+    results = {}
+    for row in args.rows:
+        with tempfile.TemporaryDirectory() as cache_dir:
+            cold = launch(args, row, cache_dir)
+            warm = launch(args, row, cache_dir)
+        results[row] = cold, warm
+        print(f"{NAMES[row]:55} cold {cold['first_step_s']:6.1f} s, relaunch {warm['first_step_s']:6.1f} s, "
+              f"steady {warm['step_ms']:.1f} ms, losses {' '.join(f'{x:.4f}' for x in warm['losses'])}", flush=True)
+    # FSDP2's whole-model compile breaks its graph at torchtitan's selective checkpointing and runs
+    # the blocks eagerly; torchtitan's own compile compiles them: the step is held against both
+    references = [r for r in ("fsdp2-compile", "fsdp2-blocks") if r in results]
+    header = ["row", "cold first step s", "relaunch first step s", "steady step ms"]
+    header += [f"{what} vs {NAMES[r].split(' (')[0]}" for r in references for what in ("cold", "relaunch")]
+    header.append("losses (relaunch)")
+    table = []
+    for row, (cold, warm) in results.items():
+        ratios = []
+        for r in references:
+            ratios += [f"{cold['first_step_s'] / results[r][0]['first_step_s']:.2f}",
+                       f"{warm['first_step_s'] / results[r][1]['first_step_s']:.2f}"]
+        table.append([NAMES[row], f"{cold['first_step_s']:.1f}", f"{warm['first_step_s']:.1f}", f"{warm['step_ms']:.1f}",
+                      *ratios, " ".join(f"{x:.4f}" for x in warm["losses"])])
+    print("\n".join("  ".join(str(c) for c in line) for line in [header, *table]))
+    if args.markdown:
+        caption = (f"torchtitan 0.3.0 llama3 debug model, {args.layers} layers, 1x{args.seq_len} tokens per rank, fp32, "
+                   f"activation checkpointing {args.ac}, "
+                   f"2 gloo ranks; one launch per row with an empty Inductor cache, then a relaunch with the cache it "
+                   f"left; first steps in wall seconds of rank 0, steady step the median of {args.rounds} steps of the "
+                   f"relaunch.")
+        print(f"markdown: {write_markdown(args.markdown, 'Compile cost on torchtitan', [(caption, header, table)])}")
+
+
+if __name__ == "__main__":
+    main()
