@@ -55,15 +55,27 @@ def cpu_as_the_device() -> None:
     )
 
 
+def dense_mask(mask_mod, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """The mask `mask_mod` gives, as a (batch, 1, q_len, kv_len) tensor: the mask mod called once on
+    index tensors that broadcast against each other (torchtitan's mask mods compare and index
+    elementwise). The same values as FlexAttention's `create_mask`, which calls it through `vmap`,
+    cheaper to trace in a compiled step, where every layer makes its mask again."""
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    q_idx = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
+    kv_idx = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+    return torch.broadcast_to(mask_mod(b, h, q_idx, kv_idx), (batch, 1, q_len, kv_len))
+
+
 def dense_flex_attention() -> None:
     """FlexAttention has no backward on the CPU: the same mask, made dense, through SDPA."""
-    from torch.nn.attention.flex_attention import AuxOutput, create_mask
+    from torch.nn.attention.flex_attention import AuxOutput
     from torchtitan.models.common.attention import FlexAttention
 
     def attention(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None, kernel_options=None):
         if score_mod is not None or (return_aux is not None and return_aux.lse):
             raise NotImplementedError("the CPU stand-in for FlexAttention takes a block mask only")
-        mask = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
+        mask = dense_mask(block_mask.mask_mod, q.shape[0], q.shape[2], k.shape[2], q.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
         return out, AuxOutput()
 
