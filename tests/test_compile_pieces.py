@@ -132,3 +132,28 @@ def test_a_piece_leaves_the_backwards_donated_inputs_alone():
         assert context.fw_metadata.bw_donated_idxs == [0], "the step's donated inputs were not given back"
         (got,) = program([saved.clone(), grad.clone()])
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_piece_compiled_by_other_sources_is_not_loaded(tmp_path, monkeypatch):
+    # A piece's FX-graph-cache key holds our sources' digest (how the piece is compiled is ours, and
+    # Inductor's key does not hold everything we hand it): the same sources load it, others do not.
+    import fsdp_graph.compile.pieces as pieces
+
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())  # the FX graph cache keys a graph with its shape environment
+    with fake_process_group(1):
+        gm = make_fx(_backward_that_reads_a_saved_value_on_both_sides_of_a_collective)(
+            *(fake_mode.from_tensor(torch.randn(64)) for _ in range(2)))
+        fakes = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+        lookups = []
+        for digest in ("a" * 64, "a" * 64, "b" * 64):
+            monkeypatch.setattr(pieces, "own_sources_digest", lambda: digest)
+            counters.clear()
+            with tracing(TracingContext(fake_mode)):
+                pieces.compile_in_pieces(lambda graph: None, copy.deepcopy(gm), fakes)
+            lookups.append((counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]))
+    assert lookups[0] == (0, 2) and lookups[1] == (2, 0) and lookups[2] == (0, 2), lookups
