@@ -6,9 +6,11 @@ of each benchmark; git keeps the earlier ones).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from typing import Sequence
 
@@ -23,6 +25,20 @@ def init_cpu_ranks() -> tuple[int, int]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     return rank, world_size
+
+
+def run_two_ranks(script: str, arguments: Sequence[str], out: str, cache_dir: str, what: str):
+    """Run `script` with `arguments` under torchrun on 2 ranks, with Inductor's cache in `cache_dir` and
+    one compile thread; the JSON it wrote to `out` (a RuntimeError naming `what` if it wrote none)."""
+    if os.path.exists(out):  # from an earlier launch into the same folder
+        os.remove(out)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *arguments]
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, TORCHINDUCTOR_COMPILE_THREADS="1")
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"{what} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
 
 
 def parse_rows(parser, rows: str, names) -> list[str]:

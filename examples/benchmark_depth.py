@@ -25,14 +25,12 @@ This is a benchmark, not a test: it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_report import parse_rows, write_markdown  # noqa: E402
+from bench_report import parse_rows, run_two_ranks, write_markdown  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = {"blocks": "ours, blocks compiled one by one", "fsdp2-blocks": "FSDP2, blocks compiled one by one",
@@ -62,16 +60,10 @@ def parse_args() -> argparse.Namespace:
 def launch(args, row: str, layers: int, cache_dir: str) -> dict:
     """One launch of benchmark_compile.py with one row; its JSON figures."""
     out = os.path.join(cache_dir, f"{row}.json")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               os.path.join(HERE, "benchmark_compile.py"), "--model", args.model, "--dim", str(args.dim),
-               "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--layers", str(layers),
-               "--rows", row, "--rounds", str(args.rounds), "--warmup", "2", "--json", out]
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"), TORCHINDUCTOR_COMPILE_THREADS="1")
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0 or not os.path.exists(out):
-        raise RuntimeError(f"{row} at {layers} layers failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
-    with open(out) as f:
-        (figures,) = json.load(f)
+    arguments = [os.path.join(HERE, "benchmark_compile.py"), "--model", args.model, "--dim", str(args.dim),
+                 "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--layers", str(layers),
+                 "--rows", row, "--rounds", str(args.rounds), "--warmup", "2", "--json", out]
+    (figures,) = run_two_ranks(arguments[0], arguments[1:], out, os.path.join(cache_dir, "inductor"), f"{row} at {layers} layers")
     return figures
 
 

@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_report import parse_rows, write_markdown  # noqa: E402
+from bench_report import parse_rows, run_two_ranks, write_markdown  # noqa: E402
 
 NAMES = {"fsdp2-compile": "FSDP2, torch.compile(model)", "scheduled": "ours, whole step (fsdp_graph backend, in pieces)",
          "every-block": "ours, whole step, regions=\"blocks\"",
@@ -112,16 +111,10 @@ def worker(args) -> None:
 
 def launch(args, row: str, cache_dir: str) -> dict:
     out = os.path.join(cache_dir, f"{row}.json")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", os.path.abspath(__file__),
-               "--worker", row, "--json", out, "--lengths", ",".join(map(str, args.lengths)), "--layers", str(args.layers),
-               "--dim", str(args.dim), "--batch-size", str(args.batch_size), "--compiler", args.compiler,
-               "--dynamic", args.dynamic] + (["--per-rank"] if args.per_rank else [])
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, f"inductor-{row}"), TORCHINDUCTOR_COMPILE_THREADS="1")
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0 or not os.path.exists(out):
-        raise RuntimeError(f"{row} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
-    with open(out) as f:
-        return json.load(f)
+    arguments = ["--worker", row, "--json", out, "--lengths", ",".join(map(str, args.lengths)), "--layers", str(args.layers),
+                 "--dim", str(args.dim), "--batch-size", str(args.batch_size), "--compiler", args.compiler,
+                 "--dynamic", args.dynamic] + (["--per-rank"] if args.per_rank else [])
+    return run_two_ranks(os.path.abspath(__file__), arguments, out, os.path.join(cache_dir, f"inductor-{row}"), row)
 
 
 def main() -> None:

@@ -25,13 +25,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_report import parse_rows, write_markdown  # noqa: E402
+from bench_report import parse_rows, run_two_ranks, write_markdown  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 NAMES = {"fsdp2-compile": "FSDP2, model.compile() (whole model)",
@@ -130,17 +129,9 @@ def worker(args) -> None:
 def launch(args, row: str, cache_dir: str) -> dict:
     """One launch of this script's worker with one row; its JSON figures."""
     out = os.path.join(cache_dir, f"{row}.json")
-    if os.path.exists(out):
-        os.remove(out)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", HERE,
-               "--worker", row, "--json", out, "--layers", str(args.layers), "--seq-len", str(args.seq_len),
-               "--rounds", str(args.rounds), "--ac", args.ac]
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"), TORCHINDUCTOR_COMPILE_THREADS="1")
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0 or not os.path.exists(out):
-        raise RuntimeError(f"{row} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
-    with open(out) as f:
-        return json.load(f)
+    arguments = ["--worker", row, "--json", out, "--layers", str(args.layers), "--seq-len", str(args.seq_len),
+                 "--rounds", str(args.rounds), "--ac", args.ac]
+    return run_two_ranks(HERE, arguments, out, os.path.join(cache_dir, "inductor"), row)
 
 
 def main() -> None:
