@@ -417,8 +417,8 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
         # a plain function unless bundling is on: it stays on for those.
         caching = {"bundled_autograd_cache": False} if any(n.op == "call_function" for n in graph.graph.nodes) else {}
         # Our passes ran on the step: their keys (the joint pass's holds this rank's shard shapes)
-        # are no part of a piece's, so that ranks with the same piece share its cache entry. What is
-        # in it is how the piece is compiled here (our sources), which no rank's key differs in.
+        # are no part of a piece's, so that ranks with the same piece share its cache entry. It holds
+        # our sources' digest instead (how a piece is compiled is ours), the same on every rank.
         piece_key = KeyOnly(f"fsdp_graph.piece:{own_sources_digest()[:16]}")
         with inductor_config.patch(post_grad_custom_post_pass=piece_key, joint_custom_pre_pass=None), functorch_config.patch(caching):
             return compile_fx_inner(
