@@ -1,7 +1,8 @@
 """fsdp_graph inside the frameworks that call `fully_shard` for the user (issue #45): torchtitan,
 Accelerate, Lightning and PEFT, each with its real package (the `frameworks` extra), made to use
 fsdp_graph with `fsdp_graph.use_in_place_of_torch_fsdp()`, against the same framework on torch's
-`fully_shard`: the losses of every step, bit for bit (eager, and the whole step under aot_eager).
+`fully_shard`: the losses of every step, bit for bit (eager, and the whole step under aot_eager), and
+within a tolerance for torchtitan's whole step under Inductor.
 
 Each run is a script in tests/frameworks/ launched with torchrun on 2 gloo ranks, as a user runs it;
 a reference run is launched once per session and shared. Each launch costs 10-30 s, so the suite runs
