@@ -409,6 +409,10 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
     schedule(gm.graph)
     gm.recompile()
     _propagate_new_values(gm, example_inputs)
+    # Our passes ran on the step: their keys (the joint pass's holds this rank's shard shapes) are no
+    # part of a piece's, so that ranks with the same piece share its cache entry. It holds our
+    # sources' digest instead (how a piece is compiled is ours), the same on every rank.
+    piece_key = KeyOnly(f"fsdp_graph.piece:{own_sources_digest()[:16]}")
 
     def compile_piece(graph: GraphModule, inputs: list) -> Callable:
         # Inductor skips its FX graph cache while AOTAutograd bundles its entries; a piece uses it, so
@@ -416,10 +420,6 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
         # checkpointing), a relaunch still loads every piece. A piece without calls compiles to
         # a plain function unless bundling is on: it stays on for those.
         caching = {"bundled_autograd_cache": False} if any(n.op == "call_function" for n in graph.graph.nodes) else {}
-        # Our passes ran on the step: their keys (the joint pass's holds this rank's shard shapes)
-        # are no part of a piece's, so that ranks with the same piece share its cache entry. It holds
-        # our sources' digest instead (how a piece is compiled is ours), the same on every rank.
-        piece_key = KeyOnly(f"fsdp_graph.piece:{own_sources_digest()[:16]}")
         with inductor_config.patch(post_grad_custom_post_pass=piece_key, joint_custom_pre_pass=None), functorch_config.patch(caching):
             return compile_fx_inner(
                 graph, inputs, cudagraphs=BoxedBool(False), static_input_idxs=(),
