@@ -60,10 +60,11 @@ def parse_args() -> argparse.Namespace:
 def launch(args, row: str, layers: int, cache_dir: str) -> dict:
     """One launch of benchmark_compile.py with one row; its JSON figures."""
     out = os.path.join(cache_dir, f"{row}.json")
-    arguments = [os.path.join(HERE, "benchmark_compile.py"), "--model", args.model, "--dim", str(args.dim),
-                 "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--layers", str(layers),
-                 "--rows", row, "--rounds", str(args.rounds), "--warmup", "2", "--json", out]
-    (figures,) = run_two_ranks(arguments[0], arguments[1:], out, os.path.join(cache_dir, "inductor"), f"{row} at {layers} layers")
+    arguments = ["--model", args.model, "--dim", str(args.dim), "--seq-len", str(args.seq_len),
+                 "--batch-size", str(args.batch_size), "--layers", str(layers), "--rows", row,
+                 "--rounds", str(args.rounds), "--warmup", "2", "--json", out]
+    (figures,) = run_two_ranks(os.path.join(HERE, "benchmark_compile.py"), arguments, out,
+                               os.path.join(cache_dir, "inductor"), f"{row} at {layers} layers")
     return figures
 
 

@@ -67,50 +67,28 @@ def worker(args) -> None:
 
     torchtitan_on_cpu.prepare()
     import torch._inductor.compile_fx  # noqa: F401  every row's clock starts with Inductor imported
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     rank = int(os.environ["RANK"])
-    assets = tempfile.mkdtemp(prefix="titan-assets-")
-    tokenizer_dir, data_dir = torchtitan_on_cpu.write_assets(assets)
-    config = llama3_debugmodel()
-    config.model_spec.model.layers = config.model_spec.model.layers[:args.layers]
-    config.hf_assets_path = tokenizer_dir
-    config.dataloader.dataset_path = data_dir
-    config.training.steps = 3 + args.rounds
-    config.training.seq_len = args.seq_len
-    config.training.local_batch_size = 1
-    config.training.mixed_precision_param = "float32"
-    config.parallelism.data_parallel_shard_degree = 2
-    config.parallelism.spmd_backend = "partial_dtensor"
-    config.checkpoint.enable = False
+    config = torchtitan_on_cpu.debug_config(tempfile.mkdtemp(prefix="titan-assets-"), layers=args.layers,
+                                            seq_len=args.seq_len, batch=1, steps=3 + args.rounds,
+                                            spmd_backend="partial_dtensor")
     config.metrics.log_freq = 1000
-    config.debug.seed = 0
-    config.dump_folder = os.path.join(assets, "outputs")
     config.compile.enable = row == "fsdp2-blocks"
     if args.ac == "none":
         config.activation_checkpoint = None
     trainer = config.build()
-    if row != "scheduled":  # gloo has no PREMUL_SUM, which FSDP2 uses for torchtitan's divide factor
-        from torch.distributed.fsdp import FSDPModule
+    if row != "scheduled":
+        torchtitan_on_cpu.sum_reductions_for_gloo(trainer.model_parts[0])
 
-        for module in trainer.model_parts[0].modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-
-    step_ends, losses = [], []
-    train_step, forward_backward_step = trainer.train_step, trainer.forward_backward_step
+    step_ends = []
+    train_step = trainer.train_step
 
     def timed_step(*a, **k):
         train_step(*a, **k)
         step_ends.append(time.perf_counter())
 
-    def recording_step(*a, **k):
-        loss = forward_backward_step(*a, **k)
-        value = loss.detach()
-        losses.append((value.full_tensor() if hasattr(value, "full_tensor") else value).item())
-        return loss
-
-    trainer.train_step, trainer.forward_backward_step = timed_step, recording_step
+    losses = torchtitan_on_cpu.record_losses(trainer)
+    trainer.train_step = timed_step
     start = time.perf_counter()
     if row == "fsdp2-compile":
         trainer.model_parts[0].compile()

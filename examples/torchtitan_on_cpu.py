@@ -2,6 +2,8 @@
 
 Each function works around one thing; `prepare()` applies all of them before torchtitan is imported.
 None of them touches fsdp_graph, and the reference runs with torch's `fully_shard` get the same ones.
+Below them, the small run that tests/frameworks/torchtitan_train.py and examples/benchmark_torchtitan.py
+both train (`debug_config`, `record_losses`).
 """
 
 from __future__ import annotations
@@ -113,9 +115,57 @@ def write_assets(root: str) -> tuple[str, str]:
     return tokenizer_dir, data_dir
 
 
+def sum_reductions_for_gloo(model: torch.nn.Module) -> None:
+    """torch's `fully_shard` reduces with `PREMUL_SUM` for torchtitan's gradient divide factor, which
+    gloo lacks: each of its modules sums and divides instead. fsdp_graph's needs nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
 def prepare() -> None:
     """Every stand-in above that is needed before torchtitan's models are imported and built."""
     placeholder_ep_kernels()
     cpu_as_the_device()
     dense_flex_attention()
     keep_timeouts()
+
+
+def debug_config(assets: str, *, layers: int, seq_len: int, batch: int, steps: int, spmd_backend: str):
+    """torchtitan's llama3 debug model with its first `layers` layers, trained `steps` steps of
+    `batch` x `seq_len` tokens per rank on the assets `write_assets` leaves in `assets` (this rank's
+    folder), fp32, sharded over 2 ranks, no checkpoints, seed 0. Call after `prepare()`."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    tokenizer_dir, data_dir = write_assets(assets)
+    config = llama3_debugmodel()
+    config.model_spec.model.layers = config.model_spec.model.layers[:layers]
+    config.hf_assets_path = tokenizer_dir
+    config.dataloader.dataset_path = data_dir
+    config.training.steps = steps
+    config.training.seq_len = seq_len
+    config.training.local_batch_size = batch
+    config.training.mixed_precision_param = "float32"
+    config.parallelism.data_parallel_shard_degree = 2
+    config.parallelism.spmd_backend = spmd_backend
+    config.checkpoint.enable = False
+    config.debug.seed = 0
+    config.dump_folder = os.path.join(assets, "outputs")
+    return config
+
+
+def record_losses(trainer) -> list:
+    """The list every step's loss (the global mean) is appended to as the trainer trains."""
+    losses = []
+    forward_backward_step = trainer.forward_backward_step
+
+    def recording_step(*args, **kwargs):
+        loss = forward_backward_step(*args, **kwargs)
+        value = loss.detach()
+        losses.append((value.full_tensor() if hasattr(value, "full_tensor") else value).item())
+        return loss
+
+    trainer.forward_backward_step = recording_step
+    return losses
