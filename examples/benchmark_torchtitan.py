@@ -11,7 +11,10 @@ Rows: `fsdp2-compile` (torch's fully_shard, `model.compile()` of the whole model
 their own, torchtitan's default way) and `scheduled` (fsdp_graph's fully_shard through
 `fsdp_graph.use_in_place_of_torch_fsdp()`, `model.compile(backend="fsdp_graph")`: the whole step).
 torchtitan's users compile its way (each block on its own), so the whole step is held against both
-FSDP2 rows. `--ac none` turns torchtitan's selective activation checkpointing (its default) off.
+FSDP2 rows. `--ac none` turns torchtitan's selective activation checkpointing (its default) off;
+`--ac selective-hashed` keeps it and gives each block's checkpoint `context_fn` the `cache_hash` torch asks
+of a user who wants AOTAutogradCache to serve a graph with selective checkpointing (without one, torch
+bypasses that cache for the graph: a relaunch traces it again), as a torchtitan user could set it.
 Inductor is imported before the clock starts in every row; the first step is rank 0's wall seconds from
 the compile call (torchtitan's blocks row: from the start of training, its compile calls being made in
 the build) to the end of the step, what a user waits. Run it on a quiet machine.
@@ -42,8 +45,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rows", default=",".join(NAMES), help=f"comma-separated rows, of {','.join(NAMES)}")
     parser.add_argument("--layers", type=int, default=6, help="the debug model's first LAYERS layers (it has 6)")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per rank per step (batch 1)")
-    parser.add_argument("--ac", choices=("selective", "none"), default="selective",
-                        help="torchtitan's activation checkpointing: its default (selective, per op) or none")
+    parser.add_argument("--ac", choices=("selective", "selective-hashed", "none"), default="selective",
+                        help="torchtitan's activation checkpointing: its default (selective, per op), the same with a "
+                             "cache_hash on its context_fn, or none")
     parser.add_argument("--rounds", type=int, default=3, help="steady steps timed per launch, after 2 warm-up steps")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown, with date, machine and command")
     parser.add_argument("--worker", metavar="ROW", help=argparse.SUPPRESS)
@@ -77,6 +81,8 @@ def worker(args) -> None:
     if args.ac == "none":
         config.activation_checkpoint = None
     trainer = config.build()
+    if args.ac == "selective-hashed":
+        hash_checkpoint_policies(trainer.model_parts[0])
     if row != "scheduled":
         torchtitan_on_cpu.sum_reductions_for_gloo(trainer.model_parts[0])
 
@@ -101,6 +107,28 @@ def worker(args) -> None:
             json.dump({"first_step_s": step_ends[0] - start, "step_ms": 1e3 * statistics.median(steps),
                        "losses": losses}, f)
     torch.distributed.destroy_process_group()
+
+
+def hash_checkpoint_policies(model) -> None:
+    """Give every checkpointed block's `context_fn` a `cache_hash`, as torch asks of a user whose graph
+    holds selective activation checkpointing and who wants AOTAutogradCache to serve it. torchtitan's
+    policy is its code (save the ops of its save list, all but every second matmul) over that list:
+    the hash covers torchtitan's version, the module's source and the list, so a change to either
+    misses the cache."""
+    import hashlib
+    import inspect
+
+    import torchtitan
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torchtitan.distributed import activation_checkpoint
+
+    policy = hashlib.sha256(repr((
+        torchtitan.__version__, sorted(op.name() for op in activation_checkpoint._get_default_save_ops()),
+        inspect.getsource(activation_checkpoint),
+    )).encode()).hexdigest()
+    for module in model.modules():
+        if isinstance(module, CheckpointWrapper):
+            module.checkpoint_fn.keywords["context_fn"].cache_hash = f"torchtitan-selective-ac:{policy}"
 
 
 def launch(args, row: str, cache_dir: str) -> dict:

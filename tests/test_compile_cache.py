@@ -73,3 +73,64 @@ def test_ranks_with_shorter_shards_compile_their_own(tmp_path):
     assert "autograd_cache_hit" not in other_rank and other_rank.get("autograd_cache_saved") == 1, other_rank
     restart = _compile_in_fresh_process(1, tmp_path, uneven=True)
     assert "fxgraph_cache_miss" not in restart and restart.get("autograd_cache_hit") == 1, restart
+
+
+_CHECKPOINTED = """
+import json, sys, torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch._dynamo.utils import counters
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+import fsdp_graph
+from fsdp_graph import fully_shard
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self, cache_hash):
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+        self.head = torch.nn.Linear(16, 4)
+
+        def policy(ctx, func, *args, **kwargs):  # a local function, as torchtitan's
+            return CheckpointPolicy.MUST_SAVE if func == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+        self.context_fn = lambda: create_selective_checkpoint_contexts(policy)
+        if cache_hash is not None:
+            self.context_fn.cache_hash = cache_hash
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, x, use_reentrant=False, context_fn=self.context_fn))
+
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+torch.manual_seed(0)
+model = Checkpointed({cache_hash!r})
+fully_shard(model.block)
+fully_shard(model)
+torch.compile(model, backend=fsdp_graph.backend())(torch.randn(4, 16)).sum().backward()
+print(json.dumps(dict(counters["aot_autograd"])))
+"""
+
+
+def test_a_checkpoint_policy_with_a_cache_hash_is_served_by_aotautogradcache(tmp_path):
+    """Selective checkpointing whose context_fn is a lambda over a local policy (as torchtitan's),
+    given a `cache_hash` as torch asks: a restart loads the step from AOTAutogradCache, where torch
+    alone pickles the lambda into the key and bypasses the cache (examples/repro/
+    checkpoint_policy_cache_hash.py). Another hash misses; no hash bypasses, as in torch.
+    [Note: A checkpoint policy's cache_hash] in fsdp_graph/compile/cache_key.py."""
+
+    def compile_once(cache_hash):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+        done = subprocess.run([sys.executable, "-c", _CHECKPOINTED.format(cache_hash=cache_hash)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = compile_once("policy-a")
+    assert first.get("autograd_cache_saved") == 1 and "autograd_cache_bypass" not in first, first
+    restart = compile_once("policy-a")
+    assert restart.get("autograd_cache_hit") == 1 and "autograd_cache_miss" not in restart, restart
+    other = compile_once("policy-b")
+    assert other.get("autograd_cache_miss") == 1 and "autograd_cache_hit" not in other, other
+    unhashed = compile_once(None)
+    assert unhashed.get("autograd_cache_bypass") == 1, unhashed

@@ -26,7 +26,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule
 
 from .agreement import AGREEMENT, FrameWireOrder, graph_groups
-from .cache_key import KeyOnly, local_shapes, own_sources_digest, stable_cache_keys, wire_orders_file
+from .cache_key import (
+    KeyOnly, hash_checkpoint_policies, local_shapes, own_sources_digest, stable_cache_keys, wire_orders_file,
+)
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
 from .pieces import compile_in_pieces
@@ -296,6 +298,7 @@ class FSDPGraphBackend:
     ) -> Callable:
         graph_id = _graph_id()
         dump = self._dump()
+        hash_checkpoint_policies(gm)  # [Note: A checkpoint policy's cache_hash] in compile/cache_key.py
         logger.debug("fsdp_graph::compile (%s) with %s", graph_id, self.config.compiler.value)
         if dump is not None:
             dump.write_graph(gm, f"{graph_id}.dynamo")

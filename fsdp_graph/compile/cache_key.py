@@ -136,6 +136,40 @@ def stable_cache_keys() -> Iterator[None]:
             copyreg.dispatch_table[DeviceMesh] = previous
 
 
+# [Note: A checkpoint policy's cache_hash]
+# torch asks a user whose graph holds selective activation checkpointing to give the checkpoint's
+# `context_fn` a `cache_hash` attribute ("a string ... that uniquely identifies the checkpointing
+# behavior"), and AOTAutogradCache bypasses the graph without one. With one it still pickles the
+# context_fn itself into the key (it sits in the checkpointed subgraph's `meta`), which fails for a
+# lambda or a local function, torchtitan's among them, and bypasses again ("Can't pickle local
+# object"; torch alone: examples/repro/checkpoint_policy_cache_hash.py). In the graphs our backend
+# compiles, such a context_fn is replaced by `_HashedPolicy`, which calls it and pickles as its
+# hash: the key holds what the user said identifies the policy, as torch's rule intends.
+
+
+class _HashedPolicy:
+    """A checkpoint `context_fn` with a `cache_hash`, that pickles as that hash."""
+
+    def __init__(self, context_fn: Any) -> None:
+        self.context_fn = context_fn
+        self.cache_hash = context_fn.cache_hash
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.context_fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return str, (f"checkpoint context_fn, cache_hash {self.cache_hash!r}",)
+
+
+def hash_checkpoint_policies(gm: torch.fx.GraphModule) -> None:
+    """Let AOTAutogradCache key `gm`'s selective checkpoints by their `context_fn`'s `cache_hash`
+    where the user gave one. See [Note: A checkpoint policy's cache_hash]."""
+    for module in gm.modules():
+        context_fn = getattr(module, "meta", {}).get("_checkpoint_context_fn")
+        if hasattr(context_fn, "cache_hash") and not isinstance(context_fn, _HashedPolicy):
+            module.meta["_checkpoint_context_fn"] = _HashedPolicy(context_fn)
+
+
 def wire_orders_file(gm, example_inputs, options: str, groups: list[str]) -> str:
     """Where the wire orders of a frame's first graph `gm` are kept beside Inductor's caches
     ([Note: Wire orders beside the compile caches] in fsdp_graph/compile/agreement.py): a file named
