@@ -82,7 +82,7 @@ def worker(args) -> None:
         config.activation_checkpoint = None
     trainer = config.build()
     if args.ac == "selective-hashed":
-        hash_checkpoint_policies(trainer.model_parts[0])
+        give_checkpoint_policies_a_hash(trainer.model_parts[0])
     if row != "scheduled":
         torchtitan_on_cpu.sum_reductions_for_gloo(trainer.model_parts[0])
 
@@ -109,7 +109,7 @@ def worker(args) -> None:
     torch.distributed.destroy_process_group()
 
 
-def hash_checkpoint_policies(model) -> None:
+def give_checkpoint_policies_a_hash(model) -> None:
     """Give every checkpointed block's `context_fn` a `cache_hash`, as torch asks of a user whose graph
     holds selective activation checkpointing and who wants AOTAutogradCache to serve it. torchtitan's
     policy is its code (save the ops of its save list, all but every second matmul) over that list:
