@@ -306,6 +306,12 @@ class FSDPState:
         # The unwrapped forward, where the module's own forward is such a region: traced as one
         # inside the step's graph when `traces_as_region()` ([Note: Blocks as compile regions]).
         self.region_forward: Optional[Callable] = None
+        # For a traced region: each submodule of the module holding this group's parameters, by its
+        # path under the module, with (attribute, parameter index) pairs; and the module's kind.
+        # Plain constants, so that Dynamo can reuse one block's region for the next
+        # ([Note: Blocks as compile regions] in runtime/traced.py).
+        self.region_owners = _owners_by_path(modules[0], group) if group is not None and len(modules) == 1 else None
+        self.region_kind = _kind_of(modules[0])
         # Set by `FSDPModule.compile`: the module's compiled call is its whole `__call__`.
         self.compiled_in_place = False
         traced.trace_hooks_inside_checkpoint()
@@ -392,6 +398,8 @@ class FSDPState:
             return False
         if self.group.layout.as_bytes or self.group.has_tp:
             return False  # tensor-parallel DTensors and extension subclasses: no region inputs (Dynamo fails)
+        if self.region_owners is None:
+            return False  # a parameter held outside the module
         return all(getattr(m, "_fsdp_state", self) is self for m in module.modules())
 
     # -- forward -------------------------------------------------------------------------------
@@ -782,6 +790,24 @@ class FSDPState:
             f"in the fully_shard group of '{self.name}'; call '{self.name}' instead, gather first with "
             f"unshard(), or give it a group of its own: fully_shard(submodule) before fully_shard(parent)"
         )
+
+
+def _owners_by_path(module: nn.Module, group: ParamGroup) -> Optional[tuple[tuple[str, tuple[tuple[str, int], ...]], ...]]:
+    """The owners of `group`'s parameters by their path under `module`, or None where one lies
+    outside it."""
+    paths = {id(m): path for path, m in module.named_modules()}
+    owners: dict[str, list[tuple[str, int]]] = {}
+    for owner, name, i in group.owner_slots:
+        if id(owner) not in paths:
+            return None
+        owners.setdefault(paths[id(owner)], []).append((name, i))
+    return tuple((path, tuple(slots)) for path, slots in owners.items())
+
+
+def _kind_of(module: nn.Module) -> str:
+    """What blocks of one kind share: classes and parameter shapes and dtypes."""
+    classes = ",".join(f"{type(m).__module__}.{type(m).__qualname__}" for m in module.modules())
+    return f"{classes};{[(tuple(p.shape), p.dtype) for p in module.parameters()]}"
 
 
 class _OwnerCheck:

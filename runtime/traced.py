@@ -423,11 +423,21 @@ def _cast_output(state: TracedState, output: Any) -> Any:
 # bucket, reorder and reshard them as for any other block:
 #
 #     params = unshard(group)                      # traced as usual: copy-in, all-gather, copy-out
-#     out    = region(module, params, args, kwargs)   # invoke_subgraph; installs `params` itself
+#     out    = region(module, params, args, kwargs)   # invoke_subgraph; swaps `params` in itself
 #
 # Dynamo cannot trace a region that reads tensors with no source (parameters gathered in the graph),
-# so the gathered tensors go in as the region's arguments and the region installs them as the
-# module's shadows, calls the forward, and drops them. The partitioner then saves a region's inputs
+# so the gathered tensors go in as the region's arguments, and the region swaps them into the
+# owners' parameter slots for the forward's duration, with torch's own `_reparametrize_module` (what
+# `torch.func.functional_call` uses), once per owning submodule. Dynamo counts those swaps as no
+# side effect, so the region is reusable: having traced one block's region, Dynamo checks the next
+# block against that trace's guards, moved onto the next block's attributes, and where they hold it
+# emits the same body without tracing the block's code again (torch's "subgraph reuse"). A block
+# whose forward reads something of its own that differs (a Python number, a flag) fails them and is
+# traced anew; `_REGION_ENTRIES` in fsdp_graph/api/module.py lifts torch's limit of 8 such bodies.
+# Writing the gathered tensors into the owners' attributes ourselves, as the inline path does
+# (`install`), is a side effect, and Dynamo then traced every block's region again. The owners are
+# found by path (`FSDPState.region_owners`, constants Dynamo can compare between blocks), so every
+# owner must lie inside the module. The partitioner then saves a region's inputs
 # rather than views of them, and the outer graph reads such an input directly, so the backward
 # gathers again after a resharding forward (passes/reshard.py, `save_inputs_not_their_views`).
 # Only a block that is a group of its own, holds no other group, has no forward hooks besides ours,
@@ -435,6 +445,10 @@ def _cast_output(state: TracedState, output: Any) -> Any:
 # Dynamo does not take as region inputs) is traced so; any other marked module keeps [Note: Compile
 # regions under fully_shard].
 # Dynamo refuses a graph break inside a region (torch raises): such a block must not be marked.
+# Compiled in pieces (the backend's default), the graph's regions are inlined once our passes have
+# scheduled it, and Inductor compiles each repeated piece once, as without regions ([Note: Pieces
+# between the collectives] in fsdp_graph/compile/pieces.py): what the regions save is Dynamo's and
+# AOTAutograd's tracing of every block.
 
 
 def region_pre_forward(state: TracedState, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], tuple, dict]:

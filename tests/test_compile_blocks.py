@@ -376,3 +376,58 @@ def test_plain_torch_compile_keeps_fsdp2s_structure():
     # runs the root's forward itself, and its embedding and output layer run eagerly, not as
     # graphs of their own ([Note: Owner checks in block scope] in runtime/state.py).
     assert graphs == t_graphs, (len(graphs), len(t_graphs))
+
+
+class _ScaledBlock(torch.nn.Module):
+    """A block whose forward reads a Python number of its own: blocks of one kind, traced apart."""
+
+    def __init__(self, dim: int, scale: float) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x)) * self.scale
+
+
+def _every_block_traced_once(rank, world_size):
+    """regions="blocks" on 6 blocks of one kind, then on 10 blocks that differ by a number their
+    forward reads: (region calls Dynamo traced, region calls it reused, loss, reference loss) each."""
+    from _models import MLPStack, check_grads_match
+    from torch._dynamo.utils import compilation_time_metrics
+
+    results = []
+    for scaled in (False, True):
+        torch._dynamo.reset()
+        compilation_time_metrics.clear()
+        torch.manual_seed(0)
+        model = MLPStack(dim=16, hidden=24, num_blocks=6)
+        if scaled:
+            model.blocks = torch.nn.ModuleList(_ScaledBlock(16, 0.5 + i / 10) for i in range(10))
+        reference = copy.deepcopy(model)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        compiled = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", regions="blocks"))
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        loss = compiled(x.chunk(world_size)[rank]).square().mean()
+        loss.backward()
+        ref_loss = reference(x).square().mean()
+        ref_loss.backward()
+        check_grads_match(model, reference)
+        traced = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
+        reused = len(compilation_time_metrics.get("invoke_subgraph_reuse_stamp_out", []))
+        results.append((traced, reused, global_mean(loss), ref_loss.item()))
+    return results
+
+
+def test_every_block_region_traced_once_by_dynamo():
+    """With regions="blocks" Dynamo traces a block kind's region once and reuses it for the blocks
+    after it ([Note: Blocks as compile regions] in runtime/traced.py): of 6 blocks, the first goes
+    inline, the second is traced as a region, four reuse it. Blocks whose forward reads a number of
+    their own fail the reuse's guards and are each traced (10 blocks, more than torch's default of
+    8 entries a region keeps). Gradients as the unsharded model's on the global batch."""
+    (traced, reused, loss, ref), (s_traced, s_reused, s_loss, s_ref) = run_ranks(_every_block_traced_once, 2)
+    assert (traced, reused) == (1, 4), (traced, reused)
+    assert (s_traced, s_reused) == (9, 0), (s_traced, s_reused)
+    assert loss == pytest.approx(ref, rel=1e-5) and s_loss == pytest.approx(s_ref, rel=1e-5)

@@ -348,8 +348,12 @@ def _traced_call(module: nn.Module, args: tuple, kwargs: dict):
 _kinds_traced: dict = {}  # the trace now under way (compile id, attempt) -> the kinds of block it traced inline
 
 
-@torch._dynamo.assume_constant_result
 def _seen_kind(module: nn.Module) -> bool:
+    return _seen(module._fsdp_state.region_kind)
+
+
+@torch._dynamo.assume_constant_result
+def _seen(kind: str) -> bool:
     """Whether the trace under way already traced a block of `module`'s kind (its class, its
     submodules' classes, its parameters' shapes and dtypes) inline; if not, it will now. Run by
     Dynamo as plain Python while it traces: [Note: Every block a compile region]."""
@@ -358,7 +362,6 @@ def _seen_kind(module: nn.Module) -> bool:
     if trace not in _kinds_traced:
         _kinds_traced.clear()  # one trace at a time: only the one under way is kept
         _kinds_traced[trace] = set()
-    kind = (type(module), tuple(type(m) for m in module.modules()), tuple((p.shape, p.dtype) for p in module.parameters()))
     seen = kind in _kinds_traced[trace]
     _kinds_traced[trace].add(kind)
     return seen
@@ -412,7 +415,12 @@ def _call_in_block_scope(module: nn.Module, args: tuple, kwargs: dict):
 traced.skip_own_frame(_call_around_compiled_body, _call_in_block_scope)
 
 
-@torch.compiler.nested_compile_region
+# Distinct region bodies Dynamo keeps for `_forward_region` in one trace, all kinds of block
+# together (torch raises beyond it; its default is 8): [Note: Blocks as compile regions].
+_REGION_ENTRIES = 4096
+
+
+@torch.compiler.nested_compile_region(max_reuse_entries=_REGION_ENTRIES)
 def _forward_region(module: nn.Module, every_block: bool, layout: str, *leaves):
     """A block's forward as one compile region over its gathered parameters ([Note: Blocks as
     compile regions] in runtime/traced.py): one function for every block, so that Dynamo compares
@@ -420,10 +428,15 @@ def _forward_region(module: nn.Module, every_block: bool, layout: str, *leaves):
     arguments come flat, `layout` telling how to rebuild them (`_flat_call`)."""
     state = module._fsdp_state
     unsharded, args, kwargs = _rebuild(layout, leaves)
-    traced.install(state.group, unsharded)
-    output = state.region_body(every_block)(module, *args, **kwargs)
-    traced.install(state.group, None)
-    return output
+    return _with_owners(module, state.region_owners, 0, unsharded, state.region_body(every_block), args, kwargs)
+
+
+def _with_owners(module, owners, at, unsharded, body, args, kwargs):
+    if at == len(owners):
+        return body(module, *args, **kwargs)
+    path, names = owners[at]
+    with torch.nn.utils.stateless._reparametrize_module(module.get_submodule(path), {name: unsharded[i] for name, i in names}):
+        return _with_owners(module, owners, at + 1, unsharded, body, args, kwargs)
 
 
 def _call_as_region(module: nn.Module, args: tuple, kwargs: dict, every_block: bool):

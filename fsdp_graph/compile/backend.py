@@ -318,6 +318,8 @@ class FSDPGraphBackend:
                 # [Note: A step of pieces in AOTAutograd's cache]: stored bundled, and the backward
                 # compiled with the forward, so that the entry is saved while these settings hold.
                 aot_config = {"bundled_autograd_cache": True, "force_non_lazy_backward_lowering": True}
+            elif any(is_region_call(n) for n in gm.graph.nodes):  # torch 2.13 reuses a region's buffers wrongly
+                patches["allow_buffer_reuse"] = False  # on CPU: examples/repro/nested_region_inductor_grads.py
             with stable_cache_keys(), functorch_config.patch(aot_config):  # see [Note: Rank-independent cache keys]
                 compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
         if dump is None:
@@ -407,23 +409,19 @@ class FSDPGraphBackend:
             # until the next all-gather's output, gathered blocks held between their all-gathers,
             # over the budget. The budget is planned on freeing at last use.
             patches["allow_buffer_reuse"] = False
-        if any(is_region_call(n) for n in gm.graph.nodes):  # torch 2.13 reuses a region's buffers wrongly on CPU:
-            patches["allow_buffer_reuse"] = False  # examples/repro/nested_region_inductor_grads.py
         return patches
 
 
 def _pieces_apply(gm: GraphModule) -> bool:
-    """Whether `pieces=True` compiles this graph in pieces: not where its blocks are compile regions
-    (a region's body is a submodule of the graph, which a piece does not carry) nor under CUDA
-    graphs (pieces compile without them); those compile as one graph, and the log says so."""
+    """Whether `pieces=True` compiles this graph in pieces: not under CUDA graphs (pieces compile
+    without them); such a graph compiles as one, and the log says so. A graph with compile regions
+    is compiled in pieces with its regions inlined (`compile_in_pieces`)."""
     from torch._inductor import config as inductor_config
 
-    why = "it holds compile regions" if any(is_region_call(n) for n in gm.graph.nodes) else None
-    if why is None and inductor_config.triton.cudagraphs:
-        why = "CUDA graphs are on"
-    if why is not None:
-        logger.info("fsdp_graph: pieces=True, but the graph compiles whole: %s", why)
-    return why is None
+    if inductor_config.triton.cudagraphs:
+        logger.info("fsdp_graph: pieces=True, but the graph compiles whole: CUDA graphs are on")
+        return False
+    return True
 
 
 def _gloo_rank(example_inputs: list) -> str:

@@ -406,7 +406,9 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
+    from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
     schedule(gm.graph)
+    inline_invoke_subgraph(gm)  # regions' bodies into the graph: [Note: Blocks as compile regions] in runtime/traced.py
     gm.recompile()
     _propagate_new_values(gm, example_inputs)
     # Our passes ran on the step: their keys (the joint pass's holds this rank's shard shapes) are no
