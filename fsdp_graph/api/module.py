@@ -349,14 +349,16 @@ _kinds_traced: dict = {}  # the trace now under way (compile id, attempt) -> the
 
 
 def _seen_kind(module: nn.Module) -> bool:
+    """Whether the trace under way already traced a block of `module`'s kind (its class, its
+    submodules' classes, its parameters' shapes and dtypes) inline; if not, it will now."""
     return _seen(module._fsdp_state.region_kind)
 
 
 @torch._dynamo.assume_constant_result
 def _seen(kind: str) -> bool:
-    """Whether the trace under way already traced a block of `module`'s kind (its class, its
-    submodules' classes, its parameters' shapes and dtypes) inline; if not, it will now. Run by
-    Dynamo as plain Python while it traces: [Note: Every block a compile region]."""
+    """`_seen_kind`, run by Dynamo as plain Python while it traces ([Note: Every block a compile
+    region]). It takes the kind, a constant, not the module: a module argument would leave a guard
+    on the block's identity, which fails Dynamo's reuse of the next block's region."""
     context = torch._guards.CompileContext.try_get()
     trace = (str(context.compile_id), context.attempt) if context is not None else None
     if trace not in _kinds_traced:
@@ -431,7 +433,10 @@ def _forward_region(module: nn.Module, every_block: bool, layout: str, *leaves):
     return _with_owners(module, state.region_owners, 0, unsharded, state.region_body(every_block), args, kwargs)
 
 
-def _with_owners(module, owners, at, unsharded, body, args, kwargs):
+def _with_owners(module: nn.Module, owners: tuple, at: int, unsharded: list, body: Callable, args, kwargs):
+    """`body(module, *args, **kwargs)` with the gathered tensors swapped into the owners from
+    `owners[at]` on, one owner per nested swap, which Dynamo takes as no side effect ([Note: Blocks
+    as compile regions] in runtime/traced.py)."""
     if at == len(owners):
         return body(module, *args, **kwargs)
     path, names = owners[at]
@@ -453,8 +458,8 @@ def _call_as_region(module: nn.Module, args: tuple, kwargs: dict, every_block: b
 # (no forward hooks of the user's, no forward set on the instance, plain tensors gathered) runs its
 # class's forward as a region, the collectives outside it, once the trace has traced one block of
 # its kind (class, submodules' classes, parameters' shapes and dtypes) inline. The whole step's
-# graph then holds one region body per kind, which AOTAutograd and Inductor compile once: what each
-# further layer costs is Dynamo's tracing, not AOTAutograd's and Inductor's.
+# graph then holds one region body per kind, which Dynamo traces once and AOTAutograd once: what
+# each further layer costs is tracing the collectives around it.
 # The first block of a kind goes inline because Dynamo refuses a graph break inside a region
 # (torch raises): a block that breaks the graph breaks it inline first, and then runs on the eager
 # hooks as it would without regions (the trace that continues after the break is a new one, whose
