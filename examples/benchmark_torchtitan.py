@@ -9,7 +9,8 @@ torchtitan's own (its data loader, chunked loss, selective activation checkpoint
 Rows: `fsdp2-compile` (torch's fully_shard, `model.compile()` of the whole model, Inductor),
 `fsdp2-blocks` (torch's fully_shard, torchtitan's `compile.enable`: each block and the loss compiled on
 their own, torchtitan's default way) and `scheduled` (fsdp_graph's fully_shard through
-`fsdp_graph.use_in_place_of_torch_fsdp()`, `model.compile(backend="fsdp_graph")`: the whole step).
+`fsdp_graph.use_in_place_of_torch_fsdp()`, `model.compile(backend="fsdp_graph")`: the whole step) and
+`every-block` (the same with `fsdp_graph.backend(regions="blocks")`: each block kind traced once).
 torchtitan's users compile its way (each block on its own), so the whole step is held against both
 FSDP2 rows. `--ac none` turns torchtitan's selective activation checkpointing (its default) off;
 `--ac selective-hashed` keeps it and gives each block's checkpoint `context_fn` the `cache_hash` torch asks
@@ -37,7 +38,8 @@ from bench_report import parse_rows, run_two_ranks, write_markdown  # noqa: E402
 HERE = os.path.abspath(__file__)
 NAMES = {"fsdp2-compile": "FSDP2, model.compile() (whole model)",
          "fsdp2-blocks": "FSDP2, torchtitan's compile.enable (blocks and loss)",
-         "scheduled": "ours, model.compile(backend=\"fsdp_graph\") (whole step)"}
+         "scheduled": "ours, model.compile(backend=\"fsdp_graph\") (whole step)",
+         "every-block": "ours, the same with fsdp_graph.backend(regions=\"blocks\")"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,7 +65,8 @@ def worker(args) -> None:
     import torch
 
     row = args.worker
-    if row == "scheduled":
+    ours = row in ("scheduled", "every-block")
+    if ours:
         import fsdp_graph
 
         fsdp_graph.use_in_place_of_torch_fsdp()
@@ -83,7 +86,7 @@ def worker(args) -> None:
     trainer = config.build()
     if args.ac == "selective-hashed":
         give_checkpoint_policies_a_hash(trainer.model_parts[0])
-    if row != "scheduled":
+    if not ours:
         torchtitan_on_cpu.sum_reductions_for_gloo(trainer.model_parts[0])
 
     step_ends = []
@@ -100,6 +103,10 @@ def worker(args) -> None:
         trainer.model_parts[0].compile()
     elif row == "scheduled":
         trainer.model_parts[0].compile(backend="fsdp_graph")
+    elif row == "every-block":
+        import fsdp_graph
+
+        trainer.model_parts[0].compile(backend=fsdp_graph.backend(regions="blocks"))
     trainer.train()
     if rank == 0:
         steps = [b - a for a, b in zip(step_ends[2:], step_ends[3:])]
