@@ -248,12 +248,15 @@ def _region_variant(rank, world_size, variant):
         block.__class__ = _RegionBlock
     shard_llama(traced, fully_shard, **kwargs)
     dump_dir = tempfile.mkdtemp()
-    backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=dump_dir, regions="blocks" if every_block else "marked")
+    budget = 1 << 34 if variant == "budget" else None  # room to keep every block unsharded
+    backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=dump_dir, regions="blocks" if every_block else "marked",
+                                 memory_budget_bytes=budget)
     compiled = torch.compile(traced, backend=backend)
     train_bitwise_like_eager(model, eager, traced, compiled, rank, world_size)
     regions = (Path(dump_dir) / "frame_0_0.forward.txt").read_text().count("= invoke_subgraph(")
+    regathers = (Path(dump_dir) / "frame_0_0.backward.txt").read_text().count("= _c10d_functional.all_gather_into_tensor(")
     _check_params_like_torch(model, traced, variant, rank, world_size)
-    return dict(traced._fsdp_state.ctx.fallbacks), counters["stats"]["unique_graphs"], regions
+    return dict(traced._fsdp_state.ctx.fallbacks), counters["stats"]["unique_graphs"], regions, regathers
 
 
 def _check_params_like_torch(model, trained, variant, rank, world_size, steps=2) -> None:
@@ -277,14 +280,21 @@ def _check_params_like_torch(model, trained, variant, rank, world_size, steps=2)
         torch.testing.assert_close(p.to_local(), expected[name].to_local(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("variant", ["bf16", "keep_unsharded", "checkpoint", "bf16, every block", "checkpoint, every block"])
+@pytest.mark.parametrize("variant", ["bf16", "keep_unsharded", "checkpoint", "bf16, every block", "checkpoint, every block",
+                                     "keep_unsharded, every block", "budget, every block"])
 def test_regions_with_other_settings(variant):
-    """Blocks as regions under mixed precision, reshard_after_forward=False and activation
-    checkpointing around each block: one graph, no fallback, the eager runtime's numbers bit for bit
-    (aot_eager), and the parameters torch's fully_shard trains with the same settings."""
-    fallbacks, graphs, regions = run_ranks(_region_variant, 2, variant)
+    """Blocks as regions under mixed precision, reshard_after_forward=False, activation
+    checkpointing around each block and a memory budget that keeps every block unsharded: one graph,
+    no fallback, the eager runtime's numbers bit for bit (aot_eager), and the parameters torch's
+    fully_shard trains with the same settings. Where the blocks stay unsharded (no resharding, or
+    selective unsharding), the backward gathers no region block again."""
+    fallbacks, graphs, regions, regathers = run_ranks(_region_variant, 2, variant)
     expected = 2 if variant.endswith("every block") else 3  # the first block inline: [Note: Every block a compile region]
     assert fallbacks == {} and graphs == 1 and regions == expected, (fallbacks, graphs, regions)
+    if variant.startswith(("keep_unsharded", "budget")):
+        assert regathers == 0, regathers
+    else:
+        assert regathers > 0, regathers  # the blocks reshard after forward
 
 
 def _block_scope_variant(rank, world_size, variant):

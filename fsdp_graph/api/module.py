@@ -465,8 +465,8 @@ def _call_as_region(module: nn.Module, args: tuple, kwargs: dict, every_block: b
 # hooks as it would without regions (the trace that continues after the break is a new one, whose
 # first block of that kind again goes inline). A later block of the same kind whose code takes
 # another path that breaks (Python branching on a block's own attribute) would still hit torch's
-# error. As with marked regions, the backward gathers each region block again rather than keeping
-# its weights from forward (selective unsharding applies to the inline blocks only).
+# error. Region blocks reshard after forward, stay unsharded, or are kept by a memory budget's
+# selective unsharding as inline blocks are (tests/test_compile_blocks.py).
 # `_seen_kind` keeps its record per trace: Dynamo runs it as plain Python while tracing
 # (`assume_constant_result`), and a restarted trace (a graph break found) starts a new record.
 
