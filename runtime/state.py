@@ -311,7 +311,7 @@ class FSDPState:
         # Plain constants, so that Dynamo can reuse one block's region for the next
         # ([Note: Blocks as compile regions] in runtime/traced.py).
         self.region_owners = _owners_by_path(modules[0], group) if group is not None and len(modules) == 1 else None
-        self.region_kind = _kind_of(modules[0])
+        self.region_kind = _kind_of(modules[0]) if self.region_owners is not None else None
         # Set by `FSDPModule.compile`: the module's compiled call is its whole `__call__`.
         self.compiled_in_place = False
         traced.trace_hooks_inside_checkpoint()
