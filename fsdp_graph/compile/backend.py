@@ -10,6 +10,7 @@ partitioner (fsdp_graph/compile/partition.py), and hands forward and backward to
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -32,6 +33,7 @@ from .cache_key import (
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
 from .pieces import compile_in_pieces
+from .region_schema import region_schemas_once
 from ..passes.nodes import fsdp_meta, is_backward_graph, is_region_call
 from ..passes.pipeline import GraphPass, PassPipeline
 from ..passes.async_tp import async_tp_on_cuda
@@ -302,29 +304,38 @@ class FSDPGraphBackend:
         logger.debug("fsdp_graph::compile (%s) with %s", graph_id, self.config.compiler.value)
         if dump is not None:
             dump.write_graph(gm, f"{graph_id}.dynamo")
-        if self.config.compiler is Compiler.AOT_EAGER:
-            compiled = self._aot_eager(gm, example_inputs, graph_id, dump, order)
-        else:
-            from torch._inductor.compile_fx import compile_fx
-
-            patches = self.inductor_patches(gm, example_inputs, graph_id, dump, order)
-            inner, aot_config = _inner_compile, {}
-            if self.config.pieces and _pieces_apply(gm):  # [Note: Pieces between the collectives] in compile/pieces.py
-                schedule_pass = patches["post_grad_custom_post_pass"]
-                # the passes run in `compile_in_pieces`, their key stays in the caches' keys
-                patches["post_grad_custom_post_pass"] = KeyOnly(schedule_pass.uuid())
-                schedule_pass.lower = self._pipeline(Stage.LOWER, self.config.resolved_options(), dump, skip={"pin_order"})
-                inner = functools.partial(_inner_compile, compile_fx_inner=functools.partial(compile_in_pieces, schedule_pass))
-                # [Note: A step of pieces in AOTAutograd's cache]: stored bundled, and the backward
-                # compiled with the forward, so that the entry is saved while these settings hold.
-                aot_config = {"bundled_autograd_cache": True, "force_non_lazy_backward_lowering": True}
-            elif any(is_region_call(n) for n in gm.graph.nodes):  # torch 2.13 reuses a region's buffers wrongly
-                patches["allow_buffer_reuse"] = False  # on CPU: examples/repro/nested_region_inductor_grads.py
-            with stable_cache_keys(), functorch_config.patch(aot_config):  # see [Note: Rank-independent cache keys]
-                compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+        has_regions = any(is_region_call(n) for n in gm.graph.nodes)
+        # [Note: A region's schema once per body] in compile/region_schema.py
+        with region_schemas_once() if has_regions else contextlib.nullcontext():
+            compiled = self._compile_with(gm, example_inputs, graph_id, dump, order, has_regions)
         if dump is None:
             return compiled
         return _RecordFallbacks(compiled, owners, dump)
+
+    def _compile_with(
+        self, gm: GraphModule, example_inputs: list, graph_id: str, dump: Optional[GraphDump],
+        order: Optional[FrameWireOrder], has_regions: bool,
+    ) -> Callable:
+        """`_compile`'s AOTAutograd and inner compiler: `aot_eager`, or Inductor (in pieces where they apply)."""
+        if self.config.compiler is Compiler.AOT_EAGER:
+            return self._aot_eager(gm, example_inputs, graph_id, dump, order)
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = self.inductor_patches(gm, example_inputs, graph_id, dump, order)
+        inner, aot_config = _inner_compile, {}
+        if self.config.pieces and _pieces_apply(gm):  # [Note: Pieces between the collectives] in compile/pieces.py
+            schedule_pass = patches["post_grad_custom_post_pass"]
+            # the passes run in `compile_in_pieces`, their key stays in the caches' keys
+            patches["post_grad_custom_post_pass"] = KeyOnly(schedule_pass.uuid())
+            schedule_pass.lower = self._pipeline(Stage.LOWER, self.config.resolved_options(), dump, skip={"pin_order"})
+            inner = functools.partial(_inner_compile, compile_fx_inner=functools.partial(compile_in_pieces, schedule_pass))
+            # [Note: A step of pieces in AOTAutograd's cache]: stored bundled, and the backward
+            # compiled with the forward, so that the entry is saved while these settings hold.
+            aot_config = {"bundled_autograd_cache": True, "force_non_lazy_backward_lowering": True}
+        elif has_regions:  # torch 2.13 reuses a region's buffers wrongly
+            patches["allow_buffer_reuse"] = False  # on CPU: examples/repro/nested_region_inductor_grads.py
+        with stable_cache_keys(), functorch_config.patch(aot_config):  # see [Note: Rank-independent cache keys]
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
     def _pipeline(
         self, stage: Stage, resolved: dict[str, Any], dump: Optional[GraphDump], skip: frozenset[str] = frozenset()
