@@ -402,10 +402,10 @@ class _ScaledBlock(torch.nn.Module):
 
 def _every_block_traced_once(rank, world_size):
     """regions="blocks" on 6 blocks of one kind, then on 10 blocks that differ by a number their
-    forward reads: (region calls Dynamo traced, region calls it reused, loss, reference loss) each."""
+    forward reads: (region calls Dynamo traced, region calls it reused, times torch built a region's
+    schema, loss, reference loss) each."""
     from _models import MLPStack, check_grads_match
     from torch._dynamo.utils import compilation_time_metrics
-
     from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
 
     gen_schema, schemas = InvokeSubgraphHOP.gen_schema, []
