@@ -455,6 +455,6 @@ def test_every_block_region_traced_once_by_dynamo():
     assert (traced, reused) == (1, 4), (traced, reused)
     assert (s_traced, s_reused) == (9, 0), (s_traced, s_reused)
     # AOTAutograd's schema of the one region body: built once per pass over the step, not once per
-    # call ([Note: A region's schema once per body] in fsdp_graph/compile/region_schema.py; 17 without it)
+    # call ([Note: A region's schema once per body] in fsdp_graph/compile/region_schema.py)
     assert 1 <= schemas <= 3, schemas
     assert loss == pytest.approx(ref, rel=1e-5) and s_loss == pytest.approx(s_ref, rel=1e-5)

@@ -6,9 +6,8 @@ with a mutated input, and `invoke_subgraph` builds that schema by tracing the re
 (`InvokeSubgraphHOP.gen_schema`). AOTAutograd runs the step's forward more than once (its metadata
 pass, its subclass pass, the joint trace), so a step whose blocks are regions traces every block's
 body again two or three times, although Dynamo traced the body once and AOTAutograd's joint trace
-reuses it: a third of what each further layer costs AOTAutograd (HF Llama, `aot_eager`). Torch
-alone: `python examples/repro/region_schema_per_call.py` (32 such traces for 16 plain blocks, a
-fifth of the first step).
+reuses it (docs/benchmarks.md, "Regions that Dynamo traces once", has what it costs). Torch alone:
+`python examples/repro/region_schema_per_call.py`.
 
 The schema depends on the body and the kinds of the operands (tensor or number, and a tensor's
 dtype, device, rank and whether it needs a gradient), not on which block calls it; so while our
