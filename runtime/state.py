@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import weakref
 from enum import Enum, auto
@@ -307,11 +308,15 @@ class FSDPState:
         # inside the step's graph when `traces_as_region()` ([Note: Blocks as compile regions]).
         self.region_forward: Optional[Callable] = None
         # For a traced region: each submodule of the module holding this group's parameters, by its
-        # path under the module, with (attribute, parameter index) pairs; and the module's kind.
-        # Plain constants, so that Dynamo can reuse one block's region for the next
-        # ([Note: Blocks as compile regions] in runtime/traced.py).
+        # path under the module, with (attribute, parameter index) pairs: plain constants, so that
+        # Dynamo can reuse one block's region for the next ([Note: Blocks as compile regions] in
+        # runtime/traced.py). And a number by which a traced call names this state to plain Python
+        # (`region_state`), which tells the block's kind ([Note: Every block a compile region]).
         self.region_owners = _owners_by_path(modules[0], group) if group is not None and len(modules) == 1 else None
-        self.region_kind = _kind_of(modules[0]) if self.region_owners is not None else None
+        self.region_id = None
+        if self.region_owners is not None:
+            self.region_id = next(_region_ids)
+            _region_states[self.region_id] = self
         # Set by `FSDPModule.compile`: the module's compiled call is its whole `__call__`.
         self.compiled_in_place = False
         traced.trace_hooks_inside_checkpoint()
@@ -804,10 +809,32 @@ def _owners_by_path(module: nn.Module, group: ParamGroup) -> Optional[tuple[tupl
     return tuple((path, tuple(slots)) for path, slots in owners.items())
 
 
-def _kind_of(module: nn.Module) -> str:
-    """What blocks of one kind share: classes and parameter shapes and dtypes."""
-    classes = ",".join(f"{type(m).__module__}.{type(m).__qualname__}" for m in module.modules())
-    return f"{classes};{[(tuple(p.shape), p.dtype) for p in module.parameters()]}"
+_region_ids = itertools.count()
+_region_states: "weakref.WeakValueDictionary[int, FSDPState]" = weakref.WeakValueDictionary()
+
+
+def region_state(region_id: int) -> Optional[FSDPState]:
+    """The state whose `region_id` this is, while it lives."""
+    return _region_states.get(region_id)
+
+
+_FLAG_TYPES = (bool, str, type(None), Enum)
+
+
+def kind_of(module: nn.Module) -> str:
+    """What blocks of one kind share, as they are now: the classes of their submodules, the Python
+    flags those hold (each bool, string, None or enum attribute, which code branches on; of a number
+    only its type, as a layer index differs from block to block), and the parameters' shapes and
+    dtypes ([Note: Every block a compile region] in fsdp_graph/api/module.py)."""
+    parts = []
+    for path, m in module.named_modules():
+        flags = [
+            f"{name}={value!r}" if isinstance(value, _FLAG_TYPES) else f"{name}:{type(value).__name__}"
+            for name, value in vars(m).items()
+            if isinstance(value, _FLAG_TYPES + (int, float))
+        ]
+        parts.append(f"{path}:{type(m).__module__}.{type(m).__qualname__}({','.join(flags)})")
+    return f"{';'.join(parts)};{[(tuple(p.shape), p.dtype) for p in module.parameters()]}"
 
 
 class _OwnerCheck:

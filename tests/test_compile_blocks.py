@@ -458,3 +458,87 @@ def test_every_block_region_traced_once_by_dynamo():
     # call ([Note: A region's schema once per body] in fsdp_graph/compile/region_schema.py)
     assert 1 <= schemas <= 3, schemas
     assert loss == pytest.approx(ref, rel=1e-5) and s_loss == pytest.approx(s_ref, rel=1e-5)
+
+
+class _VariedBlock(torch.nn.Module):
+    """Blocks of one class that regions="blocks" must not trip over: `variant` says how they
+    differ from a plain block (see `test_every_block_region_where_blocks_differ`)."""
+
+    def __init__(self, i: int, variant: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.variant = variant
+        self.layer_type = "global" if i % 2 else "local"  # as Gemma's sliding and global layers
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        if self.variant == "flag" and self.layer_type == "global":
+            torch._dynamo.graph_break()  # only the odd blocks break the graph
+        if self.variant == "buffer":
+            self.calls.add_(1)  # a buffer changed in place, as BatchNorm's statistics are
+        if self.variant == "input_in_place":
+            x.mul_(0.5)  # the block's input changed in place
+        return x + torch.tanh(self.lin(x)) * mask, mask  # the mask passed through, as it came
+
+
+class _VariedStack(torch.nn.Module):
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList(_VariedBlock(i, variant) for i in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, mask = self.inp(x), (x[:, :1] > 0).to(x.dtype)
+        for block in self.blocks:
+            x, mask = block(x, mask)
+        return x.square().mean()
+
+
+def _blocks_that_differ(rank, world_size, variant):
+    """Two AdamW steps of `_VariedStack(variant)` under regions="blocks", and of the unsharded
+    model on the global batch: (losses, reference losses, gradients match, buffer counts, reference
+    counts, region calls Dynamo traced or reused)."""
+    from _models import check_grads_match
+    from torch._dynamo.utils import compilation_time_metrics
+
+    torch._dynamo.reset()
+    compilation_time_metrics.clear()
+    torch.manual_seed(0)
+    model = _VariedStack(variant)
+    reference = copy.deepcopy(model)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    compiled = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", regions="blocks"))
+    optimizer, ref_optimizer = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
+    losses, ref_losses = [], []
+    for step in range(2):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        loss = compiled(x.chunk(world_size)[rank])
+        loss.backward()
+        ref_loss = reference(x)
+        ref_loss.backward()
+        check_grads_match(model, reference)
+        losses.append(global_mean(loss))
+        ref_losses.append(ref_loss.item())
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    regions = sum(len(compilation_time_metrics.get(f"invoke_subgraph_{what}", [])) for what in ("trace", "reuse_stamp_out"))
+    counts = [int(b.calls) for b in model.blocks], [int(b.calls) for b in reference.blocks]
+    return losses, ref_losses, *counts, regions
+
+
+@pytest.mark.parametrize("variant", ["flag", "pass_through", "buffer", "input_in_place"])
+def test_every_block_region_where_blocks_differ(variant):
+    """regions="blocks" trains where the inline step does ([Note: Every block a compile region]):
+    blocks whose string attribute sends every other one into a graph break (each kind's first
+    block goes inline, so the break is met outside a region), blocks that hand an input back
+    (copied at the region's end), and blocks that change a buffer or their input in place, which
+    AOTAutograd refuses in a region (the graph compiles again with its regions inline). Losses and
+    gradients as the unsharded model's on the global batch; buffers as its."""
+    losses, ref_losses, counts, ref_counts, regions = run_ranks(_blocks_that_differ, 2, variant)
+    assert losses == pytest.approx(ref_losses, rel=1e-5), (losses, ref_losses)
+    assert counts == ref_counts, (counts, ref_counts)
+    if variant == "pass_through":
+        assert regions == 2, regions  # blocks 2 and 3 (the first local and global ones go inline): the mask passed through is no obstacle

@@ -17,7 +17,7 @@ import torch.nn as nn
 from .scope import traced_regions, traced_scope
 from ..runtime.custom_comms import AllGather, ReduceScatter
 from ..runtime import traced
-from ..runtime.state import FSDPState
+from ..runtime.state import FSDPState, kind_of, region_state
 
 logger = logging.getLogger(__name__)
 
@@ -340,7 +340,7 @@ def _traced_call(module: nn.Module, args: tuple, kwargs: dict):
         if module._fsdp_state.traces_as_region():
             return _call_as_region(module, args, kwargs, every_block=False)  # [Note: Blocks as compile regions]
         return _call_around_compiled_body(module, args, kwargs)  # [Note: Compile regions under fully_shard]
-    if traced_regions() == "blocks" and module._fsdp_state.traces_as_region(every_block=True) and _seen_kind(module):
+    if traced_regions() == "blocks" and module._fsdp_state.traces_as_region(every_block=True) and _seen_kind(module, args, kwargs):
         return _call_as_region(module, args, kwargs, every_block=True)  # [Note: Every block a compile region]
     return _call_hooks_and_forward(module, args, kwargs)
 
@@ -348,22 +348,24 @@ def _traced_call(module: nn.Module, args: tuple, kwargs: dict):
 _kinds_traced: dict = {}  # the trace now under way (compile id, attempt) -> the kinds of block it traced inline
 
 
-def _seen_kind(module: nn.Module) -> bool:
-    """Whether the trace under way already traced a block of `module`'s kind (its class, its
-    submodules' classes, its parameters' shapes and dtypes) inline; if not, it will now."""
-    return _seen(module._fsdp_state.region_kind)
+def _seen_kind(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the trace under way already traced a block of `module`'s kind (`kind_of`), called
+    with arguments of the same layout (`_flat_call`), inline; if not, it will now."""
+    return _seen(module._fsdp_state.region_id, _flat_call([], args, kwargs)[0])
 
 
 @torch._dynamo.assume_constant_result
-def _seen(kind: str) -> bool:
+def _seen(region_id: int, layout: str) -> bool:
     """`_seen_kind`, run by Dynamo as plain Python while it traces ([Note: Every block a compile
-    region]). It takes the kind, a constant, not the module: a module argument would leave a guard
-    on the block's identity, which fails Dynamo's reuse of the next block's region."""
+    region]). It takes constants, not the module: a module argument would leave a guard on the
+    block's identity, which fails Dynamo's reuse of the next block's region. So the kind is read
+    here, from the block as it is now, outside the trace."""
     context = torch._guards.CompileContext.try_get()
     trace = (str(context.compile_id), context.attempt) if context is not None else None
     if trace not in _kinds_traced:
         _kinds_traced.clear()  # one trace at a time: only the one under way is kept
         _kinds_traced[trace] = set()
+    kind = (kind_of(region_state(region_id).modules[0]), layout)
     seen = kind in _kinds_traced[trace]
     _kinds_traced[trace].add(kind)
     return seen
@@ -430,7 +432,19 @@ def _forward_region(module: nn.Module, every_block: bool, layout: str, *leaves):
     arguments come flat, `layout` telling how to rebuild them (`_flat_call`)."""
     state = module._fsdp_state
     unsharded, args, kwargs = _rebuild(layout, leaves)
-    return _with_owners(module, state.region_owners, 0, unsharded, state.region_body(every_block), args, kwargs)
+    output = _with_owners(module, state.region_owners, 0, unsharded, state.region_body(every_block), args, kwargs)
+    return _not_an_input(output, leaves)
+
+
+def _not_an_input(output, inputs: tuple):
+    """The region's output, where it hands back one of its inputs (a block that passes a mask
+    through), a copy of it: torch refuses a region whose output is its input. Tensors at the top
+    level and in a tuple or list; Dynamo traces this once per region body, not per block."""
+    if isinstance(output, torch.Tensor):
+        return output.clone() if any(output is value for value in inputs) else output
+    if type(output) in (tuple, list):
+        return type(output)(_not_an_input(value, inputs) if isinstance(value, torch.Tensor) else value for value in output)
+    return output
 
 
 def _with_owners(module: nn.Module, owners: tuple, at: int, unsharded: list, body: Callable, args, kwargs):
@@ -457,16 +471,23 @@ def _call_as_region(module: nn.Module, args: tuple, kwargs: dict, every_block: b
 # with no change to the model's classes: a block that is a group of its own and qualifies there
 # (no forward hooks of the user's, no forward set on the instance, plain tensors gathered) runs its
 # class's forward as a region, the collectives outside it, once the trace has traced one block of
-# its kind (class, submodules' classes, parameters' shapes and dtypes) inline. The whole step's
-# graph then holds one region body per kind, which Dynamo traces once and AOTAutograd once: what
-# each further layer costs is tracing the collectives around it.
+# its kind inline. The whole step's graph then holds one region body per kind, which Dynamo traces
+# once and AOTAutograd once: what each further layer costs is tracing the collectives around it.
 # The first block of a kind goes inline because Dynamo refuses a graph break inside a region
 # (torch raises): a block that breaks the graph breaks it inline first, and then runs on the eager
 # hooks as it would without regions (the trace that continues after the break is a new one, whose
-# first block of that kind again goes inline). A later block of the same kind whose code takes
-# another path that breaks (Python branching on a block's own attribute) would still hit torch's
-# error. Region blocks reshard after forward, stay unsharded, or are kept by a memory budget's
-# selective unsharding as inline blocks are (tests/test_compile_blocks.py).
+# first block of that kind again goes inline). So the kind holds what a block's code may branch on:
+# `kind_of` in runtime/state.py (classes, the Python flags of every submodule: bools, strings, None,
+# enums; parameter shapes), read from the block at the call, and the layout of the call's
+# arguments. Blocks that differ there (Gemma's sliding and global layers) are kinds apart, each
+# with its first block inline. Numbers are no part of it (a layer index differs in every block),
+# so a later block whose code branches on a number of its own into a graph break, or on global
+# state, still meets torch's error inside its region; so does one that returns a view of its input
+# (torch refuses outputs that alias inputs; an input handed back as it is gets copied,
+# `_not_an_input`). What AOTAutograd refuses in a region, a buffer or input changed in place,
+# compiles inline instead: [Note: Regions that do not compile] in fsdp_graph/compile/backend.py.
+# Region blocks reshard after forward, stay unsharded, or are kept by a memory budget's selective
+# unsharding as inline blocks are (tests/test_compile_blocks.py).
 # `_seen_kind` keeps its record per trace: Dynamo runs it as plain Python while tracing
 # (`assume_constant_result`), and a restarted trace (a graph break found) starts a new record.
 

@@ -305,9 +305,26 @@ class FSDPGraphBackend:
         if dump is not None:
             dump.write_graph(gm, f"{graph_id}.dynamo")
         has_regions = any(is_region_call(n) for n in gm.graph.nodes)
-        # [Note: A region's schema once per body] in compile/region_schema.py
-        with region_schemas_once() if has_regions else contextlib.nullcontext():
-            compiled = self._compile_with(gm, example_inputs, graph_id, dump, order, has_regions)
+        try:
+            # [Note: A region's schema once per body] in compile/region_schema.py
+            with region_schemas_once() if has_regions else contextlib.nullcontext():
+                compiled = self._compile_with(gm, example_inputs, graph_id, dump, order, has_regions)
+        except Exception as error:
+            if not has_regions:
+                raise
+            # [Note: Regions that do not compile]
+            # AOTAutograd refuses some regions Dynamo took: one that changes a buffer or an input
+            # in place in training (BatchNorm's running statistics), and torch may refuse others.
+            # Inlined, the same code is an ordinary part of the step, as without regions.
+            logger.warning(
+                "fsdp_graph::regions (%s): the graph's compile regions did not compile (%s: %s); "
+                "compiling them inline", graph_id, type(error).__name__, str(error).splitlines()[0] if str(error) else "",
+            )
+            from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
+
+            gm = inline_invoke_subgraph(gm)
+            gm.recompile()
+            compiled = self._compile_with(gm, example_inputs, graph_id, dump, order, False)
         if dump is None:
             return compiled
         return _RecordFallbacks(compiled, owners, dump)
