@@ -8,6 +8,7 @@ numbers and parameter names, and compile the block's code once for all blocks. 2
 `aot_eager`.
 """
 
+import contextlib
 import copy
 import json
 import re
@@ -18,6 +19,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _compile_helpers import collective_groups, dumped_graphs, train_bitwise_like_eager
 from _harness import run_ranks
@@ -481,6 +483,21 @@ class _VariedBlock(torch.nn.Module):
         return x + torch.tanh(self.lin(x)) * mask, mask  # the mask passed through, as it came
 
 
+class _MatmulFlops(TorchDispatchMode):
+    """A user's TorchDispatchMode: counts the FLOPs of the matrix products it sees, and handles no
+    higher-order operator (a compile region's call would raise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            a, b = args[-2:]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
 class _VariedStack(torch.nn.Module):
     def __init__(self, variant: str) -> None:
         super().__init__()
@@ -511,13 +528,17 @@ def _blocks_that_differ(rank, world_size, variant):
     fully_shard(model)
     compiled = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", regions="blocks"))
     optimizer, ref_optimizer = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
-    losses, ref_losses = [], []
+    losses, ref_losses, flops = [], [], []
     for step in range(2):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
-        loss = compiled(x.chunk(world_size)[rank])
-        loss.backward()
-        ref_loss = reference(x)
-        ref_loss.backward()
+        outputs = []
+        for run, inputs in ((compiled, x.chunk(world_size)[rank]), (reference, x)):
+            outputs.append(run(inputs))
+            # a user's TorchDispatchMode around the backward of a compiled step, as a FLOP count is
+            with _MatmulFlops() if variant == "dispatch_mode" and step else contextlib.nullcontext() as counter:
+                outputs[-1].backward()
+            flops.append(counter.flops if counter is not None else 0)
+        loss, ref_loss = outputs
         check_grads_match(model, reference)
         losses.append(global_mean(loss))
         ref_losses.append(ref_loss.item())
@@ -526,19 +547,24 @@ def _blocks_that_differ(rank, world_size, variant):
             opt.zero_grad()
     regions = sum(len(compilation_time_metrics.get(f"invoke_subgraph_{what}", [])) for what in ("trace", "reuse_stamp_out"))
     counts = [int(b.calls) for b in model.blocks], [int(b.calls) for b in reference.blocks]
-    return losses, ref_losses, *counts, regions
+    return losses, ref_losses, *counts, regions, flops
 
 
-@pytest.mark.parametrize("variant", ["flag", "pass_through", "buffer", "input_in_place"])
+@pytest.mark.parametrize("variant", ["flag", "pass_through", "buffer", "input_in_place", "dispatch_mode"])
 def test_every_block_region_where_blocks_differ(variant):
     """regions="blocks" trains where the inline step does ([Note: Every block a compile region]):
     blocks whose string attribute sends every other one into a graph break (each kind's first
     block goes inline, so the break is met outside a region), blocks that hand an input back
     (copied at the region's end), and blocks that change a buffer or their input in place, which
     AOTAutograd refuses in a region (the graph compiles again with its regions inline). Losses and
-    gradients as the unsharded model's on the global batch; buffers as its."""
-    losses, ref_losses, counts, ref_counts, regions = run_ranks(_blocks_that_differ, 2, variant)
+    gradients as the unsharded model's on the global batch; buffers as its. And a step under a user's
+    TorchDispatchMode (a FLOP count of the backward), which refuses a region's call: the regions are
+    inlined once our passes scheduled the step, so the mode counts half the unsharded model's
+    backward FLOPs on the global batch."""
+    losses, ref_losses, counts, ref_counts, regions, flops = run_ranks(_blocks_that_differ, 2, variant)
     assert losses == pytest.approx(ref_losses, rel=1e-5), (losses, ref_losses)
     assert counts == ref_counts, (counts, ref_counts)
     if variant == "pass_through":
         assert regions == 2, regions  # blocks 2 and 3 (the first local and global ones go inline): the mask passed through is no obstacle
+    if variant == "dispatch_mode":
+        assert regions == 2 and flops[2] > 0 and flops[2] * 2 == flops[3], (regions, flops)

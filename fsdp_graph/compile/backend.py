@@ -32,7 +32,7 @@ from .cache_key import (
 )
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
-from .pieces import compile_in_pieces
+from .pieces import compile_in_pieces, inline_regions
 from .region_schema import region_schemas_once
 from ..passes.nodes import fsdp_meta, is_backward_graph, is_region_call
 from ..passes.pipeline import GraphPass, PassPipeline
@@ -320,10 +320,7 @@ class FSDPGraphBackend:
                 "fsdp_graph::regions (%s): the graph's compile regions did not compile (%s: %s); "
                 "compiling them inline", graph_id, type(error).__name__, str(error).splitlines()[0] if str(error) else "",
             )
-            from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
-
-            gm = inline_invoke_subgraph(gm)
-            gm.recompile()
+            gm = inline_regions(gm)
             compiled = self._compile_with(gm, example_inputs, graph_id, dump, order, False)
         if dump is None:
             return compiled
@@ -375,7 +372,7 @@ class FSDPGraphBackend:
             def compile_graph(graph: GraphModule, _inputs):
                 _log_graph(graph_id, kind, graph, dump)
                 graph = _schedule(schedule, lower, graph_id, kind, graph, dump, order)
-                return make_boxed_func(graph.forward)
+                return make_boxed_func(inline_regions(graph).forward)
 
             return compile_graph
 

@@ -40,6 +40,7 @@ from torch._inductor.output_code import OutputCode
 from torch._inductor.utils import BoxedBool
 
 from .cache_key import KeyOnly, own_sources_digest
+from ..passes.nodes import is_region_call
 
 logger = logging.getLogger(__name__)
 
@@ -389,6 +390,19 @@ def _local_rank() -> tuple[int, int]:
     return int(os.environ.get("LOCAL_RANK", torch.distributed.get_rank())) % size, size
 
 
+def inline_regions(gm: GraphModule) -> GraphModule:
+    """`gm` with the bodies of its compile regions in place of their calls, once our passes have
+    scheduled the step ([Note: Blocks as compile regions] in runtime/traced.py): what runs is plain
+    ops, which a user's TorchDispatchMode sees as it sees any step, where the region call itself is
+    an operator such modes refuse."""
+    from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
+
+    if any(is_region_call(node) for node in gm.graph.nodes):
+        inline_invoke_subgraph(gm)
+        gm.recompile()
+    return gm
+
+
 def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
     """Inductor's inner compiler for a scheduled graph in pieces: `schedule` runs our scheduling and
     lowering passes on the graph (without `pin_order`), then each distinct piece goes through
@@ -406,10 +420,8 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
-    from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
     schedule(gm.graph)
-    inline_invoke_subgraph(gm)  # regions' bodies into the graph: [Note: Blocks as compile regions] in runtime/traced.py
-    gm.recompile()
+    inline_regions(gm)
     _propagate_new_values(gm, example_inputs)
     # Our passes ran on the step: their keys (the joint pass's holds this rank's shard shapes) are no
     # part of a piece's, so that ranks with the same piece share its cache entry. It holds our
