@@ -451,10 +451,12 @@ def _cast_output(state: TracedState, output: Any) -> Any:
 # AOTAutograd's tracing of every block.
 
 
-def region_pre_forward(state: TracedState, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], tuple, dict]:
+def region_pre_forward(state: TracedState, inputs: list) -> tuple[list[torch.Tensor], list]:
     """Traced pre-forward of a block traced as a region: its gathered tensors (not installed) and
-    the cast inputs. See [Note: Blocks as compile regions]."""
-    return (unshard(state.group), *_cast_inputs(state, args, kwargs))
+    its inputs (the call's arguments, flat), cast. See [Note: Blocks as compile regions]."""
+    if state.mp_policy.param_dtype is not None and state.mp_policy.cast_forward_inputs:
+        inputs = cast_floats(inputs, state.mp_policy.param_dtype)
+    return unshard(state.group), inputs
 
 
 def region_post_forward(state: TracedState, output: Any) -> Any:

@@ -338,25 +338,23 @@ def _traced_call(module: nn.Module, args: tuple, kwargs: dict):
         return _call_on_eager_hooks(module, args, kwargs)  # [Note: Groups that stay on the eager hooks]
     if module._fsdp_state.hooks_around_compiled_body is not None:
         if module._fsdp_state.traces_as_region():
-            return _call_as_region(module, args, kwargs, every_block=False)  # [Note: Blocks as compile regions]
+            return _call_as_region(module, *_flat_call(args, kwargs), every_block=False)  # [Note: Blocks as compile regions]
         return _call_around_compiled_body(module, args, kwargs)  # [Note: Compile regions under fully_shard]
-    if traced_regions() == "blocks" and module._fsdp_state.traces_as_region(every_block=True) and _seen_kind(module, args, kwargs):
-        return _call_as_region(module, args, kwargs, every_block=True)  # [Note: Every block a compile region]
+    if traced_regions() == "blocks" and module._fsdp_state.traces_as_region(every_block=True):
+        layout, leaves = _flat_call(args, kwargs)
+        if _seen(module._fsdp_state.region_id, layout):  # a block of its kind traced inline already
+            return _call_as_region(module, layout, leaves, every_block=True)  # [Note: Every block a compile region]
     return _call_hooks_and_forward(module, args, kwargs)
 
 
 _kinds_traced: dict = {}  # the trace now under way (compile id, attempt) -> the kinds of block it traced inline
 
 
-def _seen_kind(module: nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Whether the trace under way already traced a block of `module`'s kind (`kind_of`), called
-    with arguments of the same layout (`_flat_call`), inline; if not, it will now."""
-    return _seen(module._fsdp_state.region_id, _flat_call([], args, kwargs)[0])
-
-
 @torch._dynamo.assume_constant_result
 def _seen(region_id: int, layout: str) -> bool:
-    """`_seen_kind`, run by Dynamo as plain Python while it traces ([Note: Every block a compile
+    """Whether the trace under way already traced a block of this kind (`kind_of` of the block of
+    the state `region_id` names), called with arguments of this layout (`_flat_call`), inline; if
+    not, it will now. Dynamo runs it as plain Python while it traces ([Note: Every block a compile
     region]). It takes constants, not the module: a module argument would leave a guard on the
     block's identity, which fails Dynamo's reuse of the next block's region. So the kind is read
     here, from the block as it is now, outside the trace."""
@@ -458,11 +456,12 @@ def _with_owners(module: nn.Module, owners: tuple, at: int, unsharded: list, bod
         return _with_owners(module, owners, at + 1, unsharded, body, args, kwargs)
 
 
-def _call_as_region(module: nn.Module, args: tuple, kwargs: dict, every_block: bool):
+def _call_as_region(module: nn.Module, layout: str, leaves: list, every_block: bool):
+    """The call, its arguments flat (`_flat_call`), as a region over the gathered tensors."""
     state = module._fsdp_state
-    unsharded, args, kwargs = traced.region_pre_forward(state, args, kwargs)
-    layout, leaves = _flat_call(unsharded, args, kwargs)
-    return traced.region_post_forward(state, _forward_region(module, every_block, layout, *leaves))
+    unsharded, leaves = traced.region_pre_forward(state, leaves)
+    layout = ";".join([str(len(unsharded)), layout]) if layout else str(len(unsharded))
+    return traced.region_post_forward(state, _forward_region(module, every_block, layout, *unsharded, *leaves))
 
 
 # [Note: Every block a compile region]
@@ -488,7 +487,7 @@ def _call_as_region(module: nn.Module, args: tuple, kwargs: dict, every_block: b
 # compiles inline instead: [Note: Regions that do not compile] in fsdp_graph/compile/backend.py.
 # Region blocks reshard after forward, stay unsharded, or are kept by a memory budget's selective
 # unsharding as inline blocks are (tests/test_compile_blocks.py).
-# `_seen_kind` keeps its record per trace: Dynamo runs it as plain Python while tracing
+# `_seen` keeps its record per trace: Dynamo runs it as plain Python while tracing
 # (`assume_constant_result`), and a restarted trace (a graph break found) starts a new record.
 
 
@@ -506,8 +505,10 @@ def _is_leaf(value) -> bool:
     return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
 
 
-def _flat_call(unsharded: list, args: tuple, kwargs: dict) -> tuple[str, list]:
-    fields, leaves = [str(len(unsharded))], list(unsharded)
+def _flat_call(args: tuple, kwargs: dict) -> tuple[str, list]:
+    """A call's arguments as (the layout of their fields, the leaves); the region's layout puts the
+    number of gathered tensors first."""
+    fields, leaves = [], []
 
     def add(kind: str, name: str, value) -> None:
         if _is_leaf(value):
