@@ -6,6 +6,7 @@ then loaded from AOTAutograd's cache ([Note: A step of pieces in AOTAutograd's c
 import copy
 import os
 
+import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
@@ -19,13 +20,13 @@ from _models import check_grads_match, check_params_match, global_mean, shard_ll
 from fsdp_graph import fully_shard
 
 
-def _train(reference, rank, world_size, lengths):
+def _train(reference, rank, world_size, lengths, regions="marked"):
     """AdamW steps over `lengths` of the unsharded `reference` and of its copy sharded and compiled
     in pieces, on the same global batches: the losses and gradients every step, then the parameters."""
     model = shard_llama(copy.deepcopy(reference), fully_shard)
     # auto_bucket off: every block keeps its own all-gather and reduce-scatter, so that each block's
     # computation is a piece of its own (auto_bucket merges the tiny blocks' buckets).
-    compiled = torch.compile(model, backend=fsdp_graph.backend(disabled_passes={"auto_bucket"}))
+    compiled = torch.compile(model, backend=fsdp_graph.backend(disabled_passes={"auto_bucket"}, regions=regions))
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
     per_rank = 2
     for step, length in enumerate(lengths):
@@ -47,24 +48,27 @@ def _train(reference, rank, world_size, lengths):
     assert dict(model._fsdp_state.ctx.fallbacks) == {}, model._fsdp_state.ctx.fallbacks
 
 
-def _compile_then_load(rank, world_size, cache_dir):
+def _compile_then_load(rank, world_size, cache_dir, regions):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # ranks fork from a server started before the test
     torch.manual_seed(0)
     initial = tiny_llama(6)
     counters.clear()
     # the first length compiles a static graph, the second one symbolic in the length
-    _train(copy.deepcopy(initial), rank, world_size, [8, 12])
+    _train(copy.deepcopy(initial), rank, world_size, [8, 12], regions)
     compiled = dict(counters["fsdp_graph"])
     # as a relaunch would: nothing compiled in this process is reused but the caches on disk; the
     # symbolic graph's program is stored with its output strides as expressions
     torch._dynamo.reset()
     counters.clear()
-    _train(copy.deepcopy(initial), rank, world_size, [8, 12])
+    _train(copy.deepcopy(initial), rank, world_size, [8, 12], regions)
     return {"compiled": compiled, "relaunch": {**counters["fsdp_graph"], **counters["aot_autograd"]}}
 
 
-def test_pieces_train_as_the_unsharded_model_compile_repeated_blocks_once_and_load_from_the_cache(tmp_path):
-    result = run_ranks(_compile_then_load, 2, str(tmp_path / "inductor"))
+@pytest.mark.parametrize("regions", ["marked", "blocks"])
+def test_pieces_train_as_the_unsharded_model_compile_repeated_blocks_once_and_load_from_the_cache(tmp_path, regions):
+    """With regions="blocks" too, whose backward graph symbolic in the length makes zeros of a
+    symbolic size: [Note: Symbolic fills that unpickle] in fsdp_graph/compile/partition.py."""
+    result = run_ranks(_compile_then_load, 2, str(tmp_path / "inductor"), regions)
     count = result["compiled"]
     # each graph (forward and backward, static and symbolic) compiles its middle blocks' pieces once:
     # six blocks, at least three repeats per graph

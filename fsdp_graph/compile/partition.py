@@ -1,4 +1,4 @@
-"""The partitioner the backend uses: torch's min-cut partitioner, then one repair of its output.
+"""The partitioner the backend uses: torch's min-cut partitioner, then two repairs of its output.
 
 [Note: RNG states saved next to device meshes]
 A sharded parameter is a DTensor graph input, so AOTAutograd passes its `DeviceMesh` into the joint
@@ -14,6 +14,17 @@ so an RNG state appended after the meshes lands in the opaque slice and the firs
 fails with "expected all tensors_saved_with_vc_check to be Tensors". `put_rng_states_with_tensors`
 moves those RNG states (forward outputs and the matching backward inputs) back among the
 version-checked tensors. Nothing else changes: no op, no value, only the order of the hand-off.
+
+[Note: Symbolic fills that unpickle]
+A compile region's backward makes zeros for an output that got no gradient, `aten.full(size, 0)`,
+and in a graph symbolic in a length `size` holds a SymInt input. AOTAutogradCache stores the
+backward graph pickled, and unpickling re-traces its code with FX proxies: an op whose only graph
+value sits in an int list, as `full`'s, refuses the proxy, so the entry never loads and every
+relaunch compiles that graph again (torch alone: examples/repro/region_symbolic_cache.py). An op
+that takes a traced tensor is traced through it (a `view` to a symbolic size unpickles). So
+`fills_from_a_tensor` builds each such fill from a tensor input of the graph: the value as a 0-d
+tensor plus the sum of an empty slice of that input (exactly zero, no element read), cast to the
+fill's dtype, expanded to the size and copied. The same values, and Inductor lowers it as one fill.
 """
 
 from __future__ import annotations
@@ -42,6 +53,8 @@ def partition(joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) ->
         joint = read_saved_inputs_outside(joint)
     forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     put_rng_states_with_tensors(forward, backward, num_fwd_outputs)
+    for graph in (forward, backward):
+        fills_from_a_tensor(graph)
     return forward, backward
 
 
@@ -52,7 +65,46 @@ class InductorPartitioner(CustomPartitionerFn):
         return partition(gm, joint_inputs, **kwargs)
 
     def uuid(self) -> Optional[str]:
-        return "fsdp_graph.partition.v1"
+        return "fsdp_graph.partition.v2"
+
+
+def fills_from_a_tensor(gm: GraphModule) -> None:
+    """[Note: Symbolic fills that unpickle]: each `aten.full` whose size holds a graph value, in
+    `gm` and the graphs it calls, built from a tensor input instead."""
+    aten = torch.ops.aten
+    for module in gm.modules():
+        if not isinstance(module, GraphModule):
+            continue
+        graph = module.graph
+        source = next((n for n in graph.find_nodes(op="placeholder")
+                       if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0), None)
+        fills = [n for n in graph.find_nodes(op="call_function", target=aten.full.default)
+                 if any(isinstance(d, Node) for d in n.args[0]) and not isinstance(n.args[1], Node)
+                 and isinstance(n.meta.get("val"), torch.Tensor)]
+        if source is None or not fills:
+            continue
+        for node in fills:
+            size, value = node.args
+            made = node.meta["val"]
+
+            def add(op, args, kwargs=None, val=None):
+                new = graph.call_function(op, args, kwargs or {})
+                new.meta["val"] = val
+                return new
+
+            with graph.inserting_before(node):
+                empty = add(aten.slice.Tensor, (source, 0, 0, 0), val=source.meta["val"][0:0])
+                zero = add(aten.sum.default, (empty,), val=empty.meta["val"].sum())
+                scalar = add(aten.full.default, ([], value), {"dtype": made.dtype, "device": made.device},
+                             val=made.new_full((), value))
+                total = add(aten.add.Tensor, (scalar, zero), val=scalar.meta["val"] + zero.meta["val"])
+                cast = add(torch.ops.prims.convert_element_type.default, (total, made.dtype), val=total.meta["val"].to(made.dtype))
+                expanded = add(aten.expand.default, (cast, size), val=cast.meta["val"].expand(made.shape))
+                filled = add(aten.clone.default, (expanded,), {"memory_format": torch.contiguous_format}, val=made)
+            filled.meta = dict(node.meta)
+            node.replace_all_uses_with(filled)
+            graph.erase_node(node)
+        module.recompile()
 
 
 def _is_rng_state(node: Any) -> bool:
