@@ -48,7 +48,7 @@ from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .cost_model import CollectiveKind, CostModel, OpFacts, is_view, op_facts
-from .nodes import backend_of, collective_label, is_collective, is_tangent_name, is_wait_tensor, size_hint, value_bytes
+from .nodes import backend_of, collective_label, is_collective, is_region_call, is_tangent_name, is_wait_tensor, size_hint, value_bytes
 
 
 class OpKind(Enum):
@@ -74,7 +74,8 @@ class Op:
         copies; `_gloo_scratch_bytes`).
     storage_of: the node whose storage its output is, so that it allocates nothing of its own: an
         `out=` argument (gloo's all-gathers after passes/gloo.py), or for a backward's saved input an
-        earlier saved input viewing the same tensor (`_size_saved_storages`).
+        earlier saved input viewing the same tensor (`_size_saved_storages`). Its own name on a
+        `getitem` of a compile region's call, which is a tensor of its own (`_region_output`).
     """
 
     name: str
@@ -150,12 +151,29 @@ def _short(node: Node) -> str:
 def op_of(node: Node) -> Op:
     kind = _kind(node)
     facts = op_facts(node) if kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) else OpFacts()
-    out_bytes = 0 if kind is OpKind.OUTPUT else value_bytes(node.meta.get("val"))
+    out_bytes = 0 if kind is OpKind.OUTPUT or is_region_call(node) else value_bytes(node.meta.get("val"))
     group = collective_label(node) if kind is OpKind.COLLECTIVE else None
     scratch = _gloo_scratch_bytes(node, facts, out_bytes) if kind is OpKind.COLLECTIVE else 0
     written = _written_input(node)
-    return Op(node.name, kind, _short(node), [a.name for a in node.all_input_nodes], out_bytes, facts, group, scratch,
-              written.name if written is not None else None)
+    inputs = [a.name for a in node.all_input_nodes]
+    storage_of = written.name if written is not None else None
+    if _region_output(node):
+        inputs += [a.name for a in node.args[0].all_input_nodes]
+        storage_of = node.name
+    return Op(node.name, kind, _short(node), inputs, out_bytes, facts, group, scratch, storage_of)
+
+
+def _region_output(node: Node) -> bool:
+    """A `getitem` of a compile region's call. A region hands back tensors of their own (its output,
+    the values its backward needs, its inputs' gradients), each alive until its own last reader
+    (as views of one storage, all lived until the last was read). The call allocates nothing; each
+    `getitem` allocates its tensor and reads what the call read, so the call's inputs outlive the
+    outputs' allocation as they do the call's."""
+    return node.target is operator.getitem and isinstance(node.args[0], Node) and is_region_call(node.args[0])
+
+
+def _allocates_apart(op: Op) -> bool:
+    return op.kind is OpKind.VIEW and op.storage_of == op.name
 
 
 def _gloo_scratch_bytes(node: Node, facts: OpFacts, out_bytes: int) -> int:
@@ -257,6 +275,8 @@ def memory_profile(program: Program) -> MemoryProfile:
     for i, op in enumerate(program):
         if op.kind is OpKind.INPUT:  # the step's storage if it is a saved input, else the caller's
             storage[op.name] = (storage[op.storage_of] if op.storage_of else op.name) if op.name in owned_inputs else None
+        elif _allocates_apart(op):
+            storage[op.name] = op.name
         elif op.kind in (OpKind.VIEW, OpKind.WAIT):
             storage[op.name] = storage.get(op.inputs[0]) if op.inputs else None
             if op.kind is OpKind.WAIT and op.inputs:
@@ -459,7 +479,9 @@ class OrderCost:
         owned = saved_inputs(list(ops.values()))
         self._facts: dict[object, tuple] = {}
         for key, op in ops.items():
-            if op.kind in (OpKind.VIEW, OpKind.WAIT):
+            if _allocates_apart(op):
+                owner_of[op.name] = key
+            elif op.kind in (OpKind.VIEW, OpKind.WAIT):
                 if op.inputs and op.inputs[0] in owner_of:
                     owner_of[op.name] = owner_of[op.inputs[0]]
             elif op.storage_of is not None:
