@@ -399,13 +399,14 @@ def pre_forward(state: TracedState, module: torch.nn.Module, args: tuple, kwargs
     if state.group is not None and num_forwards == 0:
         install(state.group, unshard(state.group))
     state._traced_num_forwards = num_forwards + 1
-    return _cast_inputs(state, args, kwargs)
+    return _cast_inputs(state, (args, kwargs))
 
 
-def _cast_inputs(state: TracedState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _cast_inputs(state: TracedState, inputs: Any) -> Any:
+    """A call's inputs (any structure of them), cast as the mixed precision policy says."""
     if state.mp_policy.param_dtype is not None and state.mp_policy.cast_forward_inputs:
-        args, kwargs = cast_floats((args, kwargs), state.mp_policy.param_dtype)
-    return args, kwargs
+        inputs = cast_floats(inputs, state.mp_policy.param_dtype)
+    return inputs
 
 
 def _cast_output(state: TracedState, output: Any) -> Any:
@@ -454,9 +455,7 @@ def _cast_output(state: TracedState, output: Any) -> Any:
 def region_pre_forward(state: TracedState, inputs: list) -> tuple[list[torch.Tensor], list]:
     """Traced pre-forward of a block traced as a region: its gathered tensors (not installed) and
     its inputs (the call's arguments, flat), cast. See [Note: Blocks as compile regions]."""
-    if state.mp_policy.param_dtype is not None and state.mp_policy.cast_forward_inputs:
-        inputs = cast_floats(inputs, state.mp_policy.param_dtype)
-    return unshard(state.group), inputs
+    return unshard(state.group), _cast_inputs(state, inputs)
 
 
 def region_post_forward(state: TracedState, output: Any) -> Any:

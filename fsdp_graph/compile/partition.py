@@ -83,15 +83,14 @@ def fills_from_a_tensor(gm: GraphModule) -> None:
                  and isinstance(n.meta.get("val"), torch.Tensor)]
         if source is None or not fills:
             continue
+        def add(op, args, kwargs=None, val=None):
+            new = graph.call_function(op, args, kwargs or {})
+            new.meta["val"] = val
+            return new
+
         for node in fills:
             size, value = node.args
             made = node.meta["val"]
-
-            def add(op, args, kwargs=None, val=None):
-                new = graph.call_function(op, args, kwargs or {})
-                new.meta["val"] = val
-                return new
-
             with graph.inserting_before(node):
                 empty = add(aten.slice.Tensor, (source, 0, 0, 0), val=source.meta["val"][0:0])
                 zero = add(aten.sum.default, (empty,), val=empty.meta["val"].sum())

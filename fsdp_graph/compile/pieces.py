@@ -391,10 +391,11 @@ def _local_rank() -> tuple[int, int]:
 
 
 def inline_regions(gm: GraphModule) -> GraphModule:
-    """`gm` with the bodies of its compile regions in place of their calls, once our passes have
-    scheduled the step ([Note: Blocks as compile regions] in runtime/traced.py): what runs is plain
+    """`gm` with the bodies of its compile regions in place of their calls ([Note: Blocks as compile
+    regions] in runtime/traced.py). Once our passes have scheduled a step, what runs is then plain
     ops, which a user's TorchDispatchMode sees as it sees any step, where the region call itself is
-    an operator such modes refuse."""
+    an operator such modes refuse; before, a graph whose regions do not compile ([Note: Regions
+    that do not compile] in compile/backend.py)."""
     from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
 
     if any(is_region_call(node) for node in gm.graph.nodes):
