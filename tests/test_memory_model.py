@@ -157,9 +157,8 @@ def test_compiled_step_holds_no_more_than_predicted(tmp_path):
 def test_a_regions_outputs_die_one_by_one():
     """A compile region hands back tensors of their own: each dies after its own last reader, and
     the region's inputs outlive its outputs' allocation. The step's predicted peak with its two
-    region calls equals that of the same step with the regions inlined (12 MiB: the first call's
-    first output dies before the step makes two more 4 MiB tensors; counted as one storage with the
-    second output it lived on, 16 MiB)."""
+    region calls equals that of the same step with the regions inlined: three 4 MiB tensors at
+    most, as the first call's first output dies before the step makes two more."""
     import copy
 
     from torch._dynamo.backends.common import aot_autograd
