@@ -202,6 +202,8 @@ class MeasuredOrder:
                 uses[key] = i
             if kind is compute:
                 clock += duration
+                if scratch:  # a compile region's body, held while it runs
+                    scratch_at[i] = scratch
             elif kind is collective:
                 s = stream_index[stream]
                 end = free[s] = ends[key] = max(clock, free[s]) + duration
@@ -258,6 +260,8 @@ class MeasuredOrder:
                 if live > window_peak:
                     window_peak = live
             live -= freed.get(i, 0) - min(scratch, 0)
+            if facts[window[i - lo]][0] is compute:
+                live -= scratch
             lives.append(live)
             peaks.append(at_peak)
         # Time: the compute clock at the end, from the state after the window and the As there.

@@ -31,6 +31,11 @@ PIECE_META = "fsdp_graph_piece"
 ASYNC_TP_META = "fsdp_graph_async_tp"
 # Set by passes/unshard_selection.py on a kept group's forward all-gather: its unsharded bytes.
 KEPT_UNSHARDED_META = "fsdp_graph_kept_unsharded"
+# Set by passes/reshard.py (`read_saved_inputs_outside`) on each `getitem` of a compile region's call
+# in a joint graph; the partitioner copies it onto the backward's input where the forward saves it.
+# Such a tensor is one of its own, whatever its fake value's storage says ([Note: Region outputs'
+# fake storages] in passes/simulator.py).
+REGION_OUTPUT_META = "fsdp_graph_region_output"
 
 
 def is_all_gather(node: Node) -> bool:

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
 from .cost_model import is_view
-from .nodes import fsdp_meta, is_tangent, region_body
+from .nodes import REGION_OUTPUT_META, fsdp_meta, is_tangent, region_body
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,10 @@ def read_saved_inputs_outside(gm: GraphModule) -> GraphModule:
     (a value it saves for its backward, see `save_inputs_not_their_views`), make the users read
     that input directly. The region's backward then takes the unsharded parameter that the outer
     graph gathered, which `tag_reshard_after_forward` can make the backward gather again; the
-    region's output was the same tensor under another name. Values unchanged."""
+    region's output was the same tensor under another name. Values unchanged.
+
+    Every other output is then a tensor of its own, and is marked so (`REGION_OUTPUT_META`) for the
+    memory model."""
     for hop in gm.graph.nodes:
         body = region_body(hop)
         if body is None:
@@ -113,4 +116,6 @@ def read_saved_inputs_outside(gm: GraphModule) -> GraphModule:
             out = outputs[user.args[1]]
             if isinstance(out, Node) and out.op == "placeholder":
                 user.replace_all_uses_with(operands[placeholders.index(out)])
+            else:
+                user.meta[REGION_OUTPUT_META] = True
     return gm

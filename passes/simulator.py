@@ -21,7 +21,9 @@ inspector can replay a CPU run's schedule on a GPU profile.
   at its position; views (per the op schema) and `getitem`s share their input's storage; a storage
   dies after the last node that reads it or any view of it, or lives to the end if the graph
   returns it. A collective reads its input until its wait, its output exists from its issue, and
-  its scratch (`Op.scratch_bytes`) from its issue to its wait.
+  its scratch (`Op.scratch_bytes`) from its issue to its wait. A compile region's call holds its
+  body's own peak while it runs (its scratch, given back at once); then each output it hands back
+  is a tensor of its own.
 This is the model the scheduling passes optimise against; it ignores contention between the
 streams, allocator caching and fragmentation.
 
@@ -48,7 +50,8 @@ from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .cost_model import CollectiveKind, CostModel, OpFacts, is_view, op_facts
-from .nodes import backend_of, collective_label, is_collective, is_region_call, is_tangent_name, is_wait_tensor, size_hint, value_bytes
+from .nodes import (REGION_OUTPUT_META, backend_of, collective_label, is_collective, is_region_call, is_tangent_name, is_wait_tensor, region_body,
+                    size_hint, value_bytes)
 
 
 class OpKind(Enum):
@@ -71,7 +74,8 @@ class Op:
     facts: what it does (flops, bytes, collective) -- see `OpFacts`.
     group: the fsdp_graph group of a collective, e.g. "layers.3".
     scratch_bytes: what a collective holds besides its output from its issue to its wait (gloo's
-        copies; `_gloo_scratch_bytes`).
+        copies; `_gloo_scratch_bytes`); what a compile region's call holds while it runs (its body's
+        peak, outputs included; `_region_scratch_bytes`).
     storage_of: the node whose storage its output is, so that it allocates nothing of its own: an
         `out=` argument (gloo's all-gathers after passes/gloo.py), or for a backward's saved input an
         earlier saved input viewing the same tensor (`_size_saved_storages`). Its own name on a
@@ -153,7 +157,7 @@ def op_of(node: Node) -> Op:
     facts = op_facts(node) if kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) else OpFacts()
     out_bytes = 0 if kind is OpKind.OUTPUT or is_region_call(node) else value_bytes(node.meta.get("val"))
     group = collective_label(node) if kind is OpKind.COLLECTIVE else None
-    scratch = _gloo_scratch_bytes(node, facts, out_bytes) if kind is OpKind.COLLECTIVE else 0
+    scratch = _gloo_scratch_bytes(node, facts, out_bytes) if kind is OpKind.COLLECTIVE else _region_scratch_bytes(node)
     written = _written_input(node)
     inputs = [a.name for a in node.all_input_nodes]
     storage_of = written.name if written is not None else None
@@ -170,6 +174,13 @@ def _region_output(node: Node) -> bool:
     `getitem` allocates its tensor and reads what the call read, so the call's inputs outlive the
     outputs' allocation as they do the call's."""
     return node.target is operator.getitem and isinstance(node.args[0], Node) and is_region_call(node.args[0])
+
+
+def _region_scratch_bytes(node: Node) -> int:
+    """What a compile region's call allocates while it runs: its body's peak (its outputs among
+    it, alive at its end), the same ops inlined would allocate. 0 for any other node."""
+    body = region_body(node)
+    return memory_profile(program_of(body), callers_inputs=True).peak_bytes if body is not None else 0
 
 
 def _allocates_apart(op: Op) -> bool:
@@ -197,17 +208,28 @@ def _storage_bytes(val) -> int:
         return 0
 
 
+# [Note: Region outputs' fake storages]
+# Two calls of one compile region in a training graph get the very same fake tensors as outputs, so
+# the fake values of a saved activation of block 2 and of block 3 share a storage where the real
+# ones do not (torch alone: examples/repro/region_fake_outputs_share_storage.py).
+# Read as aliases, the two would count as one tensor, kept until the later one's last use, and a
+# backward's saved activations would be under-counted by all but one block's. A region's output that
+# is not one of its inputs is a tensor of its own (torch refuses outputs that alias an input or each
+# other), so the model does not read its storage: its own bytes, its own lifetime.
+
+
 def _size_saved_storages(gm: GraphModule, program: Program) -> None:
     """Each saved input of a backward counts the storage it views (`_storage_bytes`), and one that
     views the same storage as an earlier one is that one's (`Op.storage_of`): counted once, alive
     until its last use by either. The graph's metadata keeps the forward's storages (fake tensors
-    alias as the real ones will)."""
+    alias as the real ones will), except for a compile region's outputs ([Note: Region outputs'
+    fake storages])."""
     first: dict[StorageWeakRef, str] = {}
     saved = saved_inputs(program)
     ops = {op.name: op for op in program}
     for node in gm.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
-        nbytes = _storage_bytes(val) if node.name in saved else 0
+        nbytes = _storage_bytes(val) if node.name in saved and not node.meta.get(REGION_OUTPUT_META) else 0
         if not nbytes:
             continue
         op = ops[node.name]
@@ -266,10 +288,11 @@ class MemoryProfile:
     live_bytes: list[int]
 
 
-def memory_profile(program: Program) -> MemoryProfile:
+def memory_profile(program: Program, callers_inputs: bool = False) -> MemoryProfile:
     """Live bytes by liveness over program order. See [Note: Simulator model]. Inputs are not counted,
-    except a backward's `saved_inputs`: live from the start until their last use."""
-    owned_inputs = saved_inputs(program)
+    except a backward's `saved_inputs`: live from the start until their last use. `callers_inputs`:
+    every input is the caller's, saved ones too (a compile region's body, whose caller holds them)."""
+    owned_inputs = frozenset() if callers_inputs else saved_inputs(program)
     storage: dict[str, Optional[str]] = {}  # node -> the node that allocated its storage (None: an input)
     wait_of: dict[str, int] = {}  # collective -> position of its wait
     for i, op in enumerate(program):
@@ -306,7 +329,7 @@ def memory_profile(program: Program) -> MemoryProfile:
         allocated = sizes[op.name] if storage.get(op.name) == op.name else 0
         if op.scratch_bytes:
             allocated += op.scratch_bytes
-            at = wait_of.get(op.name, last)
+            at = wait_of.get(op.name, last) if op.kind is OpKind.COLLECTIVE else i
             scratch_until[at] = scratch_until.get(at, 0) + op.scratch_bytes
         if allocated:
             live += allocated
@@ -513,7 +536,7 @@ class OrderCost:
         reads_until_wait: dict[object, tuple] = {}  # collective -> the storages it reads until its wait
         pending_scratch: dict[object, int] = {}  # collective in flight -> its scratch bytes
         end = len(order)  # what the output reads lives past the last position
-        scratch_at: dict[int, int] = {}  # position -> scratch bytes taken (+, a collective) or given back (-, its wait)
+        scratch_at: dict[int, int] = {}  # position -> scratch bytes taken (+, a collective or region) or given back (-, its wait)
         for i, key in enumerate(order):
             kind, duration, stream, num_bytes, is_all_gather, allocates, reads, waited, scratch = facts[key]
             if scratch:
@@ -566,4 +589,6 @@ class OrderCost:
                 if live > peak:
                     peak = live
             live -= freed.get(i, 0) - min(scratch_at.get(i, 0), 0)
+            if facts[key][0] is compute:  # a compile region's body, held while it runs
+                live -= facts[key][8]
         return peak, seconds(exposed), (worst_bytes, worst_count, worst_gathers)

@@ -40,7 +40,7 @@ from torch.fx import Graph, GraphModule
 
 from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
 from .nodes import KEPT_UNSHARDED_META, fsdp_meta, is_all_gather, is_tangent, tensor_bytes
-from .reshard import depends_on_tangents, tag_reshard_after_forward
+from .reshard import depends_on_tangents, read_saved_inputs_outside, tag_reshard_after_forward
 from .simulator import memory_profile, program_of
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,9 @@ def partitioned_peak(gm: GraphModule) -> int:
     resharded, as the min-cut partitioner splits it (see the module docstring). `gm` is not changed."""
     graph = Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # node metas are copied, so tagging the copy is safe
-    preview = tag_reshard_after_forward(GraphModule(gm, graph))
+    # As the backend's partitioner does (fsdp_graph/compile/partition.py), a compile region's saved
+    # input is read where the outer graph has it, so its backward gathers it again.
+    preview = read_saved_inputs_outside(tag_reshard_after_forward(GraphModule(gm, graph)))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     num_primals = sum(not is_tangent(n) for n in placeholders)
     (outputs,) = graph.output_node().args
@@ -138,7 +140,7 @@ def select_unsharded(gm: GraphModule, memory_budget_bytes: Optional[int]) -> Gra
     forward all-gather carries `meta[KEPT_UNSHARDED_META]` = its unsharded bytes, for the inspector.
     No other node changes; with no budget, nothing does.
     """
-    if memory_budget_bytes is None:
+    if memory_budget_bytes is None or not _candidates(gm):  # a compile region's body has no group
         return gm
     first_gathers = gm.meta.get(FIRST_BACKWARD_GATHERS_META)
     if first_gathers is not None:  # [Note: One collective set per frame]
