@@ -99,6 +99,21 @@ def region_body(node: Node) -> Optional[GraphModule]:
     return getattr(owner, body.target, None)
 
 
+def inline_regions(gm: GraphModule) -> GraphModule:
+    """`gm`, changed in place, with the bodies of its compile regions in place of their calls ([Note:
+    Blocks as compile regions] in runtime/traced.py). The backend inlines them once our passes have
+    scheduled a step, so that what runs is plain ops, which a user's TorchDispatchMode sees as it
+    sees any step, where the region call itself is an operator such modes refuse; and before it
+    compiles a graph whose regions do not compile ([Note: Regions that do not compile] in
+    fsdp_graph/compile/backend.py). The inspector's programs show the ops so inlined."""
+    from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
+
+    if any(is_region_call(node) for node in gm.graph.nodes):
+        inline_invoke_subgraph(gm)
+        gm.recompile()
+    return gm
+
+
 def is_collective(node: Node) -> bool:
     return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
 

@@ -1,8 +1,6 @@
 """Inductor keeps the schedule: the order in which a compiled step runs its collectives and
-matmuls, compiled in pieces (the default) or as one graph, whose generated code shows the order too
-(a fake 8-rank group; the example Llama on 2 gloo ranks)."""
-
-import re
+matmuls, compiled in pieces (the default) or as one graph, read from torch's profiler (a fake 8-rank
+group; the example Llama on 2 gloo ranks)."""
 
 import pytest
 import torch
@@ -12,21 +10,6 @@ import fsdp_graph
 from _harness import fake_process_group, run_ranks
 from _schedule_helpers import FIXED, sharded_stack
 from fsdp_graph import fully_shard
-
-
-def _calls(code: str) -> list[str]:
-    """`AG`, `wait`, `RS` and `mm` (matmuls, addmm included) in the order the generated `call` runs them."""
-    found = []
-    for line in code.splitlines():
-        if "all_gather_into_tensor.default(" in line:
-            found.append("AG")
-        elif "reduce_scatter_tensor.default(" in line or "all_reduce_.default(" in line:
-            found.append("RS")  # on gloo, an in-place all-reduce of the bucket: [Note: Reduce-scatters on gloo]
-        elif "wait_tensor.default(" in line:
-            found.append("wait")
-        elif re.search(r"extern_kernels\.(add)?mm\(", line):
-            found.append("mm")
-    return found
 
 
 _RUN_NAMES = {"_c10d_functional::all_gather_into_tensor": "AG", "_c10d_functional::all_gather_into_tensor_out": "AG",
@@ -55,8 +38,9 @@ def test_inductor_generated_code_keeps_prefetch_and_late_waits(tmp_path, monkeyp
     # Auto-bucketing off, so that each group keeps its own all-gather and the order is visible.
     # A budget that never binds: the schedule overlap alone decides, as in test_passes_schedule
     # (and no group is kept unsharded by it: unshard_selection off, so backward re-gathers).
-    # One graph (pieces=False): the order Inductor's generated code runs (a program of pieces runs the
-    # graph's order by construction: test_inductor_runs_the_order_the_passes_planned checks both).
+    # One graph (pieces=False): the order Inductor's generated code runs, in a second step (a program
+    # of pieces runs the graph's order by construction: test_inductor_runs_the_order_the_passes_planned
+    # checks both).
     backend = fsdp_graph.backend(
         compiler="inductor", hardware_profile=FIXED.profile, disabled_passes={"auto_bucket", "unshard_selection"},
         memory_budget_bytes=1 << 50, pieces=False,
@@ -68,8 +52,9 @@ def test_inductor_generated_code_keeps_prefetch_and_late_waits(tmp_path, monkeyp
     with fake_process_group(8):
         torch._dynamo.reset()
         compiled = torch.compile(sharded_stack(), backend=backend)
-        _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 16)).sum().backward())
-    forward, backward = (" ".join(_calls(c)) for c in codes)
+        x = torch.randn(4, 16)
+        compiled(x).sum().backward()
+        forward, backward = _run_order(lambda: compiled(x).sum())
     # AG(i+1) is issued before wait(AG(i)), hence before compute(i): the passes' order, which
     # Inductor's scheduler kept. (AG(i+2) only where it hides more: with the shards read in place
     # from their buffers, no copy-in runs before an all-gather, and one ahead hides as much.)
@@ -85,7 +70,7 @@ def test_inductor_generated_code_keeps_prefetch_and_late_waits(tmp_path, monkeyp
 
 
 
-def _planned_and_ran(rank, world_size, dump_dir, pieces):
+def _planned_and_ran(rank, world_size, dump_dir, pieces, regions):
     """Our example Llama's step compiled with Inductor on gloo, with the memory budget the
     per-model benchmark gives it: (kind, the order the scheduled program says, the order the
     step runs), in AG / RS / wait / mm."""
@@ -97,14 +82,12 @@ def _planned_and_ran(rank, world_size, dump_dir, pieces):
     model = shard_llama(Llama(LlamaConfig(vocab_size=256, dim=256, num_layers=4, num_heads=4, hidden_dim=704,
                                           max_seq_len=65)), fully_shard)
     backend = fsdp_graph.backend(compiler="inductor", memory_budget_bytes=31 << 20, dump_dir=f"{dump_dir}/{rank}",
-                                 pieces=pieces)
+                                 pieces=pieces, regions=regions)
     compiled = torch.compile(model, backend=backend)
     tokens = torch.randint(0, 256, (4, 64))
     _, codes = run_and_get_code(lambda: compiled(tokens).sum().backward())
-    if pieces:  # the program's calls, as torch's profiler sees them in a second step
-        ran = [order.split() for order in _run_order(lambda: compiled(tokens).sum())]
-    else:  # the calls of the generated code
-        ran = [_calls(code.replace("all_gather_into_tensor_out.default(", "all_gather_into_tensor.default(")) for code in codes]
+    # the calls the program of pieces or the generated code makes, as torch's profiler sees them in a second step
+    ran = [order.split() for order in _run_order(lambda: compiled(tokens).sum())]
     programs = load_programs(f"{dump_dir}/{rank}")
     names = {OpKind.COLLECTIVE: "AG", OpKind.WAIT: "wait", OpKind.COMPUTE: "mm"}
     orders = []
@@ -118,13 +101,16 @@ def _planned_and_ran(rank, world_size, dump_dir, pieces):
     return orders
 
 
+@pytest.mark.parametrize("regions", ["marked", "blocks"])
 @pytest.mark.parametrize("pieces", [True, False], ids=["pieces", "one_graph"])
-def test_inductor_runs_the_order_the_passes_planned(tmp_path, pieces):
+def test_inductor_runs_the_order_the_passes_planned(tmp_path, pieces, regions):
     """The step issues and waits on each collective, and runs each matmul, in the order of the
     scheduled program the memory budget was judged on: a program of pieces by construction, and the
     one graph's generated code too. Inductor's own reorder_for_peak_memory,
     left on, postponed the backward's first weight-gradient matmuls and with them the all-gather
-    pinned before them ([Note: Inductor keeps the planned order] in fsdp_graph/compile/backend.py)."""
+    pinned before them ([Note: Inductor keeps the planned order] in fsdp_graph/compile/backend.py).
+    With regions="blocks" the program shows each region's matmuls where its call runs them: it
+    showed the call as one op, which the inspector drew as one."""
     torch._dynamo.reset()
-    for kind, planned, ran in run_ranks(_planned_and_ran, 2, str(tmp_path), pieces):
+    for kind, planned, ran in run_ranks(_planned_and_ran, 2, str(tmp_path), pieces, regions):
         assert ran == planned, (kind, " ".join(ran), " ".join(planned))

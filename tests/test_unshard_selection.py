@@ -161,8 +161,7 @@ def test_preview_predicts_the_peak_where_blocks_are_compile_regions():
     the backend runs are run here with the regions' bodies inlined (a dispatch mode cannot run a
     region's call)."""
     from fsdp_graph.compile import backend as backend_module
-    from fsdp_graph.compile.pieces import inline_regions
-    from fsdp_graph.passes.nodes import is_region_call
+    from fsdp_graph.passes.nodes import inline_regions, is_region_call
 
     previews, partitioned = [], []
     partition = backend_module.partition

@@ -40,7 +40,7 @@ from torch._inductor.output_code import OutputCode
 from torch._inductor.utils import BoxedBool
 
 from .cache_key import KeyOnly, own_sources_digest
-from ..passes.nodes import is_region_call
+from ..passes.nodes import inline_regions
 
 logger = logging.getLogger(__name__)
 
@@ -388,20 +388,6 @@ def _local_rank() -> tuple[int, int]:
     # the ranks sharing a cache directory are those of one node: torchrun says which they are
     size = max(int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size())), 1)
     return int(os.environ.get("LOCAL_RANK", torch.distributed.get_rank())) % size, size
-
-
-def inline_regions(gm: GraphModule) -> GraphModule:
-    """`gm` with the bodies of its compile regions in place of their calls ([Note: Blocks as compile
-    regions] in runtime/traced.py). Once our passes have scheduled a step, what runs is then plain
-    ops, which a user's TorchDispatchMode sees as it sees any step, where the region call itself is
-    an operator such modes refuse; before, a graph whose regions do not compile ([Note: Regions
-    that do not compile] in compile/backend.py)."""
-    from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
-
-    if any(is_region_call(node) for node in gm.graph.nodes):
-        inline_invoke_subgraph(gm)
-        gm.recompile()
-    return gm
 
 
 def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, example_inputs: list, **kwargs: Any) -> Callable:

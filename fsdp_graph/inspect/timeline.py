@@ -9,6 +9,7 @@ the buckets (groups, bytes), where each collective is issued and waited on, its 
 
 from __future__ import annotations
 
+import copy
 import html
 import json
 import math
@@ -19,6 +20,7 @@ from typing import Optional
 from torch.fx import GraphModule
 
 from ..passes.cost_model import CostModel
+from ..passes.nodes import inline_regions, is_region_call
 from .dump import format_bytes
 from ..passes.simulator import CollectiveSpan, Op, Program, Simulation, in_flight, program_of, simulate
 
@@ -26,7 +28,10 @@ PROGRAM_SUFFIX = ".program.json"
 
 
 def write_program(directory: str | os.PathLike, label: str, gm: GraphModule) -> None:
-    """Write `gm` as a program to `<directory>/<label>.program.json`."""
+    """Write `gm` as a program to `<directory>/<label>.program.json`: each compile region's call as
+    its body's ops in its place, the ops the step runs (`inline_regions`). `gm` is not changed."""
+    if any(is_region_call(node) for node in gm.graph.nodes):
+        gm = inline_regions(copy.deepcopy(gm))
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     (path / f"{label}{PROGRAM_SUFFIX}").write_text(json.dumps([op.to_json() for op in program_of(gm)]))
