@@ -480,6 +480,8 @@ class _VariedBlock(torch.nn.Module):
             self.calls.add_(1)  # a buffer changed in place, as BatchNorm's statistics are
         if self.variant == "input_in_place":
             x.mul_(0.5)  # the block's input changed in place
+        if self.variant == "view_of_input":
+            return x + torch.tanh(self.lin(x)) * mask, mask.view(mask.shape)  # the mask, as a view of it
         return x + torch.tanh(self.lin(x)) * mask, mask  # the mask passed through, as it came
 
 
@@ -550,12 +552,12 @@ def _blocks_that_differ(rank, world_size, variant):
     return losses, ref_losses, *counts, regions, flops
 
 
-@pytest.mark.parametrize("variant", ["flag", "pass_through", "buffer", "input_in_place", "dispatch_mode"])
+@pytest.mark.parametrize("variant", ["flag", "pass_through", "view_of_input", "buffer", "input_in_place", "dispatch_mode"])
 def test_every_block_region_where_blocks_differ(variant):
     """regions="blocks" trains where the inline step does ([Note: Every block a compile region]):
     blocks whose string attribute sends every other one into a graph break (each kind's first
-    block goes inline, so the break is met outside a region), blocks that hand an input back
-    (copied at the region's end), and blocks that change a buffer or their input in place, which
+    block goes inline, so the break is met outside a region), blocks that hand an input back, as
+    it is or as a view of it (copied at the region's end: torch raised on the view), and blocks that change a buffer or their input in place, which
     AOTAutograd refuses in a region (the graph compiles again with its regions inline). Losses and
     gradients as the unsharded model's on the global batch; buffers as its. And a step under a user's
     TorchDispatchMode (a FLOP count of the backward), which refuses a region's call: the regions are
@@ -564,7 +566,7 @@ def test_every_block_region_where_blocks_differ(variant):
     losses, ref_losses, counts, ref_counts, regions, flops = run_ranks(_blocks_that_differ, 2, variant)
     assert losses == pytest.approx(ref_losses, rel=1e-5), (losses, ref_losses)
     assert counts == ref_counts, (counts, ref_counts)
-    if variant == "pass_through":
+    if variant in ("pass_through", "view_of_input"):
         assert regions == 2, regions  # blocks 2 and 3 (the first local and global ones go inline): the mask passed through is no obstacle
     if variant == "dispatch_mode":
         assert regions == 2 and flops[2] > 0 and flops[2] * 2 == flops[3], (regions, flops)

@@ -436,10 +436,16 @@ def _forward_region(module: nn.Module, every_block: bool, layout: str, *leaves):
 
 def _not_an_input(output, inputs: tuple):
     """The region's output, where it hands back one of its inputs (a block that passes a mask
-    through), a copy of it: torch refuses a region whose output is its input. Tensors at the top
-    level and in a tuple or list; Dynamo traces this once per region body, not per block."""
+    through) or a view of one, a copy of it: torch refuses a region whose output aliases an input.
+    Tensors at the top level and in a tuple or list; Dynamo traces this once per region body, not
+    per block (`_base` is the tensor a view was made from, its root base for a view of a view)."""
     if isinstance(output, torch.Tensor):
-        return output.clone() if any(output is value for value in inputs) else output
+        base = output._base
+        aliases = any(
+            output is value or (base is not None and (base is value or base is value._base))
+            for value in inputs if isinstance(value, torch.Tensor)
+        )
+        return output.clone() if aliases else output
     if type(output) in (tuple, list):
         return type(output)(_not_an_input(value, inputs) if isinstance(value, torch.Tensor) else value for value in output)
     return output
@@ -481,9 +487,8 @@ def _call_as_region(module: nn.Module, layout: str, leaves: list, every_block: b
 # arguments. Blocks that differ there (Gemma's sliding and global layers) are kinds apart, each
 # with its first block inline. Numbers are no part of it (a layer index differs in every block),
 # so a later block whose code branches on a number of its own into a graph break, or on global
-# state, still meets torch's error inside its region; so does one that returns a view of its input
-# (torch refuses outputs that alias inputs; an input handed back as it is gets copied,
-# `_not_an_input`). What AOTAutograd refuses in a region, a buffer or input changed in place,
+# state, still meets torch's error inside its region. Torch refuses outputs that alias inputs: an
+# input handed back as it is, or a view of one, gets copied (`_not_an_input`). What AOTAutograd refuses in a region, a buffer or input changed in place,
 # compiles inline instead: [Note: Regions that do not compile] in fsdp_graph/compile/backend.py.
 # Region blocks reshard after forward, stay unsharded, or are kept by a memory budget's selective
 # unsharding as inline blocks are (tests/test_compile_blocks.py).
