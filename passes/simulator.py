@@ -50,8 +50,8 @@ from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .cost_model import CollectiveKind, CostModel, OpFacts, is_view, op_facts
-from .nodes import (REGION_OUTPUT_META, backend_of, collective_label, is_collective, is_region_call, is_tangent_name, is_wait_tensor, region_body,
-                    size_hint, value_bytes)
+from .nodes import (REGION_OUTPUT_META, backend_of, collective_label, is_collective, is_region_call, is_tangent_name,
+                    is_wait_tensor, region_body, size_hint, value_bytes)
 
 
 class OpKind(Enum):

@@ -488,8 +488,9 @@ def _call_as_region(module: nn.Module, layout: str, leaves: list, every_block: b
 # with its first block inline. Numbers are no part of it (a layer index differs in every block),
 # so a later block whose code branches on a number of its own into a graph break, or on global
 # state, still meets torch's error inside its region. Torch refuses outputs that alias inputs: an
-# input handed back as it is, or a view of one, gets copied (`_not_an_input`). What AOTAutograd refuses in a region, a buffer or input changed in place,
-# compiles inline instead: [Note: Regions that do not compile] in fsdp_graph/compile/backend.py.
+# input handed back as it is, or a view of one, gets copied (`_not_an_input`). What AOTAutograd
+# refuses in a region, a buffer or input changed in place, compiles inline instead: [Note: Regions
+# that do not compile] in fsdp_graph/compile/backend.py.
 # Region blocks reshard after forward, stay unsharded, or are kept by a memory budget's selective
 # unsharding as inline blocks are (tests/test_compile_blocks.py).
 # `_seen` keeps its record per trace: Dynamo runs it as plain Python while tracing
