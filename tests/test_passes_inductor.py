@@ -34,7 +34,15 @@ def _run_order(step) -> tuple[str, str]:
     return forward, _ran(lambda: out[0].backward())
 
 
-def test_inductor_generated_code_keeps_prefetch_and_late_waits(tmp_path, monkeypatch):
+# The backward's order: inline, and with blocks 1 and 2 as calls of one compile region (see below).
+_BACKWARD_ORDER = {
+    "marked": "AG mm mm AG wait mm mm mm RS mm AG wait wait RS mm mm mm RS mm wait mm mm wait RS wait wait",
+    "blocks": "AG mm AG wait mm mm mm mm RS AG wait mm mm mm mm RS wait RS mm wait mm mm wait RS wait wait",
+}
+
+
+@pytest.mark.parametrize("regions", ["marked", "blocks"])
+def test_inductor_generated_code_keeps_prefetch_and_late_waits(tmp_path, monkeypatch, regions):
     # Auto-bucketing off, so that each group keeps its own all-gather and the order is visible.
     # A budget that never binds: the schedule overlap alone decides, as in test_passes_schedule
     # (and no group is kept unsharded by it: unshard_selection off, so backward re-gathers).
@@ -43,7 +51,7 @@ def test_inductor_generated_code_keeps_prefetch_and_late_waits(tmp_path, monkeyp
     # checks both).
     backend = fsdp_graph.backend(
         compiler="inductor", hardware_profile=FIXED.profile, disabled_passes={"auto_bucket", "unshard_selection"},
-        memory_budget_bytes=1 << 50, pieces=False,
+        memory_budget_bytes=1 << 50, pieces=False, regions=regions,
     )
     # A cache of its own: the wire order a compile keeps there ([Note: One wire order per frame])
     # would hold the next one to its collectives' order (a program of pieces, scheduled before
@@ -62,10 +70,10 @@ def test_inductor_generated_code_keeps_prefetch_and_late_waits(tmp_path, monkeyp
     # Backward: the first re-gather at the very start, the next before its wait; each RS right
     # after its gradient, and waited just before the next RS is issued (hidden, and its full-size
     # input dies early); the root's (the head's gradient) issued before blocks.0's gradients, which
-    # hide it; the last waits at the end.
-    assert backward == (
-        "AG mm mm AG wait mm mm mm RS mm AG wait wait RS mm mm mm RS mm wait mm mm wait RS wait wait"
-    ), backward
+    # hide it; the last waits at the end. With regions (blocks 1 and 2; block 0 traced inline) a
+    # region's backward is one op to the passes: its four products run together, the next block's
+    # re-gather issued before them and waited after.
+    assert backward == _BACKWARD_ORDER[regions], backward
 
 
 
