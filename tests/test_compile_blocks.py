@@ -403,9 +403,9 @@ class _ScaledBlock(torch.nn.Module):
 
 
 def _every_block_traced_once(rank, world_size):
-    """regions="blocks" on 6 blocks of one kind, then on 10 blocks that differ by a number their
-    forward reads: (region calls Dynamo traced, region calls it reused, times torch built a region's
-    schema, loss, reference loss) each."""
+    """regions="blocks" on 6 blocks of one kind, then on 20 blocks that differ by a number their
+    forward reads, two blocks in a row alike: (region calls Dynamo traced, region calls it reused,
+    times torch built a region's schema, loss, reference loss) each."""
     from _models import MLPStack, check_grads_match
     from torch._dynamo.utils import compilation_time_metrics
     from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
@@ -423,8 +423,8 @@ def _every_block_traced_once(rank, world_size):
         schemas.clear()
         torch.manual_seed(0)
         model = MLPStack(dim=16, hidden=24, num_blocks=6)
-        if scaled:
-            model.blocks = torch.nn.ModuleList(_ScaledBlock(16, 0.5 + i / 10) for i in range(10))
+        if scaled:  # ten scales, each in two blocks in a row
+            model.blocks = torch.nn.ModuleList(_ScaledBlock(16, 0.5 + (i // 2) / 10) for i in range(20))
         reference = copy.deepcopy(model)
         for block in model.blocks:
             fully_shard(block)
@@ -450,12 +450,14 @@ def test_every_block_region_traced_once_by_dynamo():
     """With regions="blocks" Dynamo traces a block kind's region once and reuses it for the blocks
     after it ([Note: Blocks as compile regions] in runtime/traced.py): of 6 blocks, the first goes
     inline, the second is traced as a region, four reuse it. Blocks whose forward reads a number of
-    their own fail the reuse's guards and are each traced (10 blocks, more than torch's default of
-    8 entries a region keeps). AOTAutograd builds the one body's schema a few times, not at every
-    call. Gradients as the unsharded model's on the global batch."""
+    their own are kinds apart ([Note: Numbers a block's trace guarded on]): of two alike, the first
+    goes inline and the second is traced as a region, which reuses none of the others' (ten region
+    bodies, more than torch's default of 8 entries a region keeps). AOTAutograd builds the one
+    body's schema a few times, not at every call. Gradients as the unsharded model's on the global
+    batch."""
     (traced, reused, schemas, loss, ref), (s_traced, s_reused, s_schemas, s_loss, s_ref) = run_ranks(_every_block_traced_once, 2)
     assert (traced, reused) == (1, 4), (traced, reused)
-    assert (s_traced, s_reused) == (9, 0), (s_traced, s_reused)
+    assert (s_traced, s_reused) == (10, 0), (s_traced, s_reused)
     # AOTAutograd's schema of the one region body: built once per pass over the step, not once per
     # call ([Note: A region's schema once per body] in fsdp_graph/compile/region_schema.py)
     assert 1 <= schemas <= 3, schemas
@@ -471,11 +473,14 @@ class _VariedBlock(torch.nn.Module):
         self.lin = torch.nn.Linear(16, 16)
         self.variant = variant
         self.layer_type = "global" if i % 2 else "local"  # as Gemma's sliding and global layers
+        self.index = i
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
         if self.variant == "flag" and self.layer_type == "global":
             torch._dynamo.graph_break()  # only the odd blocks break the graph
+        if self.variant == "number" and self.index == 2:
+            torch._dynamo.graph_break()  # only the third block, the second of its kind, breaks the graph
         if self.variant == "buffer":
             self.calls.add_(1)  # a buffer changed in place, as BatchNorm's statistics are
         if self.variant == "input_in_place":
@@ -552,11 +557,14 @@ def _blocks_that_differ(rank, world_size, variant):
     return losses, ref_losses, *counts, regions, flops
 
 
-@pytest.mark.parametrize("variant", ["flag", "pass_through", "view_of_input", "buffer", "input_in_place", "dispatch_mode"])
+@pytest.mark.parametrize("variant", ["flag", "number", "pass_through", "view_of_input", "buffer", "input_in_place",
+                                     "dispatch_mode"])
 def test_every_block_region_where_blocks_differ(variant):
     """regions="blocks" trains where the inline step does ([Note: Every block a compile region]):
     blocks whose string attribute sends every other one into a graph break (each kind's first
-    block goes inline, so the break is met outside a region), blocks that hand an input back, as
+    block goes inline, so the break is met outside a region), blocks whose number sends one into a
+    graph break (its value joins the kind, as its kind's first block's trace guarded on it: [Note:
+    Numbers a block's trace guarded on]; torch raised inside the region), blocks that hand an input back, as
     it is or as a view of it (copied at the region's end: torch raised on the view), and blocks that change a buffer or their input in place, which
     AOTAutograd refuses in a region (the graph compiles again with its regions inline). Losses and
     gradients as the unsharded model's on the global batch; buffers as its. And a step under a user's
@@ -567,6 +575,8 @@ def test_every_block_region_where_blocks_differ(variant):
     assert losses == pytest.approx(ref_losses, rel=1e-5), (losses, ref_losses)
     assert counts == ref_counts, (counts, ref_counts)
     if variant in ("pass_through", "view_of_input"):
-        assert regions == 2, regions  # blocks 2 and 3 (the first local and global ones go inline): the mask passed through is no obstacle
+        assert regions == 2, regions
+    if variant == "number":
+        assert regions == 0, regions  # every index read and different: every block inline  # blocks 2 and 3 (the first local and global ones go inline): the mask passed through is no obstacle
     if variant == "dispatch_mode":
         assert regions == 2 and flops[2] > 0 and flops[2] * 2 == flops[3], (regions, flops)

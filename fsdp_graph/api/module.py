@@ -5,7 +5,9 @@ pickle finds them and their `__call__` in this module."""
 from __future__ import annotations
 
 import copyreg
+import dataclasses
 import logging
+import re
 import types
 import functools
 import warnings
@@ -347,26 +349,107 @@ def _traced_call(module: nn.Module, args: tuple, kwargs: dict):
     return _call_hooks_and_forward(module, args, kwargs)
 
 
-_kinds_traced: dict = {}  # the trace now under way (compile id, attempt) -> the kinds of block it traced inline
+@dataclasses.dataclass
+class _KindTraced:
+    """A kind of block the trace under way traced inline: its first block (`first`, named `name`
+    from the root), the names of Dynamo's guards before its trace (`guards_before`), then the
+    attributes of the block that trace guarded the values of (`guarded`, read at the next block of
+    the kind), and the values of those attributes of the blocks traced inline so far (`inline`)."""
+
+    first: nn.Module
+    name: str
+    guards_before: frozenset
+    guarded: Optional[tuple] = None
+    inline: set = dataclasses.field(default_factory=set)
+
+
+_kinds_traced: dict = {}  # the trace now under way (compile id, attempt) -> {kind: _KindTraced}
 
 
 @torch._dynamo.assume_constant_result
 def _seen(region_id: int, layout: str) -> bool:
     """Whether the trace under way already traced a block of this kind (`kind_of` of the block of
-    the state `region_id` names), called with arguments of this layout (`_flat_call`), inline; if
-    not, it will now. Dynamo runs it as plain Python while it traces ([Note: Every block a compile
-    region]). It takes constants, not the module: a module argument would leave a guard on the
-    block's identity, which fails Dynamo's reuse of the next block's region. So the kind is read
-    here, from the block as it is now, outside the trace."""
+    the state `region_id` names), called with arguments of this layout (`_flat_call`), inline,
+    with the values of the attributes that block's trace guarded on; if not, it will now. Dynamo
+    runs it as plain Python while it traces ([Note: Every block a compile region]). It takes
+    constants, not the module: a module argument would leave a guard on the block's identity, which
+    fails Dynamo's reuse of the next block's region. So the kind is read here, from the block as it
+    is now, outside the trace."""
     context = torch._guards.CompileContext.try_get()
     trace = (str(context.compile_id), context.attempt) if context is not None else None
     if trace not in _kinds_traced:
         _kinds_traced.clear()  # one trace at a time: only the one under way is kept
-        _kinds_traced[trace] = set()
-    kind = (kind_of(region_state(region_id).modules[0]), layout)
-    seen = kind in _kinds_traced[trace]
-    _kinds_traced[trace].add(kind)
-    return seen
+        _kinds_traced[trace] = {}
+    state = region_state(region_id)
+    block = state.modules[0]
+    kind = (kind_of(block), layout)
+    traced_kind = _kinds_traced[trace].get(kind)
+    if traced_kind is None:
+        _kinds_traced[trace][kind] = _KindTraced(block, state.name, _guard_names())
+        return False
+    if traced_kind.guarded is None:  # [Note: Numbers a block's trace guarded on]
+        added = _guard_names() - traced_kind.guards_before
+        traced_kind.guarded = _attributes_guarded(traced_kind.name, added)
+        traced_kind.inline.add(_values(traced_kind.first, traced_kind.guarded))
+    values = _values(block, traced_kind.guarded)
+    if values in traced_kind.inline:
+        return True
+    traced_kind.inline.add(values)
+    return False
+
+
+# [Note: Numbers a block's trace guarded on]
+# A block's kind holds no numbers (a layer index differs in every block), yet a block's code may
+# branch on one: `if self.index % 2: ...` sends every other block another way, into a graph break
+# for instance, which torch makes an error inside a region. Dynamo guards on every value the code
+# took as a constant, so the guards the kind's first block's inline trace added name the numbers
+# its code read: those on the block's own attributes (a source below the block's name, compared by
+# value: CONSTANT_MATCH, EQUALS_MATCH). Read at the kind's next block, these attributes' values join
+# the kind: a block whose values no block traced inline had goes inline too, as the first of its
+# own kind. A layer index the code does not read (a Llama's, without a cache) leaves no guard, and
+# its blocks stay one kind. What the code reads outside the block (global state) is not covered.
+
+_VALUE_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
+_ATTRIBUTE_STEP = re.compile(r"\._modules\['([^']+)'\]|\.(\w+)")
+
+
+def _guard_names() -> frozenset:
+    """The names of the value guards Dynamo's trace under way installed so far: (source, kind)."""
+    context = torch._guards.TracingContext.try_get()
+    if context is None:
+        return frozenset()
+    return frozenset((g.name, g.create_fn_name()) for g in context.guards_context.dynamo_guards
+                     if g.create_fn_name() in _VALUE_GUARDS)
+
+
+def _attributes_guarded(name: str, guards: frozenset) -> tuple:
+    """The attribute paths below block `name` (its FQN from the root) that `guards` compare by
+    value, each as its steps: ("_modules", "self_attn"), ("attr", "layer_idx")."""
+    below = "".join(f"._modules['{part}']" for part in name.split("."))
+    paths = set()
+    for source, _ in guards:
+        at = source.find(below)
+        if at < 0:
+            continue
+        rest = source[at + len(below):]
+        steps = [(m.group(1), m.group(2)) for m in _ATTRIBUTE_STEP.finditer(rest)]
+        if rest and "".join(m.group(0) for m in _ATTRIBUTE_STEP.finditer(rest)) == rest:
+            paths.add(tuple(("_modules", sub) if sub is not None else ("attr", attr) for sub, attr in steps))
+    return tuple(sorted(paths))
+
+
+def _values(block: nn.Module, paths: tuple) -> tuple:
+    """The values of `paths` (`_attributes_guarded`) on `block`, as their reprs ("-" where one is
+    missing)."""
+    values = []
+    for path in paths:
+        value = block
+        for how, key in path:
+            value = value._modules.get(key) if how == "_modules" else getattr(value, key, None)
+            if value is None:
+                break
+        values.append(repr(value) if value is not None else "-")
+    return tuple(values)
 
 
 def _call_hooks_and_forward(module: nn.Module, args: tuple, kwargs: dict):
@@ -485,12 +568,14 @@ def _call_as_region(module: nn.Module, layout: str, leaves: list, every_block: b
 # `kind_of` in runtime/state.py (classes, the Python flags of every submodule: bools, strings, None,
 # enums; parameter shapes), read from the block at the call, and the layout of the call's
 # arguments. Blocks that differ there (Gemma's sliding and global layers) are kinds apart, each
-# with its first block inline. Numbers are no part of it (a layer index differs in every block),
-# so a later block whose code branches on a number of its own into a graph break, or on global
-# state, still meets torch's error inside its region. Torch refuses outputs that alias inputs: an
-# input handed back as it is, or a view of one, gets copied (`_not_an_input`). What AOTAutograd
-# refuses in a region, a buffer or input changed in place, compiles inline instead: [Note: Regions
-# that do not compile] in fsdp_graph/compile/backend.py.
+# with its first block inline. Numbers join the kind only where the kind's first block's trace
+# guarded on them ([Note: Numbers a block's trace guarded on]): a layer index differs in every
+# block, and most code never reads it. A later block whose code branches on global state, or on a
+# number passed in as an argument, into a graph break still meets torch's error inside its region,
+# which Dynamo raises out of the compiled call before any code of ours runs. Torch refuses outputs
+# that alias inputs: an input handed back as it is, or a view of one, gets copied
+# (`_not_an_input`). What AOTAutograd refuses in a region, a buffer or input changed in place,
+# compiles inline instead: [Note: Regions that do not compile] in fsdp_graph/compile/backend.py.
 # Region blocks reshard after forward, stay unsharded, or are kept by a memory budget's selective
 # unsharding as inline blocks are (tests/test_compile_blocks.py).
 # `_seen` keeps its record per trace: Dynamo runs it as plain Python while tracing

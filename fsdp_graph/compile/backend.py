@@ -111,8 +111,10 @@ class BackendConfig:
             of its own, as if it were marked, after the first of each kind (its classes, flags,
             parameter shapes and call layout), which is traced inline so that a block that breaks
             the graph falls back as without regions ([Note: Every block a compile region] in
-            fsdp_graph/api/module.py). A graph break inside a region is an error (torch's rule):
-            a later block that branches on a number of its own into one meets it.
+            fsdp_graph/api/module.py); numbers join the kind where its first block's trace
+            guarded on them. A graph break inside a region is an error (torch's rule): a later
+            block that branches on global state, or on a number passed as an argument, into one
+            meets it.
         pieces: with Inductor, compile the step's forward and backward graphs piece by piece (the
             default): the computation between two collectives is a piece, and pieces of the same
             structure (the blocks of one code, shapes and schedule) are compiled once, so Inductor's
