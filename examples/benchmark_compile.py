@@ -20,7 +20,9 @@ Compile cost against depth: an HF LlamaForCausalLM (the `hf` extra), only our ro
 launch with an empty Inductor cache (a second launch with the same cache is the warm relaunch; benchmark_depth.py
 runs the series). `block-scope` is ours compiled with `fsdp_graph.backend(scope="block")` (block by block, the
 collectives on the eager hooks), `regions` the whole step with the blocks as nested_compile_regions,
-`every-block` the same with `fsdp_graph.backend(regions="blocks")` and no block marked:
+`every-block` the same with `fsdp_graph.backend(regions="blocks")` and no block marked (the default since
+2026-11-29, so the same as `scheduled`), `inline` the whole step with no regions (`regions="marked"`, no
+block marked: every layer traced in the step's graph, the default before):
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) torchrun --nproc-per-node 2 examples/benchmark_compile.py \
         --model hf-llama --dim 128 --seq-len 64 --layers 16 --rows scheduled,fsdp2-compile --rounds 3
 Rows of one launch share Inductor's in-process caches, so the row compiled second may reuse kernels of
@@ -74,7 +76,7 @@ import fsdp_graph  # noqa: E402
 from fsdp_graph import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 SCHEDULING = {"bucket_by_group", "auto_bucket", "reorder_for_overlap", "pin_order"}
-ROWS = ("scheduled", "one-graph", "regions", "every-block", "block-scope", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes",
+ROWS = ("scheduled", "one-graph", "regions", "every-block", "inline", "block-scope", "selective", "unscheduled", "fsdp2-eager", "fsdp2-compile", "precompiled", "inductor-passes",
         "blocks", "fsdp2-blocks", "floor", "collectives")
 MODELS = {"ours": "Llama (examples/llama.py)", "hf-llama": "HF LlamaForCausalLM", "hf-gpt2": "HF GPT2LMHeadModel"}
 
@@ -379,6 +381,9 @@ def timings(args) -> None:
         # The same regions, no class marked: the backend makes every block one (regions="blocks").
         "every-block": lambda: make_row("fsdp_graph scheduled, regions=blocks", model(fully_shard),
                                         fsdp_graph.backend(compiler="inductor", regions="blocks")),
+        # The same with no regions: every layer traced inline in the step's graph.
+        "inline": lambda: make_row("fsdp_graph scheduled, no regions", model(fully_shard),
+                                   fsdp_graph.backend(compiler="inductor", regions="marked")),
         # The whole model compiled with scope="block": FSDP2 + compile's structure, with our runtime.
         "block-scope": lambda: make_row("fsdp_graph scope=block", model(fully_shard), fsdp_graph.backend(compiler="inductor", scope="block")),
         "unscheduled": lambda: make_row("fsdp_graph unscheduled", model(fully_shard), unscheduled),

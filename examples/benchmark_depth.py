@@ -13,11 +13,12 @@ seconds depend on which rank compiled first (FSDP2's blocks at 16 layers: 4.2 CP
     python examples/benchmark_depth.py --layers 4,16 --markdown depth.md # the table for docs/benchmarks.md
 Rows (benchmark_compile.py's names): `blocks` (our fully_shard, each block compiled on its own, the root
 eager), `fsdp2-blocks` (the same with FSDP2), `fsdp2-compile` (FSDP2, torch.compile of the whole model) and
-`scheduled` (ours, torch.compile(model, backend=fsdp_graph.backend(...)): the whole step, Inductor compiling each
-repeated piece between collectives once), `one-graph` (the same with `pieces=False`: Inductor compiles the step's
+`scheduled` (ours, torch.compile(model, backend=fsdp_graph.backend(...)): the whole step, each block kind traced
+once as a compile region, Inductor compiling each repeated piece between collectives once), `inline` (the same
+with no regions, `regions="marked"`: every layer traced, the default before 2026-11-29), `one-graph` (the same with `pieces=False`: Inductor compiles the step's
 graphs whole), `regions`
 (the same, the blocks marked as torch.compiler.nested_compile_region), `every-block` (the same regions made by
-`fsdp_graph.backend(regions="blocks")`, no block marked) and `block-scope` (ours,
+`fsdp_graph.backend(regions="blocks")`, no block marked: the default since 2026-11-29) and `block-scope` (ours,
 torch.compile(model, backend=fsdp_graph.backend(scope="block")): the whole model compiled block by block).
 This is a benchmark, not a test: it asserts nothing.
 """
@@ -35,6 +36,7 @@ from bench_report import parse_rows, run_two_ranks, write_markdown  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = {"blocks": "ours, blocks compiled one by one", "fsdp2-blocks": "FSDP2, blocks compiled one by one",
          "fsdp2-compile": "FSDP2, torch.compile(model)", "scheduled": "ours, whole step (fsdp_graph backend, in pieces)",
+         "inline": "ours, whole step, no regions (regions=\"marked\")",
          "one-graph": "ours, whole step, Inductor on one graph (pieces=False)",
          "regions": "ours, whole step, blocks as nested_compile_region",
          "every-block": "ours, whole step, regions=\"blocks\" (no block marked)",

@@ -10,8 +10,9 @@ second pass (nothing left to compile), and the loss of each step.
     python examples/benchmark_lengths.py --per-rank                         # each rank its own lengths
 Rows: `fsdp2-compile` (torch's fully_shard, torch.compile(model) with Inductor) and `scheduled` (ours,
 torch.compile(model, backend="fsdp_graph"): the whole step, Inductor compiling it in pieces), `one-graph` (the
-same with `fsdp_graph.backend(pieces=False)`: Inductor compiles the step's graphs whole) and `every-block` (the
-same, `fsdp_graph.backend(regions="blocks")`: the decoder layers as compile regions). `--per-rank` gives rank r the
+same with `fsdp_graph.backend(pieces=False)`: Inductor compiles the step's graphs whole), `every-block` (the
+same, `fsdp_graph.backend(regions="blocks")`: the decoder layers as compile regions, the default since
+2026-11-29, so the same as `scheduled`) and `inline` (`regions="marked"`: no regions, the default before). `--per-rank` gives rank r the
 lengths shifted by r places, as when each rank pads to its own longest row.
 This is a benchmark, not a test: it asserts nothing.
 """
@@ -31,6 +32,7 @@ from bench_report import parse_rows, run_two_ranks, write_markdown  # noqa: E402
 
 NAMES = {"fsdp2-compile": "FSDP2, torch.compile(model)", "scheduled": "ours, whole step (fsdp_graph backend, in pieces)",
          "every-block": "ours, whole step, regions=\"blocks\"",
+         "inline": "ours, whole step, no regions (regions=\"marked\")",
          "one-graph": "ours, whole step, Inductor on one graph (pieces=False)"}
 
 
@@ -71,8 +73,8 @@ def worker(args) -> None:
         backend = "inductor"
     else:
         fully_shard = fsdp_graph.fully_shard
-        backend = fsdp_graph.backend(compiler=args.compiler, regions="blocks" if args.worker == "every-block" else "marked",
-                                     pieces=args.worker != "one-graph")
+        regions = {"every-block": {"regions": "blocks"}, "inline": {"regions": "marked"}}.get(args.worker, {})
+        backend = fsdp_graph.backend(compiler=args.compiler, pieces=args.worker != "one-graph", **regions)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=256, hidden_size=args.dim, intermediate_size=args.dim * 8 // 3, num_hidden_layers=args.layers,

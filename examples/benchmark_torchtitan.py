@@ -10,7 +10,8 @@ Rows: `fsdp2-compile` (torch's fully_shard, `model.compile()` of the whole model
 `fsdp2-blocks` (torch's fully_shard, torchtitan's `compile.enable`: each block and the loss compiled on
 their own, torchtitan's default way) and `scheduled` (fsdp_graph's fully_shard through
 `fsdp_graph.use_in_place_of_torch_fsdp()`, `model.compile(backend="fsdp_graph")`: the whole step) and
-`every-block` (the same with `fsdp_graph.backend(regions="blocks")`: each block kind traced once).
+`every-block` (the same with `fsdp_graph.backend(regions="blocks")`: each block kind traced once, the default
+since 2026-11-29, so the same as `scheduled`) and `inline` (`regions="marked"`: no regions, the default before).
 torchtitan's users compile its way (each block on its own), so the whole step is held against both
 FSDP2 rows. `--ac none` turns torchtitan's selective activation checkpointing (its default) off;
 `--ac selective-hashed` keeps it and gives each block's checkpoint `context_fn` the `cache_hash` torch asks
@@ -39,7 +40,8 @@ HERE = os.path.abspath(__file__)
 NAMES = {"fsdp2-compile": "FSDP2, model.compile() (whole model)",
          "fsdp2-blocks": "FSDP2, torchtitan's compile.enable (blocks and loss)",
          "scheduled": "ours, model.compile(backend=\"fsdp_graph\") (whole step)",
-         "every-block": "ours, the same with fsdp_graph.backend(regions=\"blocks\")"}
+         "every-block": "ours, the same with fsdp_graph.backend(regions=\"blocks\")",
+         "inline": "ours, the same with no regions (regions=\"marked\")"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -65,7 +67,7 @@ def worker(args) -> None:
     import torch
 
     row = args.worker
-    ours = row in ("scheduled", "every-block")
+    ours = row in ("scheduled", "every-block", "inline")
     if ours:
         import fsdp_graph
 
@@ -105,6 +107,8 @@ def worker(args) -> None:
         trainer.model_parts[0].compile(backend="fsdp_graph")
     elif row == "every-block":
         trainer.model_parts[0].compile(backend=fsdp_graph.backend(regions="blocks"))  # imported above, as `ours`
+    elif row == "inline":
+        trainer.model_parts[0].compile(backend=fsdp_graph.backend(regions="marked"))
     trainer.train()
     if rank == 0:
         steps = [b - a for a, b in zip(step_ends[2:], step_ends[3:])]

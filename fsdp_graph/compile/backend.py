@@ -106,15 +106,15 @@ class BackendConfig:
             then left out.
         regions: which blocks a step ("step" scope) traces as compile regions, so that Dynamo's
             graph holds one body for all blocks of the same code and shapes, which AOTAutograd
-            and Inductor then handle once: "marked" (default): the blocks whose forward is a
-            `torch.compiler.nested_compile_region`; "blocks": every sharded block that is a group
-            of its own, as if it were marked, after the first of each kind (its classes, flags,
-            parameter shapes and call layout), which is traced inline so that a block that breaks
-            the graph falls back as without regions ([Note: Every block a compile region] in
-            fsdp_graph/api/module.py); numbers join the kind where its first block's trace
-            guarded on them. A graph break inside a region is an error (torch's rule): a later
-            block that branches on global state, or on a number passed as an argument, into one
-            meets it.
+            and Inductor then handle once: "blocks" (default): every sharded block that is a group
+            of its own, as if its forward were a `torch.compiler.nested_compile_region`, after the
+            first of each kind (its classes, flags, parameter shapes and call layout, and the
+            numbers its first block's trace guarded on), which is traced inline so that a block
+            that breaks the graph falls back as without regions ([Note: Every block a compile
+            region] in fsdp_graph/api/module.py). A graph break inside a region is an error
+            (torch's rule): a later block that branches on global state, or on a number passed as
+            an argument, into one meets it; "marked" traces every block inline but those whose
+            forward is marked so (the default before 2026-11-29).
         pieces: with Inductor, compile the step's forward and backward graphs piece by piece (the
             default): the computation between two collectives is a piece, and pieces of the same
             structure (the blocks of one code, shapes and schedule) are compiled once, so Inductor's
@@ -131,7 +131,7 @@ class BackendConfig:
     disabled_passes: frozenset[str] = field(default_factory=frozenset)
     rank_divergent_graphs: bool = False
     scope: str = "step"
-    regions: str = "marked"
+    regions: str = "blocks"
     pieces: bool = True
 
     def __post_init__(self) -> None:
