@@ -351,12 +351,13 @@ def _traced_call(module: nn.Module, args: tuple, kwargs: dict):
 
 @dataclasses.dataclass
 class _KindTraced:
-    """A kind of block the trace under way traced inline: its first block (`first`, named `name`
-    from the root), the names of Dynamo's guards before its trace (`guards_before`), then the
-    attributes of the block that trace guarded the values of (`guarded`, read at the next block of
-    the kind), and the values of those attributes of the blocks traced inline so far (`inline`)."""
+    """A kind of block the trace under way traced inline: its first block's `region_id` (`first`,
+    not the module, which the record would keep alive) and name from the root, the names of
+    Dynamo's guards before its trace (`guards_before`), then the attributes of the block that trace
+    guarded the values of (`guarded`, read at the next block of the kind), and the values of those
+    attributes of the blocks traced inline so far (`inline`)."""
 
-    first: nn.Module
+    first: int
     name: str
     guards_before: frozenset
     guarded: Optional[tuple] = None
@@ -385,12 +386,14 @@ def _seen(region_id: int, layout: str) -> bool:
     kind = (kind_of(block), layout)
     traced_kind = _kinds_traced[trace].get(kind)
     if traced_kind is None:
-        _kinds_traced[trace][kind] = _KindTraced(block, state.name, _guard_names())
+        _kinds_traced[trace][kind] = _KindTraced(region_id, state.name, _guard_names())
         return False
     if traced_kind.guarded is None:  # [Note: Numbers a block's trace guarded on]
         added = _guard_names() - traced_kind.guards_before
         traced_kind.guarded = _attributes_guarded(traced_kind.name, added)
-        traced_kind.inline.add(_values(traced_kind.first, traced_kind.guarded))
+        first = region_state(traced_kind.first)
+        if first is not None:
+            traced_kind.inline.add(_values(first.modules[0], traced_kind.guarded))
     values = _values(block, traced_kind.guarded)
     if values in traced_kind.inline:
         return True
