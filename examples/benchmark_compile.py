@@ -20,9 +20,9 @@ Compile cost against depth: an HF LlamaForCausalLM (the `hf` extra), only our ro
 launch with an empty Inductor cache (a second launch with the same cache is the warm relaunch; benchmark_depth.py
 runs the series). `block-scope` is ours compiled with `fsdp_graph.backend(scope="block")` (block by block, the
 collectives on the eager hooks), `regions` the whole step with the blocks as nested_compile_regions,
-`every-block` the same with `fsdp_graph.backend(regions="blocks")` and no block marked (the default since
-2026-11-29, so the same as `scheduled`), `inline` the whole step with no regions (`regions="marked"`, no
-block marked: every layer traced in the step's graph, the default before):
+`every-block` the same with `fsdp_graph.backend(regions="blocks")` and no block marked (the default,
+so the same as `scheduled`), `inline` the whole step with no regions (`regions="marked"`, no
+block marked: every layer traced in the step's graph, the earlier default):
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) torchrun --nproc-per-node 2 examples/benchmark_compile.py \
         --model hf-llama --dim 128 --seq-len 64 --layers 16 --rows scheduled,fsdp2-compile --rounds 3
 Rows of one launch share Inductor's in-process caches, so the row compiled second may reuse kernels of

@@ -15,10 +15,10 @@ Rows (benchmark_compile.py's names): `blocks` (our fully_shard, each block compi
 eager), `fsdp2-blocks` (the same with FSDP2), `fsdp2-compile` (FSDP2, torch.compile of the whole model) and
 `scheduled` (ours, torch.compile(model, backend=fsdp_graph.backend(...)): the whole step, each block kind traced
 once as a compile region, Inductor compiling each repeated piece between collectives once), `inline` (the same
-with no regions, `regions="marked"`: every layer traced, the default before 2026-11-29), `one-graph` (the same with `pieces=False`: Inductor compiles the step's
+with no regions, `regions="marked"`: every layer traced, the earlier default), `one-graph` (the same with `pieces=False`: Inductor compiles the step's
 graphs whole), `regions`
 (the same, the blocks marked as torch.compiler.nested_compile_region), `every-block` (the same regions made by
-`fsdp_graph.backend(regions="blocks")`, no block marked: the default since 2026-11-29) and `block-scope` (ours,
+`fsdp_graph.backend(regions="blocks")`, no block marked: the default) and `block-scope` (ours,
 torch.compile(model, backend=fsdp_graph.backend(scope="block")): the whole model compiled block by block).
 This is a benchmark, not a test: it asserts nothing.
 """

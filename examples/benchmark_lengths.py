@@ -11,8 +11,8 @@ second pass (nothing left to compile), and the loss of each step.
 Rows: `fsdp2-compile` (torch's fully_shard, torch.compile(model) with Inductor) and `scheduled` (ours,
 torch.compile(model, backend="fsdp_graph"): the whole step, Inductor compiling it in pieces), `one-graph` (the
 same with `fsdp_graph.backend(pieces=False)`: Inductor compiles the step's graphs whole), `every-block` (the
-same, `fsdp_graph.backend(regions="blocks")`: the decoder layers as compile regions, the default since
-2026-11-29, so the same as `scheduled`) and `inline` (`regions="marked"`: no regions, the default before). `--per-rank` gives rank r the
+same, `fsdp_graph.backend(regions="blocks")`: the decoder layers as compile regions, the default, so
+the same as `scheduled`) and `inline` (`regions="marked"`: no regions, the earlier default). `--per-rank` gives rank r the
 lengths shifted by r places, as when each rank pads to its own longest row.
 This is a benchmark, not a test: it asserts nothing.
 """

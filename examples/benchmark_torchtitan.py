@@ -10,8 +10,8 @@ Rows: `fsdp2-compile` (torch's fully_shard, `model.compile()` of the whole model
 `fsdp2-blocks` (torch's fully_shard, torchtitan's `compile.enable`: each block and the loss compiled on
 their own, torchtitan's default way) and `scheduled` (fsdp_graph's fully_shard through
 `fsdp_graph.use_in_place_of_torch_fsdp()`, `model.compile(backend="fsdp_graph")`: the whole step) and
-`every-block` (the same with `fsdp_graph.backend(regions="blocks")`: each block kind traced once, the default
-since 2026-11-29, so the same as `scheduled`) and `inline` (`regions="marked"`: no regions, the default before).
+`every-block` (the same with `fsdp_graph.backend(regions="blocks")`: each block kind traced once, the default,
+so the same as `scheduled`) and `inline` (`regions="marked"`: no regions, the earlier default).
 torchtitan's users compile its way (each block on its own), so the whole step is held against both
 FSDP2 rows. `--ac none` turns torchtitan's selective activation checkpointing (its default) off;
 `--ac selective-hashed` keeps it and gives each block's checkpoint `context_fn` the `cache_hash` torch asks

@@ -114,7 +114,7 @@ class BackendConfig:
             region] in fsdp_graph/api/module.py). A graph break inside a region is an error
             (torch's rule): a later block that branches on global state, or on a number passed as
             an argument, into one meets it; "marked" traces every block inline but those whose
-            forward is marked so (the default before 2026-11-29).
+            forward is marked so (the earlier default).
         pieces: with Inductor, compile the step's forward and backward graphs piece by piece (the
             default): the computation between two collectives is a piece, and pieces of the same
             structure (the blocks of one code, shapes and schedule) are compiled once, so Inductor's
