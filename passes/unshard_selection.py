@@ -140,11 +140,14 @@ def select_unsharded(gm: GraphModule, memory_budget_bytes: Optional[int]) -> Gra
     forward all-gather carries `meta[KEPT_UNSHARDED_META]` = its unsharded bytes, for the inspector.
     No other node changes; with no budget, nothing does.
     """
-    if memory_budget_bytes is None or not _candidates(gm):  # a compile region's body has no group
+    if memory_budget_bytes is None:
         return gm
     first_gathers = gm.meta.get(FIRST_BACKWARD_GATHERS_META)
     if first_gathers is not None:  # [Note: One collective set per frame]
-        kept = {g: b for g, b in _candidates(gm).items() if g not in first_gathers}
+        candidates = _candidates(gm)
+        if not candidates:  # a compile region's body: no group, nothing to say
+            return gm
+        kept = {g: b for g, b in candidates.items() if g not in first_gathers}
         logger.info("fsdp_graph::unshard_selection keeps %s, as the frame's first graph does", sorted(kept) or "nothing")
         if not kept:
             return gm

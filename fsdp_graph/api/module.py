@@ -435,9 +435,9 @@ def _attributes_guarded(name: str, guards: frozenset) -> tuple:
         if at < 0:
             continue
         rest = source[at + len(below):]
-        steps = [(m.group(1), m.group(2)) for m in _ATTRIBUTE_STEP.finditer(rest)]
-        if rest and "".join(m.group(0) for m in _ATTRIBUTE_STEP.finditer(rest)) == rest:
-            paths.add(tuple(("_modules", sub) if sub is not None else ("attr", attr) for sub, attr in steps))
+        steps = list(_ATTRIBUTE_STEP.finditer(rest))
+        if rest and "".join(m.group(0) for m in steps) == rest:  # nothing but attribute steps
+            paths.add(tuple(("_modules", m.group(1)) if m.group(1) is not None else ("attr", m.group(2)) for m in steps))
     return tuple(sorted(paths))
 
 
