@@ -154,7 +154,7 @@ def test_preview_predicts_the_peak_of_the_graphs_the_backend_runs():
 
 def test_preview_predicts_the_peak_where_blocks_are_compile_regions():
     """As above, with regions="blocks": blocks 1 and 2 are calls of one compile region. The preview
-    predicted 0.80x the peak: it let the regions' backward read the weights their forward hands back
+    was wrong three ways: it let the regions' backward read the weights their forward hands back
     where the backend's partitioner has it read the outer graph's (gathered again); a region's call
     allocated nothing while it ran; and the two calls' saved activations, whose fake values share
     storages, counted as one ([Note: Region outputs' fake storages] in passes/simulator.py). The graphs
