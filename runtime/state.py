@@ -405,7 +405,7 @@ class FSDPState:
             return False  # tensor-parallel DTensors and extension subclasses: no region inputs (Dynamo fails)
         if self.region_owners is None:
             return False  # a parameter held outside the module
-        return all(getattr(m, "_fsdp_state", self) is self for m in module.modules())
+        return owns_its_submodules(self.region_id)
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -816,6 +816,17 @@ _region_states: "weakref.WeakValueDictionary[int, FSDPState]" = weakref.WeakValu
 def region_state(region_id: int) -> Optional[FSDPState]:
     """The state whose `region_id` this is, while it lives."""
     return _region_states.get(region_id)
+
+
+@torch._dynamo.assume_constant_result
+def owns_its_submodules(region_id: int) -> bool:
+    """Whether no submodule of the module of the state `region_id` names belongs to another state.
+    Plain Python while Dynamo traces: stepped through, the walk over the block's submodules was
+    half the instructions Dynamo stepped per layer. No guard keeps the answer: `fully_shard`
+    refuses a submodule whose parameters a parent's group holds, so only a submodule without
+    parameters, sharded after a graph was compiled, goes unseen by that graph."""
+    state = region_state(region_id)
+    return state is not None and all(getattr(m, "_fsdp_state", state) is state for m in state.modules[0].modules())
 
 
 _FLAG_TYPES = (bool, str, type(None), Enum)

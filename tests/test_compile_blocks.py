@@ -471,12 +471,16 @@ class _VariedBlock(torch.nn.Module):
     def __init__(self, i: int, variant: str) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(16, 16)
+        if variant == "nested":
+            self.inner = torch.nn.Linear(16, 16)  # sharded as a group of its own, inside the block's
         self.variant = variant
         self.layer_type = "global" if i % 2 else "local"  # as Gemma's sliding and global layers
         self.index = i
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        if self.variant == "nested":
+            x = self.inner(x)
         if self.variant == "flag" and self.layer_type == "global":
             torch._dynamo.graph_break()  # only the odd blocks break the graph
         if self.variant == "number" and self.index == 2:
@@ -531,6 +535,8 @@ def _blocks_that_differ(rank, world_size, variant):
     model = _VariedStack(variant)
     reference = copy.deepcopy(model)
     for block in model.blocks:
+        if variant == "nested":
+            fully_shard(block.inner)
         fully_shard(block)
     fully_shard(model)
     compiled = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", regions="blocks"))
@@ -558,7 +564,7 @@ def _blocks_that_differ(rank, world_size, variant):
 
 
 @pytest.mark.parametrize("variant", ["flag", "number", "pass_through", "view_of_input", "buffer", "input_in_place",
-                                     "dispatch_mode"])
+                                     "dispatch_mode", "nested"])
 def test_every_block_region_where_blocks_differ(variant):
     """regions="blocks" trains where the inline step does ([Note: Every block a compile region]):
     blocks whose string attribute sends every other one into a graph break (each kind's first
@@ -570,7 +576,8 @@ def test_every_block_region_where_blocks_differ(variant):
     gradients as the unsharded model's on the global batch; buffers as its. And a step under a user's
     TorchDispatchMode (a FLOP count of the backward), which refuses a region's call: the regions are
     inlined once our passes scheduled the step, so the mode counts half the unsharded model's
-    backward FLOPs on the global batch."""
+    backward FLOPs on the global batch. And blocks with a sharded submodule (a group inside the
+    block's), which stay inline."""
     losses, ref_losses, counts, ref_counts, regions, flops = run_ranks(_blocks_that_differ, 2, variant)
     assert losses == pytest.approx(ref_losses, rel=1e-5), (losses, ref_losses)
     assert counts == ref_counts, (counts, ref_counts)
@@ -578,5 +585,7 @@ def test_every_block_region_where_blocks_differ(variant):
         assert regions == 2, regions
     if variant == "number":
         assert regions == 0, regions  # every index read and different: every block inline  # blocks 2 and 3 (the first local and global ones go inline): the mask passed through is no obstacle
+    if variant == "nested":  # the blocks stay inline; their inner groups' modules are blocks of one kind
+        assert regions == 3, regions
     if variant == "dispatch_mode":
         assert regions == 2 and flops[2] > 0 and flops[2] * 2 == flops[3], (regions, flops)

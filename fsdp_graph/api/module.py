@@ -595,30 +595,31 @@ def _call_as_region(module: nn.Module, layout: str, leaves: list, every_block: b
 # scalars; anything else (a cache object, a nested structure) goes in as it is, as "oa:" or "ok:name".
 
 
-def _is_leaf(value) -> bool:
-    return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
+_LEAF_TYPES = (torch.Tensor, bool, int, float, str, type(None))
 
 
 def _flat_call(args: tuple, kwargs: dict) -> tuple[str, list]:
     """A call's arguments as (the layout of their fields, the leaves); the region's layout puts the
-    number of gathered tensors first."""
+    number of gathered tensors first. One loop with no calls of ours in it: Dynamo steps through it
+    at every block's call."""
     fields, leaves = [], []
-
-    def add(kind: str, name: str, value) -> None:
-        if _is_leaf(value):
-            fields.append(f"{kind}:{name}")
+    values, names, positional = (*args, *kwargs.values()), ("",) * len(args) + tuple(kwargs), len(args)
+    for i in range(len(values)):
+        value, kind = values[i], "a" if i < positional else "k"
+        if isinstance(value, _LEAF_TYPES):
+            fields.append(f"{kind}:{names[i]}")
             leaves.append(value)
-        elif type(value) is tuple and all(_is_leaf(v) for v in value):
-            fields.append(f"{kind}{len(value)}:{name}")
+            continue
+        flat = type(value) is tuple
+        if flat:
+            for item in value:
+                flat = flat and isinstance(item, _LEAF_TYPES)
+        if flat:
+            fields.append(f"{kind}{len(value)}:{names[i]}")
             leaves.extend(value)
         else:
-            fields.append(f"o{kind}:{name}")
+            fields.append(f"o{kind}:{names[i]}")
             leaves.append(value)
-
-    for value in args:
-        add("a", "", value)
-    for name, value in kwargs.items():
-        add("k", name, value)
     return ";".join(fields), leaves
 
 
