@@ -368,10 +368,14 @@ class FSDPState:
         that stay on the eager hooks] in runtime/traced.py.
 
         The root answers for every group under it: its call's frame encloses theirs, so a reason
-        anywhere sends the whole call to the eager hooks. Any other state answers for its own group:
-        inside a traced root call the root has already asked for it, and a block compiled on its
-        own holds only its group. (Asking every group at every module call made tracing a step
-        quadratic in the number of groups.)"""
+        anywhere sends the whole call to the eager hooks. Any other state answers for its own group,
+        but inside a traced root call (the root's traced forward began), where the root has asked
+        for every group, with guards on what it read: there it answers None at once. A block
+        compiled on its own holds only its group. (Asking every group at every module call made
+        tracing a step quadratic in the number of groups; asking a block's own group again cost
+        Dynamo as many steps per layer as the block's gather.)"""
+        if self.ctx is not None and not self.is_root and self.ctx.root._traced_num_forwards > 0:
+            return None
         for state in self.ctx.states if self.ctx is not None and self.is_root else [self]:
             reason = state.group.eager_only_reason() if state.group is not None else None
             if reason is not None:
@@ -821,8 +825,8 @@ def region_state(region_id: int) -> Optional[FSDPState]:
 @torch._dynamo.assume_constant_result
 def owns_its_submodules(region_id: int) -> bool:
     """Whether no submodule of the module of the state `region_id` names belongs to another state.
-    Plain Python while Dynamo traces: stepped through, the walk over the block's submodules was
-    half the instructions Dynamo stepped per layer. No guard keeps the answer: `fully_shard`
+    Plain Python while Dynamo traces: stepping through the walk over every block's submodules
+    was the largest part of Dynamo's trace of a layer. No guard keeps the answer: `fully_shard`
     refuses a submodule whose parameters a parent's group holds, so only a submodule without
     parameters, sharded after a graph was compiled, goes unseen by that graph."""
     state = region_state(region_id)
