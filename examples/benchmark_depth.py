@@ -11,6 +11,7 @@ directory, so a rank that finds a kernel the other just built spends no CPU on i
 seconds depend on which rank compiled first (FSDP2's blocks at 16 layers: 4.2 CPU s, 15.6 wall).
     python examples/benchmark_depth.py                                   # HF Llama at 4 and 16 layers
     python examples/benchmark_depth.py --layers 4,16 --markdown depth.md # the table for docs/benchmarks.md
+    python examples/benchmark_depth.py --rows scheduled,fsdp2-compile --repeats 4   # medians of 4 launches each
 Rows (benchmark_compile.py's names): `blocks` (our fully_shard, each block compiled on its own, the root
 eager), `fsdp2-blocks` (the same with FSDP2), `fsdp2-compile` (FSDP2, torch.compile of the whole model) and
 `scheduled` (ours, torch.compile(model, backend=fsdp_graph.backend(...)): the whole step, each block kind traced
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 
@@ -52,6 +54,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="steady steps timed per launch")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="launch every (depth, row) this many times, in turns, and report medians: single "
+                             "launches on this machine move 1-2 s at 16 layers")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown, with date, machine and command")
     args = parser.parse_args()
     args.layers = [int(x) for x in args.layers.split(",")]
@@ -76,34 +81,46 @@ def main() -> None:
     # trial, FSDP2's blocks row took 23.7 CPU s at 1 layer, then 13.3 at 2): an untimed launch first.
     with tempfile.TemporaryDirectory() as cache_dir:
         launch(args, args.rows[0], min(args.layers), cache_dir)
-    results: dict[tuple[str, int], tuple[dict, dict]] = {}
-    for layers in args.layers:
-        for row in args.rows:
-            with tempfile.TemporaryDirectory() as cache_dir:
-                cold = launch(args, row, layers, cache_dir)
-                warm = launch(args, row, layers, cache_dir)
-            results[row, layers] = cold, warm
-            print(f"{NAMES[row]:40} {layers:3} layers: cold {cold['first_step_s']:6.1f} wall s "
-                  f"({cold['first_step_cpu_s']:.1f} CPU), relaunch {warm['first_step_s']:6.1f} wall s, "
-                  f"steady {warm['step_ms']:.1f} ms, peak {warm['peak_mib']} MiB", flush=True)
+    results: dict[tuple[str, int], list[tuple[dict, dict]]] = {}
+    for _ in range(args.repeats):  # in turns: a drift of the machine's speed reaches every row alike
+        for layers in args.layers:
+            for row in args.rows:
+                with tempfile.TemporaryDirectory() as cache_dir:
+                    cold = launch(args, row, layers, cache_dir)
+                    warm = launch(args, row, layers, cache_dir)
+                results.setdefault((row, layers), []).append((cold, warm))
+                print(f"{NAMES[row]:40} {layers:3} layers: cold {cold['first_step_s']:6.1f} wall s "
+                      f"({cold['first_step_cpu_s']:.1f} CPU), relaunch {warm['first_step_s']:6.1f} wall s, "
+                      f"steady {warm['step_ms']:.1f} ms, peak {warm['peak_mib']} MiB", flush=True)
+
+    def median(row: str, layers: int, launch_: int, field: str) -> float:
+        """The median over the repeats of one figure of the cold (0) or warm (1) launch."""
+        return statistics.median(runs[launch_][field] for runs in results[row, layers])
+
+    def spread(row: str, layers: int) -> str:
+        colds = [cold["first_step_s"] for cold, _ in results[row, layers]]
+        return f" [{min(colds):.1f}-{max(colds):.1f}]" if len(colds) > 1 else ""
+
     low, high = min(args.layers), max(args.layers)
     header = ["row", "layers", "cold first step: wall s (CPU s)", "relaunch: wall s (CPU s)", "steady step ms",
               "peak heap MiB"]
-    table = [[NAMES[row], layers, f"{cold['first_step_s']:.1f} ({cold['first_step_cpu_s']:.1f})",
-              f"{warm['first_step_s']:.1f} ({warm['first_step_cpu_s']:.1f})", f"{warm['step_ms']:.1f}", warm["peak_mib"]]
-             for (row, layers), (cold, warm) in results.items()]
+    table = [[NAMES[row], layers,
+              f"{median(row, layers, 0, 'first_step_s'):.1f} ({median(row, layers, 0, 'first_step_cpu_s'):.1f}){spread(row, layers)}",
+              f"{median(row, layers, 1, 'first_step_s'):.1f} ({median(row, layers, 1, 'first_step_cpu_s'):.1f})",
+              f"{median(row, layers, 1, 'step_ms'):.1f}", results[row, layers][-1][1]["peak_mib"]]
+             for row, layers in results]
     if high > low:
         slope_header = ["row", f"cold wall s added per layer ({low} -> {high})", "cold wall s at 80 layers, extrapolated",
                         f"cold vs FSDP2 + compile at {high} layers", f"relaunch vs FSDP2 + compile at {high} layers"]
-        reference = results.get(("fsdp2-compile", high))
+        has_reference = ("fsdp2-compile", high) in results
         slopes = []
         for row in args.rows:
-            a, b = results[row, low][0]["first_step_s"], results[row, high][0]["first_step_s"]
+            a, b = median(row, low, 0, "first_step_s"), median(row, high, 0, "first_step_s")
             per_layer = (b - a) / (high - low)
             cold_ratio = relaunch_ratio = ""
-            if reference is not None:
-                cold_ratio = f"{b / reference[0]['first_step_s']:.2f}"
-                relaunch_ratio = f"{results[row, high][1]['first_step_s'] / reference[1]['first_step_s']:.2f}"
+            if has_reference:
+                cold_ratio = f"{b / median('fsdp2-compile', high, 0, 'first_step_s'):.2f}"
+                relaunch_ratio = f"{median(row, high, 1, 'first_step_s') / median('fsdp2-compile', high, 1, 'first_step_s'):.2f}"
             slopes.append([NAMES[row], f"{per_layer:.2f}", f"{b + max(per_layer, 0.0) * (80 - high):.0f}", cold_ratio, relaunch_ratio])
         print("\n".join("  ".join(str(c) for c in line) for line in [slope_header, *slopes]))
     if args.markdown:
@@ -112,7 +129,9 @@ def main() -> None:
                    f"with the cache it left. First steps in wall seconds of rank 0 on a quiet machine, its CPU seconds "
                    f"in brackets (`TORCHINDUCTOR_COMPILE_THREADS=1`; see the script's docstring for why they are not "
                    f"the measure); steady step: median of {args.rounds} steps of the relaunch, each row in its "
-                   f"own launch (not alternated, so compare steady steps loosely).")
+                   f"own launch (not alternated, so compare steady steps loosely)."
+                   + (f" Every figure is the median of {args.repeats} launches made in turns, the cold first "
+                      f"steps' range in square brackets." if args.repeats > 1 else ""))
         sections = [(caption, header, table)]
         if high > low:
             sections.append(("Per row, from the table above:", slope_header, slopes))
