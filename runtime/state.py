@@ -369,12 +369,14 @@ class FSDPState:
 
         The root answers for every group under it: its call's frame encloses theirs, so a reason
         anywhere sends the whole call to the eager hooks. Any other state answers for its own group,
-        but inside a traced root call (the root's traced forward began), where the root has asked
-        for every group, with guards on what it read: there it answers None at once. A block
+        but while Dynamo traces inside a root call whose traced forward began, where the root has
+        asked for every group, with guards on what it read: there it answers None at once (in
+        eager code, a fallback's log among them, it always answers for its group). A block
         compiled on its own holds only its group. (Asking every group at every module call made
         tracing a step quadratic in the number of groups; asking a block's own group again cost
         Dynamo as many steps per layer as the block's gather.)"""
-        if self.ctx is not None and not self.is_root and self.ctx.root._traced_num_forwards > 0:
+        if (torch.compiler.is_compiling() and self.ctx is not None and not self.is_root
+                and self.ctx.root._traced_num_forwards > 0):
             return None
         for state in self.ctx.states if self.ctx is not None and self.is_root else [self]:
             reason = state.group.eager_only_reason() if state.group is not None else None
