@@ -55,8 +55,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="steady steps timed per launch")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="launch every (depth, row) this many times, in turns, and report medians: single "
-                             "launches on this machine move 1-2 s at 16 layers")
+                        help="launch every (depth, row) this many times, in turns, and report medians: a single "
+                             "launch's cold start varies from one launch to the next (docs/benchmarks.md)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown, with date, machine and command")
     args = parser.parse_args()
     args.layers = [int(x) for x in args.layers.split(",")]
