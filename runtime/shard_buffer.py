@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from .bucket_layout import FLAGS, BucketLayout
-from .param import ShardedParam
+from .param import OWNER_ATTR, ShardedParam
 
 
 class ShardBuffer:
@@ -71,6 +71,23 @@ class ShardBuffer:
         # row is current without copying any shard in. See `row_for_trace`.
         self.all_viewed = False
         self.follow(params)
+        # The row as a leaf of its own for compiled steps: see [Note: Compiled gradients arrive as the row's].
+        self._params = params
+        self.grad_leaf = self.flat.detach().requires_grad_()
+        setattr(self.grad_leaf, OWNER_ATTR, params[0])  # the compile backend finds the group's root by it
+        self.grad_leaf.register_post_accumulate_grad_hook(self._hand_out_row_grad)
+
+    def _hand_out_row_grad(self, leaf: torch.Tensor) -> None:
+        """After a compiled backward: each trainable parameter's slot of the row's gradient
+        accumulated into the parameter as the eager runtime's reduce-scatter output is."""
+        row_grad, leaf.grad = leaf.grad, None
+        for index in self.layout.reduced:
+            p = self._params[index]
+            block = self.layout.blocks.index(index)
+            slot = row_grad[self.offsets[block] : self.offsets[block] + self.layout.widths[block]]
+            p.grad_seen = True
+            p.grad_was_none = p.sharded_param.grad is None
+            p.accumulate_sharded_grad(slot)
 
     @staticmethod
     def reason_not(layout: BucketLayout, params: list[ShardedParam]) -> Optional[str]:
@@ -142,7 +159,9 @@ class ShardBuffer:
         DTensor parameter would not survive `fsdp_graph.precompile`'s save and load (a pickled
         DTensor keeps no Python attributes). See [Note: Traced gathers read the shard buffer] in
         runtime/traced.py."""
-        return self.flat if self.all_viewed else None
+        if not self.all_viewed:
+            return None
+        return self.grad_leaf if self.layout.reduced else self.flat
 
 
 def shard_buffer_for(

@@ -223,11 +223,12 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
     mesh_info = group.mesh_info
     reduce_dtype = group.mp_policy.reduce_dtype
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
+    row = _shard_buffer_row(group, layout)
     with annotate(annotation):  # [Note: Traced gathers read the shard buffer]: the row, or None to copy in
         return torch.ops.fsdp_graph.gather_group(
-            [p.followed_param for p in group.params],
+            [p.followed_param for p in group.params] if row is None or not row.requires_grad else [],
             group.grad_flags if layout.reduced else None,
-            _shard_buffer_row(group, layout),
+            row,
             layout.world,
             layout.blocks,
             layout.widths,

@@ -85,6 +85,7 @@ class AllGatherRow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, row, spec, all_gather_dtype, group_name, flags, *shards):
         ctx.spec = spec
+        ctx.row_numel = row.numel()
         if spec.world == 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
             return row.to(all_gather_dtype, copy=True)
         return C10D.wait_tensor(C10D.all_gather_into_tensor(row.to(all_gather_dtype), spec.world, group_name))
@@ -101,8 +102,12 @@ class AllGatherRow(torch.autograd.Function):
         # Each shard's valid elements and the flags, as slices: the copy-in's backward, for a row
         # that was never copied.
         *offsets, flags_at, end = spec.reduce_offsets  # precomputed: Dynamo traces this in every layer
-        shard_grads = [reduced[offset : offset + numel] for offset, numel in zip(offsets, spec.valid_numels)]
         flags = reduced[flags_at:end]
+        if ctx.needs_input_grad[0]:  # the row is the leaf: [Note: Compiled gradients arrive as the row's]
+            row_numel = ctx.row_numel
+            row_grad = reduced if reduced.numel() == row_numel else F.pad(reduced, (0, row_numel - reduced.numel()))
+            return row_grad, None, None, None, flags
+        shard_grads = [reduced[offset : offset + numel] for offset, numel in zip(offsets, spec.valid_numels)]
         return None, None, None, None, flags, *shard_grads
 
 
@@ -227,7 +232,7 @@ def gather_group(
     flags_at = blocks.index(FLAGS) if FLAGS in blocks else -1
     reduced = blocks[:flags_at] if flags_at >= 0 else []
     shards = [shard_dim_first(p.to_local(), d).reshape(-1) for p, d in zip(params, shard_dims)]
-    dtypes = {p.dtype for p in params}
+    dtypes = {p.dtype for p in params} if params else {row.dtype}
     flat_dtype = dtypes.pop() if len(dtypes) == 1 else dtype
     if flags is not None:  # [Note: Gradient flags in a graph] in runtime/traced.py
         flags = (flags if len(reduced) == flags.numel() else flags[reduced]).to(flat_dtype)
@@ -236,7 +241,7 @@ def gather_group(
             reduce_dtype, row.dtype, world, reduce_group, replicate, tuple(divide_factor),
             tuple(reduce_offsets) if reduced else (0,), tuple(valid_numels),
         )
-        gathered = AllGatherRow.apply(row, spec, dtype, group_name, flags, *[shards[i] for i in reduced])
+        gathered = AllGatherRow.apply(row, spec, dtype, group_name, flags, *[shards[i] for i in reduced if shards])
     else:
         pieces = [flags if i == FLAGS else shards[i].to(flat_dtype) for i in blocks]
         num_reduced = flags_at + 1 if flags is not None else len(blocks)
