@@ -89,8 +89,6 @@ class BucketLayout:
         reduce_numels: per reduce-scatter block, the unsharded gradient's elements (0 for the flags).
         reduce_offsets: where each reduce-scatter block starts in a rank's reduced row, then the
             row's end.
-        reduce_valid_numels: per trainable parameter, its shard's elements on this rank, padding
-            excluded.
         flags_at: the flags' block in the all-gather row, -1 without one.
         dtype: the all-gather row's dtype: the parameters' unsharded dtype, uint8 for a byte bucket.
         as_bytes: whether the group gathers one byte bucket ([Note: Byte buckets]).
@@ -109,7 +107,6 @@ class BucketLayout:
     reduce_widths: tuple[int, ...]
     reduce_numels: tuple[int, ...]
     reduce_offsets: tuple[int, ...]
-    reduce_valid_numels: tuple[int, ...]
     flags_at: int
     dtype: torch.dtype
     as_bytes: bool
@@ -146,7 +143,6 @@ class BucketLayout:
             reduce_widths=reduce_widths,
             reduce_numels=tuple(params[i].local_size.numel() for i in reduced) + (0,),
             reduce_offsets=tuple(itertools.accumulate(reduce_widths, initial=0)),
-            reduce_valid_numels=tuple(params[i].num_valid_rows * params[i].row_numel for i in reduced),
             flags_at=blocks.index(FLAGS) if FLAGS in blocks else -1,
             dtype=dtype,
             as_bytes=as_bytes,

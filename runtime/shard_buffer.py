@@ -32,6 +32,24 @@ lazy init re-pads a replaced shard. A shard whose dtype or device changed (`mode
 Groups without a buffer keep the copy-in: a byte bucket ([Note: Byte buckets]: mixed unsharded
 dtypes, all-gather extensions), shards of several dtypes or devices, and shards whose local tensor
 is a tensor subclass. `ShardBuffer.reason_not` says which.
+
+[Note: Compiled gradients arrive as the row's]
+A compiled step reads the row, not the parameters ([Note: Traced gathers read the shard buffer] in
+runtime/traced.py). Had it taken each sharded DTensor parameter as a graph input for its gradient,
+Dynamo would wrap and guard every parameter of every layer (the DTensor, its local tensor, mesh and
+base) and AOTAutograd would trace each one's `to_local()` and its gradient's slices and views: at
+16 HF Llama layers that was most of what a layer added to the compile (docs/benchmarks.md). So the
+graph's only input for a group's gradients is `grad_leaf`, a leaf that aliases `flat` (the same
+storage, no autograd history): the all-gather reads it, and its gradient is the reduced row, in the
+row's layout, as the eager reduce-scatter leaves it. Once autograd has accumulated that gradient,
+`_hand_out_row_grad` gives each trainable parameter its slot, as the eager runtime does with its
+reduce-scatter output (`ShardedParam.accumulate_sharded_grad`: a view where `.grad` was None, an
+in-place add where it was not, then the parameter's post-accumulate-grad hooks), and drops the
+leaf's own `.grad`, so each backward starts from nothing. It records, as the parameters' own
+gradient watches do in eager steps, which `.grad` was None ([Note: Gradient flags in a graph] in
+runtime/traced.py). The leaf carries the first parameter's owner tag, by which the compile backend
+finds the group's root. A backward that reaches no accumulator (`torch.autograd.grad`) leaves the
+leaf, and so every `.grad`, as it was.
 """
 
 from __future__ import annotations

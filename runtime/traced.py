@@ -226,7 +226,7 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
     row = _shard_buffer_row(group, layout)
     with annotate(annotation):  # [Note: Traced gathers read the shard buffer]: the row, or None to copy in
         return torch.ops.fsdp_graph.gather_group(
-            [p.followed_param for p in group.params] if row is None or not row.requires_grad else [],
+            [p.followed_param for p in group.params] if row is None else [],
             group.grad_flags if layout.reduced else None,
             row,
             layout.world,
@@ -234,7 +234,6 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
             layout.widths,
             layout.numels,
             layout.reduce_offsets,
-            layout.reduce_valid_numels,
             layout.shard_dims,
             layout.moved_sizes,
             layout.dtype,
@@ -342,12 +341,13 @@ def _unshard_bytes(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
 # [Note: Traced gathers read the shard buffer]
 # Where every parameter of a group is a view of its shard buffer ([Note: Sharded parameters live in
 # their group's row] in runtime/shard_buffer.py), the traced gather takes the buffer itself as the
-# all-gather's input, a graph input beside the sharded parameters, and copies nothing in:
+# all-gather's input and copies nothing in:
 #
-#     gathered = AllGatherRow(flat, ..., flags, *shards)   # all_gather_into_tensor(flat), wait
+#     gathered = AllGatherRow(row, ..., flags)   # all_gather_into_tensor(row), wait
 #
-# The shards are inputs for their gradients only (`AllGatherRow` in runtime/traced_ops.py): the
-# reduced row's pieces are their gradients, as the copy-in's backward made them. The graph cannot
+# With trainable parameters, `row` is the buffer's gradient leaf, and the reduced row is its
+# gradient: the sharded parameters are no graph inputs at all ([Note: Compiled gradients arrive as
+# the row's] in runtime/shard_buffer.py). The graph cannot
 # check at run time that the shards still are views of the buffer. It need not: every trace begins
 # by following the parameters ([Note: Tracing reads what was followed] in runtime/state.py), which
 # puts each replaced or swapped shard back into the buffer and views it again, and the trace reads
@@ -359,7 +359,8 @@ def _unshard_bytes(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
 
 
 def _shard_buffer_row(group: TracedGroup, layout: BucketLayout) -> Optional[torch.Tensor]:
-    """The group's shard buffer, if every parameter is a view of it in `layout`; else None."""
+    """The group's shard buffer (its gradient leaf, with trainable parameters), if every parameter
+    is a view of it in `layout`; else None."""
     shard_buffer = group.shard_buffer
     if shard_buffer is None or shard_buffer.layout is not layout:
         return None

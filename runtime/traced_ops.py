@@ -58,32 +58,32 @@ class AllGatherShards(torch.autograd.Function):
 
 
 class RowGradients(NamedTuple):
-    """How `AllGatherRow`'s backward hands the reduced row to the shards."""
+    """How `AllGatherRow`'s backward reduces the gathered row's gradient."""
 
     reduce_dtype: Optional[torch.dtype]  # the policy's reduce_dtype, None: the gradient's own
-    row_dtype: torch.dtype  # the shards' dtype, which their gradients are cast back to
+    row_dtype: torch.dtype  # the shards' dtype, which the reduced row is cast back to
     world: int
     reduce_group: str  # the shard group, or its separate reduce-scatter group
     replicate: Optional[str]  # HSDP: the replicate axis' group name; else None
     divide_factor: tuple[float, float]  # (pre, post), see `divide_factors` in collectives
-    reduce_offsets: tuple[int, ...]  # where each reduced block starts (the flags' last), then the row's end
-    valid_numels: tuple[int, ...]  # per trainable shard: its elements, padding excluded
+    reduced_numel: int  # the columns a rank reduces: the trainable parameters', then the flags'
+    flags_at: int  # where the flags' columns begin
 
 
 class AllGatherRow(torch.autograd.Function):
     """Forward: all-gather a group's shard buffer, the row its shards are views of ([Note: Traced
     gathers read the shard buffer] in runtime/traced.py). Backward: what `AllGatherShards` does
-    with the columns it reduces, then each trainable shard's piece of the reduced row, and the
-    flags', as their gradients.
+    with the columns it reduces; the reduced row is the row's gradient (its frozen columns zeros)
+    and its flags' columns the flags' ([Note: Compiled gradients arrive as the row's] in
+    runtime/shard_buffer.py).
 
-    Arguments: the row, the `RowGradients`, the all-gather's dtype and group name, the flags (None
-    without trainable parameters), then the trainable parameters' flat shards in the layout's
-    order. The forward reads only the row: the flags and shards are inputs so that autograd hands
-    them their gradients (the row, a buffer, gets none).
+    Arguments: the row (the buffer's gradient leaf, or the buffer itself where no parameter is
+    trainable), the `RowGradients`, the all-gather's dtype and group name, and the flags (None
+    without trainable parameters), an input so that autograd hands them their gradient.
     """
 
     @staticmethod
-    def forward(ctx, row, spec, all_gather_dtype, group_name, flags, *shards):
+    def forward(ctx, row, spec, all_gather_dtype, group_name, flags):
         ctx.spec = spec
         ctx.row_numel = row.numel()
         if spec.world == 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
@@ -93,22 +93,15 @@ class AllGatherRow(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.spec
-        reduced_numel = spec.reduce_offsets[-1]
-        if grad.numel() != spec.world * reduced_numel:  # leave the frozen columns out
-            grad = grad.view(spec.world, -1)[:, :reduced_numel].contiguous().view(-1)
+        if grad.numel() != spec.world * spec.reduced_numel:  # leave the frozen columns out
+            grad = grad.view(spec.world, -1)[:, : spec.reduced_numel].contiguous().view(-1)
         reduced = _reduce_scatter(
             grad.to(spec.reduce_dtype or grad.dtype), spec.world, spec.reduce_group, spec.replicate, spec.divide_factor
         ).to(spec.row_dtype)
-        # Each shard's valid elements and the flags, as slices: the copy-in's backward, for a row
-        # that was never copied.
-        *offsets, flags_at, end = spec.reduce_offsets  # precomputed: Dynamo traces this in every layer
-        flags = reduced[flags_at:end]
-        if ctx.needs_input_grad[0]:  # the row is the leaf: [Note: Compiled gradients arrive as the row's]
-            row_numel = ctx.row_numel
-            row_grad = reduced if reduced.numel() == row_numel else F.pad(reduced, (0, row_numel - reduced.numel()))
-            return row_grad, None, None, None, flags
-        shard_grads = [reduced[offset : offset + numel] for offset, numel in zip(offsets, spec.valid_numels)]
-        return None, None, None, None, flags, *shard_grads
+        flags = reduced[spec.flags_at : spec.reduced_numel]
+        if reduced.numel() < ctx.row_numel:  # the frozen parameters' columns get no gradient
+            reduced = F.pad(reduced, (0, ctx.row_numel - reduced.numel()))
+        return reduced, None, None, None, flags
 
 
 def _reduce_scatter(
@@ -188,8 +181,8 @@ def route_gradients(bucket: GradientBucket, flags: torch.Tensor, *tensors: torch
 # registered op, `fsdp_graph::gather_group`, whose only kernel is CompositeImplicitAutograd: Dynamo
 # puts one node in its graph and runs the kernel on fake tensors for the outputs' sizes, without
 # tracing it, and AOTAutograd, which traces below autograd, runs the kernel and records what it
-# calls: the shards' views, the copy-in, `AllGatherShards` or `AllGatherRow` with their collectives
-# and backward, the copy-out and the parameters' views. The joint graph is the one Dynamo's trace of
+# calls: `AllGatherRow` (or, without a shard buffer, the shards' views, the copy-in and
+# `AllGatherShards`) with its collectives and backward, the copy-out and the parameters' views. The joint graph is the one Dynamo's trace of
 # the same Python gave. The kernel reads only its arguments (tensors, ints, names), so Dynamo's
 # guards on what the traced hook reads are unchanged; the annotation around the call reaches every
 # node AOTAutograd records for it, the backward's too. The compile caches key Dynamo's graph, which
@@ -198,7 +191,7 @@ def route_gradients(bucket: GradientBucket, flags: torch.Tensor, *tensors: torch
 _GATHER = torch.library.Library("fsdp_graph", "FRAGMENT")
 _GATHER.define(
     "gather_group(Tensor[] params, Tensor? flags, Tensor? row, int world, int[] blocks, int[] widths, int[] numels, "
-    "int[] reduce_offsets, int[] valid_numels, int[] shard_dims, int[] moved_sizes, ScalarType dtype, "
+    "int[] reduce_offsets, int[] shard_dims, int[] moved_sizes, ScalarType dtype, "
     "str group_name, str reduce_group, str? replicate, float[] divide_factor, ScalarType? reduce_dtype) -> Tensor[]"
 )
 
@@ -213,7 +206,6 @@ def gather_group(
     widths: list[int],
     numels: list[int],
     reduce_offsets: list[int],
-    valid_numels: list[int],
     shard_dims: list[int],
     moved_sizes: list[int],
     dtype: torch.dtype,
@@ -224,25 +216,25 @@ def gather_group(
     reduce_dtype: Optional[torch.dtype],
 ) -> list[torch.Tensor]:
     """A plain bucket's traced gather: one unsharded tensor per parameter, as the module computes
-    with it (tp-local), from the group's sharded parameters (`params`, DTensors, in group order) and
-    its `BucketLayout`'s fields of the same names. `row`: the group's shard buffer, which the
-    parameters are views of ([Note: Traced gathers read the shard buffer] in runtime/traced.py), or
-    None to copy the shards in. `flags`: the flags leaf, None without trainable parameters.
-    See [Note: A group's gather is one op to Dynamo]."""
+    with it (tp-local), from its `BucketLayout`'s fields of the same names and either `row`, the
+    group's shard buffer (or its gradient leaf), which the parameters are views of ([Note: Traced
+    gathers read the shard buffer] in runtime/traced.py), with `params` empty; or, with `row` None,
+    the group's sharded parameters (`params`, DTensors, in group order), copied in. `flags`: the
+    flags leaf, None without trainable parameters. See [Note: A group's gather is one op to Dynamo]."""
     flags_at = blocks.index(FLAGS) if FLAGS in blocks else -1
     reduced = blocks[:flags_at] if flags_at >= 0 else []
-    shards = [shard_dim_first(p.to_local(), d).reshape(-1) for p, d in zip(params, shard_dims)]
-    dtypes = {p.dtype for p in params} if params else {row.dtype}
+    dtypes = {p.dtype for p in params} if row is None else {row.dtype}
     flat_dtype = dtypes.pop() if len(dtypes) == 1 else dtype
     if flags is not None:  # [Note: Gradient flags in a graph] in runtime/traced.py
         flags = (flags if len(reduced) == flags.numel() else flags[reduced]).to(flat_dtype)
     if row is not None:
+        reduced_numel, flags_column = (reduce_offsets[-1], reduce_offsets[-2]) if reduced else (0, 0)
         spec = RowGradients(
-            reduce_dtype, row.dtype, world, reduce_group, replicate, tuple(divide_factor),
-            tuple(reduce_offsets) if reduced else (0,), tuple(valid_numels),
+            reduce_dtype, row.dtype, world, reduce_group, replicate, tuple(divide_factor), reduced_numel, flags_column
         )
-        gathered = AllGatherRow.apply(row, spec, dtype, group_name, flags, *[shards[i] for i in reduced if shards])
+        gathered = AllGatherRow.apply(row, spec, dtype, group_name, flags)
     else:
+        shards = [shard_dim_first(p.to_local(), d).reshape(-1) for p, d in zip(params, shard_dims)]
         pieces = [flags if i == FLAGS else shards[i].to(flat_dtype) for i in blocks]
         num_reduced = flags_at + 1 if flags is not None else len(blocks)
         gathered = AllGatherShards.apply(
