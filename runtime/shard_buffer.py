@@ -99,6 +99,8 @@ class ShardBuffer:
         """After a compiled backward: each trainable parameter's slot of the row's gradient
         accumulated into the parameter as the eager runtime's reduce-scatter output is."""
         row_grad, leaf.grad = leaf.grad, None
+        if row_grad is None or row_grad.is_meta:  # no gradient reached the row; a trace on meta has no numbers
+            return
         for index in self.layout.reduced:
             p = self._params[index]
             block = self.layout.blocks.index(index)

@@ -224,6 +224,11 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
     reduce_dtype = group.mp_policy.reduce_dtype
     annotation = {GROUP_KEY: group.name, RESHARD_KEY: _reshards_after_forward(group), ROLE_KEY: ROLE_UNSHARD}
     row = _shard_buffer_row(group, layout)
+    if row is not None:
+        # The parameters are no graph inputs, yet a parameter frozen, unfrozen or converted
+        # (`requires_grad_`, `model.to(dtype)`) must recompile the step, whose layout it changes:
+        # reading them here leaves Dynamo's guards on them (the reads themselves leave the graph).
+        _ = [p.followed_param.requires_grad for p in group.params]
     with annotate(annotation):  # [Note: Traced gathers read the shard buffer]: the row, or None to copy in
         return torch.ops.fsdp_graph.gather_group(
             [p.followed_param for p in group.params] if row is None else [],

@@ -86,59 +86,51 @@ class CompiledGraphTest(expecttest.TestCase):
         self.assertEqual(self.saved_unsharded_groups(graphs), [])
         self.assertExpectedInline(graphs["forward"], """\
 primals_1: float32[2, 16]
-primals_2: float32[1]
-primals_3: float32[33]
-primals_4: float32[2, 16]
-primals_5: 
-primals_6: float32[1]
-primals_7: float32[17]
-primals_8: float32[1, 16]
-primals_9: 
-all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(primals_3, 8, '0') : float32[264]  # fc1 recompute
+primals_2: float32[33]
+primals_3: float32[1]
+primals_4: float32[17]
+primals_5: float32[1]
+all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(primals_2, 8, '0') : float32[264]  # fc1 recompute
 wait_tensor = _c10d_functional.wait_tensor(all_gather_into_tensor) : float32[264]  # recompute
 copy_out = fsdp_graph.copy_out(wait_tensor, 8, [32, 1], [256, 0], 1) :   # recompute
 getitem = <built-in function getitem>(copy_out, 0) : float32[256]  # recompute
-view_2 = aten.view(getitem, [16, 16]) : float32[16, 16]  # recompute
-t = aten.t(view_2) : float32[16, 16]
+view = aten.view(getitem, [16, 16]) : float32[16, 16]  # recompute
+t = aten.t(view) : float32[16, 16]
 mm = aten.mm(primals_1, t) : float32[2, 16]
 relu = aten.relu(mm) : float32[2, 16]
-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_7, 8, '0') : float32[136]  # fc2 recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_4, 8, '0') : float32[136]  # fc2 recompute
 wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[136]  # recompute
 copy_out_1 = fsdp_graph.copy_out(wait_tensor_1, 8, [16, 1], [64, 0], 1) :   # recompute
 getitem_2 = <built-in function getitem>(copy_out_1, 0) : float32[64]  # recompute
-view_5 = aten.view(getitem_2, [4, 16]) : float32[4, 16]  # recompute
-t_1 = aten.t(view_5) : float32[16, 4]
+view_1 = aten.view(getitem_2, [4, 16]) : float32[4, 16]  # recompute
+t_1 = aten.t(view_1) : float32[16, 4]
 mm_1 = aten.mm(relu, t_1) : float32[2, 4]
-return [mm_1, primals_1, primals_3, primals_7, relu, primals_5]
+return [mm_1, primals_1, primals_2, primals_4, relu]
 """)
         self.assertExpectedInline(graphs["backward"], """\
 primals_1: float32[2, 16]
-primals_3: float32[33]
-primals_7: float32[17]
+primals_2: float32[33]
+primals_4: float32[17]
 relu: float32[2, 16]
-primals_5: 
 tangents_1: float32[2, 4]
 t_2 = aten.t(tangents_1) : float32[4, 2]
 mm_2 = aten.mm(t_2, relu) : float32[4, 16]
 t_3 = aten.t(mm_2) : float32[16, 4]
-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_7, 8, '0') : float32[136]  # fc2 recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_4, 8, '0') : float32[136]  # fc2 recompute
 wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[136]  # recompute
 copy_out_1 = fsdp_graph.copy_out(wait_tensor_1, 8, [16, 1], [64, 0], 1) :   # recompute
 getitem_2 = <built-in function getitem>(copy_out_1, 0) : float32[64]  # recompute
-view_5 = aten.view(getitem_2, [4, 16]) : float32[4, 16]  # recompute
-t_1 = aten.t(view_5) : float32[16, 4]
+view_1 = aten.view(getitem_2, [4, 16]) : float32[4, 16]  # recompute
+t_1 = aten.t(view_1) : float32[16, 4]
 t_4 = aten.t(t_1) : float32[4, 16]
 mm_3 = aten.mm(tangents_1, t_4) : float32[2, 16]
 t_5 = aten.t(t_3) : float32[4, 16]
-view_6 = aten.view(t_5, [64]) : float32[64]
-pack_grads = fsdp_graph.pack_grads([view_6, None], 8, [16, 1], [64, 0], float32, device(type='cpu'), 1) : float32[136]
+view_2 = aten.view(t_5, [64]) : float32[64]
+pack_grads = fsdp_graph.pack_grads([view_2, None], 8, [16, 1], [64, 0], float32, device(type='cpu'), 1) : float32[136]
 reduce_scatter_tensor = _c10d_functional.reduce_scatter_tensor(pack_grads, 'sum', 8, '0') : float32[17]  # fc2
 wait_tensor_2 = _c10d_functional.wait_tensor(reduce_scatter_tensor) : float32[17]
 div = aten.div.Tensor(wait_tensor_2, 8.0) : float32[17]
-slice_1 = aten.slice.Tensor(div, 0, 0, 16) : float32[16]
-slice_2 = aten.slice.Tensor(div, 0, 16, 17) : float32[1]
-view_7 = aten.view(slice_1, [1, 16]) : float32[1, 16]
-view_8 = aten.view(view_7, [1, 16]) : float32[1, 16]
+slice_1 = aten.slice.Tensor(div, 0, 16, 17) : float32[1]
 detach = aten.detach(relu) : float32[2, 16]
 detach_1 = aten.detach(detach) : float32[2, 16]
 threshold_backward = aten.threshold_backward(mm_3, detach_1, 0) : float32[2, 16]
@@ -146,16 +138,13 @@ t_6 = aten.t(threshold_backward) : float32[16, 2]
 mm_4 = aten.mm(t_6, primals_1) : float32[16, 16]
 t_7 = aten.t(mm_4) : float32[16, 16]
 t_8 = aten.t(t_7) : float32[16, 16]
-view_9 = aten.view(t_8, [256]) : float32[256]
-pack_grads_1 = fsdp_graph.pack_grads([view_9, None], 8, [32, 1], [256, 0], float32, device(type='cpu'), 1) : float32[264]
+view_3 = aten.view(t_8, [256]) : float32[256]
+pack_grads_1 = fsdp_graph.pack_grads([view_3, None], 8, [32, 1], [256, 0], float32, device(type='cpu'), 1) : float32[264]
 reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(pack_grads_1, 'sum', 8, '0') : float32[33]  # fc1
 wait_tensor_3 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1) : float32[33]
 div_1 = aten.div.Tensor(wait_tensor_3, 8.0) : float32[33]
-slice_3 = aten.slice.Tensor(div_1, 0, 0, 32) : float32[32]
-slice_4 = aten.slice.Tensor(div_1, 0, 32, 33) : float32[1]
-view_10 = aten.view(slice_3, [2, 16]) : float32[2, 16]
-view_11 = aten.view(view_10, [2, 16]) : float32[2, 16]
-return [None, slice_4, None, view_11, primals_5, slice_2, None, view_8, primals_5]
+slice_2 = aten.slice.Tensor(div_1, 0, 32, 33) : float32[1]
+return [None, div_1, slice_2, div, slice_1]
 """)
 
     def test_no_reshard_after_forward_saves_unsharded_and_never_regathers(self):
@@ -212,10 +201,11 @@ backward reduce_scatter_tensor fc1""")
         Inductor to turn into kernels."""
         graphs = self.compile_step(shard=lambda model: fully_shard(model))
         ops = {kind: re.findall(r"= (fsdp_graph\.\w+|aten\.slice\w*)", graphs[kind]) for kind in ("forward", "backward")}
-        # The root keeps its parameters for backward (no re-gather); the three slices there are
-        # views of the reduced shard: one per parameter's gradient shard, one for the gradient flags.
+        # The root keeps its parameters for backward (no re-gather). The reduced shard is the
+        # gradient of the group's row as it is ([Note: Compiled gradients arrive as the row's]): the
+        # one slice is the gradient flags' columns, none is a parameter's.
         self.assertEqual(ops, {"forward": ["fsdp_graph.copy_out"],
-                               "backward": ["fsdp_graph.pack_grads", "aten.slice", "aten.slice", "aten.slice"]})
+                               "backward": ["fsdp_graph.pack_grads", "aten.slice"]})
 
 
 def _bucket(tensors, world: int) -> torch.Tensor:

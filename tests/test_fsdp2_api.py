@@ -246,26 +246,35 @@ def _post_accumulate_grad_hooks(rank, world_size):
     # Post-accumulate-grad hooks on the sharded parameters (optimizer in backward) run once per
     # reduced gradient and see it; a second backward adds to the same `.grad` tensor, in place,
     # also after zero_grad(set_to_none=False). [Note: The sharded gradient is the parameter's own]
-    ours, theirs = _pair()
-    hooked = []
-    for model in (ours, theirs):
-        seen = []
-        for name, param in model.named_parameters():
-            param.register_post_accumulate_grad_hook(lambda p, name=name: seen.append((name, p.grad.to_local().clone())))
-        _step(model, 0, rank)
-        first = [p.grad for p in model.parameters()]
-        _step(model, 1, rank)
-        assert all(a is p.grad for a, p in zip(first, model.parameters()))
-        model.zero_grad(set_to_none=False)
-        _step(model, 2, rank)
-        assert all(a is p.grad for a, p in zip(first, model.parameters()))
-        hooked.append(seen)
-    # (The order differs: torch reduces the root's group before the embedding's, ours after.)
-    hooked = [sorted(seen, key=lambda item: item[0]) for seen in hooked]
-    assert [name for name, _ in hooked[0]] == [name for name, _ in hooked[1]] and len(hooked[0]) == 3 * 15
-    for (name, got), (_, expected) in zip(*hooked):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"hook on {name}: {m}")
-    _assert_same_grads(ours, theirs, what="post-accumulate-grad hooks")
+    # Ours eager and compiled (whole step, aot_eager: [Note: Compiled gradients arrive as the
+    # row's]), against torch's fully_shard in eager.
+    import fsdp_graph
+
+    for compile_with in (None, fsdp_graph.backend(compiler="aot_eager")):
+        ours, theirs = _pair()
+        hooked = []
+        for model in (ours, theirs):
+            run = torch.compile(model, backend=compile_with) if compile_with and model is ours else model
+            seen = []
+            for name, param in model.named_parameters():
+                param.register_post_accumulate_grad_hook(lambda p, name=name: seen.append((name, p.grad.to_local().clone())))
+            _step(run, 0, rank)
+            first = [p.grad for p in model.parameters()]
+            _step(run, 1, rank)
+            assert all(a is p.grad for a, p in zip(first, model.parameters()))
+            model.zero_grad(set_to_none=False)
+            _step(run, 2, rank)
+            assert all(a is p.grad for a, p in zip(first, model.parameters()))
+            hooked.append(seen)
+        what = f"post-accumulate-grad hooks, compiled={compile_with is not None}"
+        # (The order differs: torch reduces the root's group before the embedding's, ours after.)
+        hooked = [sorted(seen, key=lambda item: item[0]) for seen in hooked]
+        assert [name for name, _ in hooked[0]] == [name for name, _ in hooked[1]] and len(hooked[0]) == 3 * 15, what
+        for (name, got), (_, expected) in zip(*hooked):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{what}, hook on {name}: {m}")
+        _assert_same_grads(ours, theirs, what=what)
+        if compile_with is not None:
+            assert not ours._fsdp_state.ctx.fallbacks, ours._fsdp_state.ctx.fallbacks
 
 
 def _reduce_scatter_unused_params(rank, world_size):
