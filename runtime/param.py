@@ -339,10 +339,16 @@ class ShardedParam(AllGatherExtensions):
         self._followed = None  # registered by following
         self.follow_registered_param()
 
+    def note_grad_arriving(self, param: nn.Parameter) -> None:
+        """Record that a gradient is about to accumulate into `param` (`grad_seen`) and whether its
+        `.grad` is None now (`grad_was_none`): the watch's hook in eager steps, the shard buffer's
+        in compiled ones ([Note: Compiled gradients arrive as the row's] in runtime/shard_buffer.py)."""
+        self.grad_seen = True
+        self.grad_was_none = param.grad is None
+
     def _watch(self, param: nn.Parameter) -> None:
         def record(grad: torch.Tensor) -> torch.Tensor:
-            self.grad_seen = True
-            self.grad_was_none = param.grad is None
+            self.note_grad_arriving(param)
             return grad
 
         if self._watch_handle is not None:

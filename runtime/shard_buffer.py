@@ -103,11 +103,8 @@ class ShardBuffer:
             return
         for index in self.layout.reduced:
             p = self._params[index]
-            block = self.layout.blocks.index(index)
-            slot = row_grad[self.offsets[block] : self.offsets[block] + self.layout.widths[block]]
-            p.grad_seen = True
-            p.grad_was_none = p.sharded_param.grad is None
-            p.accumulate_sharded_grad(slot)
+            p.note_grad_arriving(p.sharded_param)
+            p.accumulate_sharded_grad(self._slot(index, row_grad))
 
     @staticmethod
     def reason_not(layout: BucketLayout, params: list[ShardedParam]) -> Optional[str]:
@@ -128,10 +125,11 @@ class ShardBuffer:
         local = params[0].sharded_param._local_tensor
         return layout is self.layout and local.dtype == self.flat.dtype and local.device == self.flat.device
 
-    def _slot(self, index: int) -> torch.Tensor:
-        """Parameter `index`'s padded slot in `flat`."""
+    def _slot(self, index: int, row: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Parameter `index`'s padded slot in `flat`, or in `row`, a tensor laid out as `flat`."""
         block = self.layout.blocks.index(index)
-        return self.flat[self.offsets[block] : self.offsets[block] + self.layout.widths[block]]
+        row = self.flat if row is None else row
+        return row[self.offsets[block] : self.offsets[block] + self.layout.widths[block]]
 
     @staticmethod
     def viewable(p: ShardedParam) -> bool:

@@ -67,7 +67,7 @@ class RowGradients(NamedTuple):
     replicate: Optional[str]  # HSDP: the replicate axis' group name; else None
     divide_factor: tuple[float, float]  # (pre, post), see `divide_factors` in collectives
     reduced_numel: int  # the columns a rank reduces: the trainable parameters', then the flags'
-    flags_at: int  # where the flags' columns begin
+    flags_column: int  # where the flags' columns begin (the layout's `flags_at` is their block)
 
 
 class AllGatherRow(torch.autograd.Function):
@@ -98,7 +98,7 @@ class AllGatherRow(torch.autograd.Function):
         reduced = _reduce_scatter(
             grad.to(spec.reduce_dtype or grad.dtype), spec.world, spec.reduce_group, spec.replicate, spec.divide_factor
         ).to(spec.row_dtype)
-        flags = reduced[spec.flags_at : spec.reduced_numel]
+        flags = reduced[spec.flags_column : spec.reduced_numel]
         if reduced.numel() < ctx.row_numel:  # the frozen parameters' columns get no gradient
             reduced = F.pad(reduced, (0, ctx.row_numel - reduced.numel()))
         return reduced, None, None, None, flags
@@ -182,12 +182,13 @@ def route_gradients(bucket: GradientBucket, flags: torch.Tensor, *tensors: torch
 # puts one node in its graph and runs the kernel on fake tensors for the outputs' sizes, without
 # tracing it, and AOTAutograd, which traces below autograd, runs the kernel and records what it
 # calls: `AllGatherRow` (or, without a shard buffer, the shards' views, the copy-in and
-# `AllGatherShards`) with its collectives and backward, the copy-out and the parameters' views. The joint graph is the one Dynamo's trace of
-# the same Python gave. The kernel reads only its arguments (tensors, ints, names), so Dynamo's
-# guards on what the traced hook reads are unchanged; the annotation around the call reaches every
-# node AOTAutograd records for it, the backward's too. The compile caches key Dynamo's graph, which
-# names the op but holds no kernel: the kernel is among our sources, whose digest is in our passes'
-# keys ([Note: Rank-independent cache keys] in fsdp_graph/compile/cache_key.py).
+# `AllGatherShards`) with its collectives and backward, the copy-out and the parameters' views.
+# The joint graph is the one Dynamo's trace of the same Python gave. The kernel reads only its
+# arguments (tensors, ints, names), so Dynamo's guards on what the traced hook reads are unchanged;
+# the annotation around the call reaches every node AOTAutograd records for it, the backward's too.
+# The compile caches key Dynamo's graph, which names the op but holds no kernel: the kernel is among
+# our sources, whose digest is in our passes' keys ([Note: Rank-independent cache keys] in
+# fsdp_graph/compile/cache_key.py).
 _GATHER = torch.library.Library("fsdp_graph", "FRAGMENT")
 _GATHER.define(
     "gather_group(Tensor[] params, Tensor? flags, Tensor? row, int world, int[] blocks, int[] widths, int[] numels, "
