@@ -101,7 +101,9 @@ class ParamGroup:
         # the group keeps the copy-in); rebuilt with the layout by `refresh_shard_buffer`. See
         # [Note: Sharded parameters live in their group's row] in runtime/shard_buffer.py.
         self._pin_shard_buffer = False  # CPUOffloadPolicy(pin_memory=True): `pin_shards`
-        self.shard_buffer: Optional[ShardBuffer] = shard_buffer_for(self.layout, params, None)
+        self.shard_buffer: Optional[ShardBuffer] = shard_buffer_for(
+            self.layout, params, None, on_hand_out=self.compiled_grads_handed_out
+        )
         self.device = device
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward  # None until the root is known
@@ -174,7 +176,9 @@ class ParamGroup:
         changed. Eager only (a trace reads the buffer, never writes it): the eager unshard, and
         `follow_registered_params`, which runs before Dynamo traces."""
         before = self.shard_buffer
-        self.shard_buffer = shard_buffer_for(self.layout, self.params, before, self._pin_shard_buffer)
+        self.shard_buffer = shard_buffer_for(
+            self.layout, self.params, before, self._pin_shard_buffer, self.compiled_grads_handed_out
+        )
         if self.shard_buffer is not before:
             reason = ShardBuffer.reason_not(self.layout, self.params) if self.shard_buffer is None else None
             logger.debug("fsdp_graph::shard_buffer (%s): %s", self.name, f"none, copies in: {reason}"
@@ -186,7 +190,7 @@ class ParamGroup:
         has one (its dim-0 shards are views of it), and each shard with storage of its own."""
         self._pin_shard_buffer = True
         if self.shard_buffer is not None:
-            self.shard_buffer = ShardBuffer(self.layout, self.params, pin_memory=True)
+            self.shard_buffer = ShardBuffer(self.layout, self.params, True, self.compiled_grads_handed_out)
         for p in self.params:
             if self.shard_buffer is None or not ShardBuffer.viewable(p):
                 p.pin_shard()  # a shard with its own storage
@@ -242,6 +246,11 @@ class ParamGroup:
             p.check_gatherable()
             p.refresh_gather_hooks()  # [Note: Extensions found on the tensor instance]
         return self.refresh_layout()
+
+    def compiled_grads_handed_out(self) -> None:
+        """The shard buffer gave the parameters a compiled backward's gradients: finish the group's
+        backward at its end (runtime/traced.py, [Note: Flags that need no reading])."""
+        traced.finish_at_backward_end(self)
 
     def follow_registered_params(self) -> None:
         """Take the sharded parameters the modules hold now (replaced, or converted by `_apply`:

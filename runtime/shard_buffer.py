@@ -55,7 +55,7 @@ leaf, and so every `.grad`, as it was.
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -74,7 +74,13 @@ class ShardBuffer:
         offsets: per block of the layout, its first element in `flat`.
     """
 
-    def __init__(self, layout: BucketLayout, params: list[ShardedParam], pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        layout: BucketLayout,
+        params: list[ShardedParam],
+        pin_memory: bool = False,
+        on_hand_out: Optional[Callable[[], None]] = None,
+    ) -> None:
         local = params[0].sharded_param._local_tensor
         self.layout = layout
         # Padding and the flags' columns are zeros on the wire: they stay zeros here.
@@ -94,6 +100,11 @@ class ShardBuffer:
         self.grad_leaf = self.flat.detach().requires_grad_()
         setattr(self.grad_leaf, OWNER_ATTR, params[0])  # the compile backend finds the group's root by it
         self.grad_leaf.register_post_accumulate_grad_hook(self._hand_out_row_grad)
+        # Called after each hand-out (the group's end-of-backward work), and the flags' columns of
+        # the last row gradient handed out, until taken: [Note: Flags that need no reading] in
+        # runtime/traced.py.
+        self.on_hand_out = on_hand_out
+        self.row_flags: Optional[torch.Tensor] = None
 
     def _hand_out_row_grad(self, leaf: torch.Tensor) -> None:
         """After a compiled backward: each trainable parameter's slot of the row's gradient
@@ -105,6 +116,16 @@ class ShardBuffer:
             p = self._params[index]
             p.note_grad_arriving(p.sharded_param)
             p.accumulate_sharded_grad(self._slot(index, row_grad))
+        if self.layout.flags_at >= 0:  # a copy: a slice would keep the whole row alive
+            self.row_flags = row_grad[self.layout.reduce_offsets[-2] : self.layout.reduce_offsets[-1]].clone()
+        if self.on_hand_out is not None:
+            self.on_hand_out()
+
+    def take_row_flags(self) -> Optional[torch.Tensor]:
+        """The flags' columns of the row gradient handed out last (one per trainable parameter, in
+        `layout.reduced` order: how many ranks gave it a gradient), once; None if none since."""
+        row_flags, self.row_flags = self.row_flags, None
+        return row_flags
 
     @staticmethod
     def reason_not(layout: BucketLayout, params: list[ShardedParam]) -> Optional[str]:
@@ -183,7 +204,11 @@ class ShardBuffer:
 
 
 def shard_buffer_for(
-    layout: BucketLayout, params: list[ShardedParam], current: Optional[ShardBuffer], pin_memory: bool = False
+    layout: BucketLayout,
+    params: list[ShardedParam],
+    current: Optional[ShardBuffer],
+    pin_memory: bool = False,
+    on_hand_out: Optional[Callable[[], None]] = None,
 ) -> Optional[ShardBuffer]:
     """The group's buffer for `layout`: `current` with replaced shards followed, or a new one where
     the layout, dtype or device changed, or None where the group cannot have one."""
@@ -192,4 +217,4 @@ def shard_buffer_for(
     if current is not None and current.fits(layout, params):
         current.follow(params)
         return current
-    return ShardBuffer(layout, params, pin_memory)
+    return ShardBuffer(layout, params, pin_memory, on_hand_out)

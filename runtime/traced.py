@@ -119,11 +119,34 @@ logger = logging.getLogger(__name__)
 # the flags ride in the columns of `group.grad_flags`, a small leaf gathered (as zeros) with the
 # shards, and its gradient, after the reduce-scatter, is the sum over ranks of "had a gradient".
 # Once the backward ends, a parameter whose flag is 0 on every rank and whose `.grad` this backward
-# created (a hook saw it None just before) gets None back. Only then are the flags read (a device sync on CUDA).
+# created (a hook saw it None just before) gets None back. Only then are the flags read (a device
+# sync on CUDA), and only where some parameter may have had no gradient on this rank: [Note: Flags
+# that need no reading].
 # A backward that writes no parameter gradient (`torch.autograd.grad(loss, inputs=[x])`) still runs
 # the graph's reduce-scatters: the compiled backward is one autograd node that computes all its
 # outputs, and only the accumulators after it are skipped, so `.grad` (and the flags) stay as they
 # were. The eager runtime skips them: [Note: A backward that writes no parameter gradient].
+
+
+# [Note: Flags that need no reading]
+# Reading the flags makes the host wait for the device to finish the backward before the optimizer
+# can launch anything (docs/benchmarks.md, One H200). A step needs them only where
+# a trainable parameter had no gradient on this rank: where every rank gave each one a gradient, no
+# `.grad` goes back to None. Which parameters the forward used is fixed when the step is traced, so
+# `AllGatherRow`'s backward (runtime/traced_ops.py) knows it, from the gradients autograd hands it
+# (None for an unused output), and returns no gradient for the flags where every trainable one was
+# used. Then autograd accumulates nothing into the flags leaf and `.grad` is None there, which the
+# host sees without a sync. The numbers come from the row's gradient instead (`row_flags`, its flags'
+# columns, summed over every call of the group in the step): a module called twice, once with every
+# parameter and once without, gives flags to the leaf from the second call only, yet no parameter of
+# it may lose its gradient. The end-of-backward work is queued by the shard buffer's hand-out (and
+# by the flags, for a group without a row), so it runs whether or not the flags got a gradient.
+# The copy-in path (`AllGatherShards`, no row) still returns the flags every step.
+
+
+def finish_at_backward_end(group: TracedGroup) -> None:
+    """Queue `_restore_none_grads` for the end of the running backward."""
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _restore_none_grads(group))
 
 
 def track_gradient_flags(group: TracedGroup) -> None:
@@ -143,10 +166,7 @@ def new_flags_leaf(group: TracedGroup) -> None:
     `.to()` moved them. A traced step gathers the slots of the parameters trainable then."""
     group.grad_flags = torch.zeros(len(group.params), device=group.params[0].local_shard.device, requires_grad=True)
 
-    def flags_ready(_flags: torch.Tensor) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _restore_none_grads(group))
-
-    group.grad_flags.register_post_accumulate_grad_hook(flags_ready)
+    group.grad_flags.register_post_accumulate_grad_hook(lambda _flags: finish_at_backward_end(group))
 
 
 def _trainable_flags(leaf: torch.Tensor, trainable: tuple[int, ...]) -> torch.Tensor:
@@ -156,11 +176,14 @@ def _trainable_flags(leaf: torch.Tensor, trainable: tuple[int, ...]) -> torch.Te
 
 
 def _restore_none_grads(group: TracedGroup) -> None:
+    """The end of a compiled backward for `group`; may run twice in one (queued by the row's
+    hand-out and by the flags), the second time with nothing left to do."""
     flags, group.grad_flags.grad = group.grad_flags.grad, None
+    row_flags = group.shard_buffer.take_row_flags() if group.shard_buffer is not None else None
     seen = [p.requires_grad and p.grad_seen for p in group.params]
     for p in group.params:
         p.grad_seen = False
-    if flags is None:
+    if flags is None and not any(seen):
         # The group ran in the graph but no gradient reached it (its outputs were detached): the
         # accumulators got nothing and `.grad` is as it was. FSDP2 reduces such a group as zeros
         # when asked to: [Note: Every rank packs every parameter].
@@ -168,17 +191,29 @@ def _restore_none_grads(group: TracedGroup) -> None:
             for p in group.params:
                 if p.requires_grad and p.sharded_param.grad is None:
                     p.accumulate_sharded_grad(p.local_shard.new_zeros(p.shard_numel))
-    elif not flags.is_meta and not group.reduce_controls.zeros_for_unused:
-        # meta: a model traced for its graphs only; zeros_for_unused: FSDP2 keeps the zeros.
+    elif flags is not None and not flags.is_meta and not group.reduce_controls.zeros_for_unused:
+        # No flags: every trainable parameter had a gradient here ([Note: Flags that need no
+        # reading]). meta: a model traced for its graphs only; zeros_for_unused: FSDP2 keeps the zeros.
         # Only a gradient this backward created (its watch saw `.grad` None) is ever taken back:
         # a parameter whose watch was lost keeps what it has ([Note: The sharded parameter is the
         # one its module holds] in runtime/param.py).
         created = [was_seen and p.grad_was_none for p, was_seen in zip(group.params, seen)]
         if any(created):  # read the flags (a device sync) only when a gradient may go
-            for p, flag, new in zip(group.params, flags.tolist(), created):
+            for p, flag, new in zip(group.params, _flag_per_param(group, flags, row_flags), created):
                 if new and flag <= 0:
                     p.sharded_param.grad = None
     group.follow_registered_params()  # for the next step, should anything have replaced a shard
+
+
+def _flag_per_param(group: TracedGroup, flags: torch.Tensor, row_flags: Optional[torch.Tensor]) -> list[float]:
+    """Per parameter of `group`, how many ranks gave it a gradient: from the row's gradient where
+    the group had one, in `layout.reduced` order, else from the flags leaf's (a slot per parameter)."""
+    if row_flags is None:
+        return flags.tolist()
+    per_param = [0.0] * len(group.params)
+    for index, flag in zip(group.layout.reduced, row_flags.tolist()):
+        per_param[index] = flag
+    return per_param
 
 
 def _reshards_after_forward(group: TracedGroup) -> bool:

@@ -70,38 +70,58 @@ class RowGradients(NamedTuple):
     flags_column: int  # where the flags' columns begin (the layout's `flags_at` is their block)
 
 
+class CopyOut(NamedTuple):
+    """The `fsdp_graph::copy_out` arguments after the gathered row: where each parameter's rows are."""
+
+    world: int
+    widths: list[int]
+    numels: list[int]
+    flags_at: int  # the flags' block (-1: none)
+
+
 class AllGatherRow(torch.autograd.Function):
     """Forward: all-gather a group's shard buffer, the row its shards are views of ([Note: Traced
-    gathers read the shard buffer] in runtime/traced.py). Backward: what `AllGatherShards` does
-    with the columns it reduces; the reduced row is the row's gradient (its frozen columns zeros)
-    and its flags' columns the flags' ([Note: Compiled gradients arrive as the row's] in
-    runtime/shard_buffer.py).
+    gathers read the shard buffer] in runtime/traced.py), and copy each parameter out of it.
+    Backward: pack the parameters' gradients and do what `AllGatherShards` does with the columns it
+    reduces; the reduced row is the row's gradient (its frozen columns zeros), its flags' columns
+    the flags' ([Note: Compiled gradients arrive as the row's] in runtime/shard_buffer.py). Where
+    the forward used every trainable parameter, the flags get no gradient: [Note: Flags that need
+    no reading] in runtime/traced.py.
 
     Arguments: the row (the buffer's gradient leaf, or the buffer itself where no parameter is
-    trainable), the `RowGradients`, the all-gather's dtype and group name, and the flags (None
-    without trainable parameters), an input so that autograd hands them their gradient.
+    trainable), the `RowGradients`, the all-gather's dtype and group name, the flags (None without
+    trainable parameters), an input so that autograd hands them their gradient, and the `CopyOut`.
     """
 
     @staticmethod
-    def forward(ctx, row, spec, all_gather_dtype, group_name, flags):
-        ctx.spec = spec
+    def forward(ctx, row, spec, all_gather_dtype, group_name, flags, copy):
+        ctx.spec, ctx.copy = spec, copy
         ctx.row_numel = row.numel()
+        # A parameter the forward did not use gets None, not zeros: its flag is 0 on this rank.
+        ctx.set_materialize_grads(False)
         if spec.world == 1:  # [Note: One rank issues no collectives] in runtime/collectives.py
-            return row.to(all_gather_dtype, copy=True)
-        return C10D.wait_tensor(C10D.all_gather_into_tensor(row.to(all_gather_dtype), spec.world, group_name))
+            gathered = row.to(all_gather_dtype, copy=True)
+        else:
+            gathered = C10D.wait_tensor(C10D.all_gather_into_tensor(row.to(all_gather_dtype), spec.world, group_name))
+        ctx.gathered_dtype, ctx.device = gathered.dtype, gathered.device
+        return tuple(torch.ops.fsdp_graph.copy_out(gathered, *copy))
 
     @staticmethod
-    def backward(ctx, grad):
-        spec = ctx.spec
+    def backward(ctx, *grads):
+        spec, copy = ctx.spec, ctx.copy
+        grad = torch.ops.fsdp_graph.pack_grads(
+            list(grads), copy.world, copy.widths, copy.numels, ctx.gathered_dtype, ctx.device, copy.flags_at
+        )
         if grad.numel() != spec.world * spec.reduced_numel:  # leave the frozen columns out
             grad = grad.view(spec.world, -1)[:, : spec.reduced_numel].contiguous().view(-1)
         reduced = _reduce_scatter(
             grad.to(spec.reduce_dtype or grad.dtype), spec.world, spec.reduce_group, spec.replicate, spec.divide_factor
         ).to(spec.row_dtype)
-        flags = reduced[spec.flags_column : spec.reduced_numel]
+        every_grad_given = copy.flags_at < 0 or all(g is not None for g in grads[: copy.flags_at])
+        flags = None if every_grad_given else reduced[spec.flags_column : spec.reduced_numel]
         if reduced.numel() < ctx.row_numel:  # the frozen parameters' columns get no gradient
             reduced = F.pad(reduced, (0, ctx.row_numel - reduced.numel()))
-        return reduced, None, None, None, flags
+        return reduced, None, None, None, flags, None
 
 
 def _reduce_scatter(
@@ -228,12 +248,14 @@ def gather_group(
     flat_dtype = dtypes.pop() if len(dtypes) == 1 else dtype
     if flags is not None:  # [Note: Gradient flags in a graph] in runtime/traced.py
         flags = (flags if len(reduced) == flags.numel() else flags[reduced]).to(flat_dtype)
+    copy = CopyOut(world, list(widths), list(numels), flags_at)
+    sizes = _split_sizes(moved_sizes)
     if row is not None:
         reduced_numel, flags_column = (reduce_offsets[-1], reduce_offsets[-2]) if reduced else (0, 0)
         spec = RowGradients(
             reduce_dtype, row.dtype, world, reduce_group, replicate, tuple(divide_factor), reduced_numel, flags_column
         )
-        gathered = AllGatherRow.apply(row, spec, dtype, group_name, flags)
+        outputs = AllGatherRow.apply(row, spec, dtype, group_name, flags, copy)
     else:
         shards = [shard_dim_first(p.to_local(), d).reshape(-1) for p, d in zip(params, shard_dims)]
         pieces = [flags if i == FLAGS else shards[i].to(flat_dtype) for i in blocks]
@@ -243,13 +265,12 @@ def gather_group(
             _flat_row(pieces[num_reduced:], widths[num_reduced:]) if num_reduced < len(pieces) else None,
             dtype, reduce_dtype, world, group_name, replicate, tuple(divide_factor), reduce_group,
         )
-    sizes = _split_sizes(moved_sizes)
-    if flags is None and len(params) == 1:  # the rows are the padded parameter: a view, no copy
-        (size,), (width,) = sizes, widths
-        row_numel = math.prod(size[1:])
-        rows = gathered.view(world * width // row_numel if row_numel else size[0], *size[1:])[: size[0]]
-        return [to_param_layout(rows, shard_dims[0])]
-    outputs = torch.ops.fsdp_graph.copy_out(gathered, world, widths, numels, flags_at)
+        if flags is None and len(params) == 1:  # the rows are the padded parameter: a view, no copy
+            (size,), (width,) = sizes, widths
+            row_numel = math.prod(size[1:])
+            rows = gathered.view(world * width // row_numel if row_numel else size[0], *size[1:])[: size[0]]
+            return [to_param_layout(rows, shard_dims[0])]
+        outputs = torch.ops.fsdp_graph.copy_out(gathered, *copy)
     return [
         to_param_layout(outputs[blocks.index(i)].view(size), shard_dim)
         for i, (size, shard_dim) in enumerate(zip(sizes, shard_dims))

@@ -670,6 +670,66 @@ def test_compiled_steps_honour_the_controls():
     print(run_ranks(_compiled, 2))
 
 
+class UpDown(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 4)
+        self.down = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, full: bool) -> torch.Tensor:
+        x = self.up(x).relu()
+        return self.down(x) if full else x
+
+
+class TwiceCalled(nn.Module):
+    """One group (`block`) called twice per forward, once with both its layers and once with `up`
+    only, in either order; a block whose `down` never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = UpDown()
+        self.partial = HalfUsed()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, full_first: bool) -> torch.Tensor:
+        x = self.block(self.block(x, full_first), not full_first)
+        return self.head(self.partial(x)).sum()
+
+
+def _train_twice_called(fs, rank, compile_with=None, orders=(True, False, True)):
+    torch.manual_seed(0)
+    model = TwiceCalled()
+    fs(model.block)
+    fs(model.partial)
+    fs(model)
+    run = torch.compile(model, backend=compile_with) if compile_with is not None else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    grads = []
+    for step, full_first in enumerate(orders):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        run(x, full_first).backward()
+        grads.append({n: None if p.grad is None else p.grad.to_local().clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=step != 1)
+    return grads, {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def _twice_called(rank, world_size):
+    """[Note: Flags that need no reading]: a group gathered twice in one compiled step, one call
+    using every parameter and one not, keeps every gradient either call gave (whichever runs first),
+    and a parameter no call used keeps `.grad` None, as torch's fully_shard in eager."""
+    import fsdp_graph
+
+    expected = _train_twice_called(torch_fully_shard, rank)
+    compiled = _train_twice_called(fully_shard, rank, compile_with=fsdp_graph.backend(compiler="aot_eager"))
+    _assert_same_routed(compiled, expected, what="group called twice")
+    assert expected[0][0]["partial.down.weight"] is None and expected[0][0]["block.down.weight"] is not None
+
+
+def test_compiled_group_called_twice_keeps_either_calls_gradients():
+    run_ranks(_twice_called, 2)
+
+
 def test_all_reduce_hook_runs_on_its_stream():
     """[Note: The all-reduce hook's stream] with stand-in streams (the order FSDP2 gives CUDA):
     the hook's stream waits for the reduction, the hook runs on it, the reduce-scatter stream (which
