@@ -14,10 +14,10 @@ batch). Printed per row: the largest parameter difference from the unsharded mod
 fully_shard, the last loss of each, the median step time of ours and torch's (after the first
 steps), and CUDA's peak allocated memory of each. A row that raises prints its error and the others
 still run. `--deterministic` (deterministic kernels, SDPA's math kernel) makes ours and torch's agree
-bit for bit where they compute the same. With `--profile`, for one eager step of ours and of torch's:
-the copy-in, copy-out and gradient-packing ops, the CUDA runtime calls (a `cudaStreamSynchronize`
-there is the host waiting for the device), then the ops by device time. This is a check and a
-benchmark, not a test: it asserts nothing.
+bit for bit where they compute the same. With `--profile`, for one fp32 step of ours and of torch's
+in each mode: the copy-in, copy-out and gradient-packing ops, the CUDA runtime calls (a
+`cudaStreamSynchronize` there is the host waiting for the device), then the ops by device time.
+This is a check and a benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--backend", help="process group backend (default: nccl with CUDA, else gloo)")
-    parser.add_argument("--profile", action="store_true", help="profile one eager fp32 step of ours and of torch's")
+    parser.add_argument("--profile", action="store_true", help="profile one fp32 step of ours and of torch's per mode")
     parser.add_argument("--trace-dir", help="with --profile: write each side's Chrome trace there")
     parser.add_argument("--deterministic", action="store_true",
                         help="deterministic kernels (and SDPA's math kernel on CUDA), so that sides can agree bit for bit")
@@ -178,28 +178,30 @@ def run_row(args, config: str, mode: str, base: Llama, batches, device, rank, wo
             f"{sides['ours'].mallocs} / {sides['torch'].mallocs}"]
 
 
-def profile(base: Llama, batches, device, rank, trace_dir) -> None:
-    """Device (or CPU) time by op of one eager fp32 step of ours and of torch's, after two warm steps."""
+def profile(base: Llama, batches, device, rank, trace_dir, modes) -> None:
+    """Device (or CPU) time by op of one fp32 step of ours and of torch's per mode, after two warm steps
+    (a compiled side compiles in them)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    for name, shard in (("ours", fully_shard), ("torch", torch_fully_shard)):
-        model, _ = build(base, shard, {}, False, None)
-        side = Side(model, model, device)
+    sides = (("ours", fully_shard, "fsdp_graph"), ("torch", torch_fully_shard, "inductor"))
+    for mode, (name, shard, backend) in ((mode, side) for mode in modes for side in sides):
+        model, step_fn = build(base, shard, {}, mode == "compiled", backend)
+        side = Side(model, step_fn, device)
         for tokens in batches[:2]:
             side.step(tokens[rank])
         with torch_profile(activities=activities) as prof:
             side.step(batches[2][rank])
         if trace_dir:
             os.makedirs(trace_dir, exist_ok=True)
-            prof.export_chrome_trace(os.path.join(trace_dir, f"{name}_rank{rank}.json"))
+            prof.export_chrome_trace(os.path.join(trace_dir, f"{name}_{mode}_rank{rank}.json"))
         if rank == 0:
             key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
             events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
             total = sum(getattr(e, key) for e in events)
             inclusive = "device_time_total" if device.type == "cuda" else "cpu_time_total"
             copies = [e for e in events if any(s in e.key.lower() for s in COPY_OPS)]
-            print(f"\n{name}: step {side.times[-1] * 1e3:.1f} ms wall, {total / 1e3:.1f} ms {key}; "
+            print(f"\n{name}, {mode}: step {side.times[-1] * 1e3:.1f} ms wall, {total / 1e3:.1f} ms {key}; "
                   f"copy-in, copy-out and packing ({inclusive}, nested ranges counted in each):", flush=True)
             for e in sorted(copies, key=lambda e: e.key):
                 print(f"  {getattr(e, inclusive) / 1e3:9.3f} ms  {e.count:5d}  {e.key[:100]}")
@@ -209,7 +211,8 @@ def profile(base: Llama, batches, device, rank, trace_dir) -> None:
             print("  by self time:")
             for e in events[:25]:
                 print(f"  {getattr(e, key) / 1e3:9.3f} ms  {e.count:5d}  {e.key[:100]}")
-        del model, side
+        del model, step_fn, side
+        torch._dynamo.reset()
 
 
 def main() -> None:
@@ -260,7 +263,7 @@ def main() -> None:
         print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
         print("\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in rows), flush=True)
     if args.profile:
-        profile(base, batches, device, rank, args.trace_dir)
+        profile(base, batches, device, rank, args.trace_dir, args.modes)
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # gloo's teardown in torch 2.13 aborts now and then; all work is done

@@ -8,7 +8,9 @@ Each way below runs inside `torch.compile(..., fullgraph=True, backend="eager")`
 
 torch 2.13.0+cpu: every way but `object.__delattr__` traces. torch 2.11.0+cu130 (the device
 machine's torch): none does ("Unsupported method call"), so the whole-step graph cannot be traced
-there (docs/benchmarks.md, One H100).
+there as it is (docs/benchmarks.md, One H100). Pointing the key at the registered parameter instead
+(`module.__dict__[name] = module._parameters[name]`, the last way below) traces on both, which
+tools/device/torch211.py uses (docs/benchmarks.md, One H200).
 """
 
 import torch
@@ -27,6 +29,10 @@ def _del(module: torch.nn.Module) -> None:
     del module.__dict__["weight"]
 
 
+def _point_back(module: torch.nn.Module) -> None:
+    module.__dict__["weight"] = module._parameters["weight"]
+
+
 WAYS = {
     "del module.__dict__[name]": _del,
     "module.__dict__.__delitem__(name)": lambda m: m.__dict__.__delitem__("weight"),
@@ -35,6 +41,7 @@ WAYS = {
     "dict.__delitem__(module.__dict__, name)": lambda m: dict.__delitem__(m.__dict__, "weight"),
     "dict.pop(module.__dict__, name)": lambda m: dict.pop(m.__dict__, "weight"),
     "object.__delattr__(module, name)": lambda m: object.__delattr__(m, "weight"),
+    "module.__dict__[name] = module._parameters[name] (no removal)": _point_back,
 }
 
 
