@@ -84,12 +84,19 @@ def _train_routed(fs, rank, reduce_scatter_unused_params, compile_with=None, mod
         fs(block)
     fs(model)
     model.set_reduce_scatter_unused_params(reduce_scatter_unused_params)
+    return _adamw_steps(model, compile_with, rank, modes)
+
+
+def _adamw_steps(model, compile_with, rank, step_args):
+    """AdamW steps of `model` (compiled with `compile_with`, if given) on (3, 4) inputs, one per
+    entry of `step_args`, the model's second argument; `.grad` kept after the second step, so that
+    the third accumulates into it. The gradients of every step and the final parameters."""
     run = torch.compile(model, backend=compile_with) if compile_with is not None else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
     grads = []
-    for step, mode in enumerate(modes):
+    for step, arg in enumerate(step_args):
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
-        run(x, mode).backward()
+        run(x, arg).backward()
         grads.append({n: None if p.grad is None else p.grad.to_local().clone() for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad(set_to_none=step != 1)
@@ -697,21 +704,13 @@ class TwiceCalled(nn.Module):
 
 
 def _train_twice_called(fs, rank, compile_with=None, orders=(True, False, True)):
+    """AdamW steps of a sharded `TwiceCalled`, one per order (True: the full call first)."""
     torch.manual_seed(0)
     model = TwiceCalled()
     fs(model.block)
     fs(model.partial)
     fs(model)
-    run = torch.compile(model, backend=compile_with) if compile_with is not None else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
-    grads = []
-    for step, full_first in enumerate(orders):
-        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
-        run(x, full_first).backward()
-        grads.append({n: None if p.grad is None else p.grad.to_local().clone() for n, p in model.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=step != 1)
-    return grads, {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    return _adamw_steps(model, compile_with, rank, orders)
 
 
 def _twice_called(rank, world_size):
