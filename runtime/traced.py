@@ -141,7 +141,8 @@ logger = logging.getLogger(__name__)
 # parameter and once without, gives flags to the leaf from the second call only, yet no parameter of
 # it may lose its gradient. The end-of-backward work is queued by the shard buffer's hand-out (and
 # by the flags, for a group without a row), so it runs whether or not the flags got a gradient.
-# The copy-in path (`AllGatherShards`, no row) still returns the flags every step.
+# Groups without a row still return the flags every step, so their steps read them: the copy-in
+# path (`AllGatherShards`: a shard not on dim 0, no buffer) and byte buckets (`RouteGradients`).
 
 
 def finish_at_backward_end(group: TracedGroup) -> None:
