@@ -79,9 +79,10 @@ def test_pieces_train_as_the_unsharded_model_compile_repeated_blocks_once_and_lo
 
 
 def _step_of_distinct_pieces(x):
+    # two ops a piece: a single op is no piece ([Note: Pieces too small to compile])
     for op in (torch.sin, torch.cos, torch.exp, torch.tanh, torch.sigmoid):
-        x = funcol.all_reduce(op(x), "sum", torch.distributed.group.WORLD)
-    return (x * 2,)
+        x = funcol.all_reduce(op(x) + 1, "sum", torch.distributed.group.WORLD)
+    return (x * 2 + 1,)
 
 
 def test_each_local_rank_compiles_its_own_share_of_the_pieces_first(monkeypatch):
@@ -109,9 +110,40 @@ def test_each_local_rank_compiles_its_own_share_of_the_pieces_first(monkeypatch)
     assert "sin" in programs[0][0] and "mul" in programs[0][-1], "the program's pieces are not in the graph's order"
 
 
+def _step_with_runs_of_one_kernel(x):
+    x = funcol.all_reduce(x.sin() + 1, "sum", torch.distributed.group.WORLD)
+    x = funcol.all_reduce(x.view(2, -1)[0] / 2, "sum", torch.distributed.group.WORLD)  # views and one div
+    x = funcol.all_reduce(torch.rand_like(x), "sum", torch.distributed.group.WORLD)  # random: Inductor draws it
+    return (x.cos() * 3,)
+
+
+def test_a_run_of_one_kernel_is_run_by_the_program_not_compiled():
+    # [Note: Pieces too small to compile]: the views and the division between the first and second
+    # collectives are run op by op by the program; the rest are pieces. Against the graph run eagerly.
+    with fake_process_group(1):
+        gm = make_fx(_step_with_runs_of_one_kernel, tracing_mode="fake")(torch.randn(8))
+        compiled = []
+
+        def compile_piece(graph, inputs):
+            compiled.append(graph)
+            return lambda args: graph(*args)
+
+        program = compile_pieces(gm, compile_piece)
+        outside = [what for what, *_ in program.steps if not isinstance(what, int)]
+        x = torch.randn(8)
+        torch.manual_seed(0)
+        (expected,) = gm(x.clone())
+        torch.manual_seed(0)
+        (got,) = program([x.clone()])
+    assert len(compiled) == 3, [g.code for g in compiled]
+    assert torch.ops.aten.div.Tensor in outside and torch.ops.aten.select.int in outside, outside
+    assert any(n.target is torch.ops.aten.rand_like.default for g in compiled for n in g.graph.nodes)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def _backward_that_reads_a_saved_value_on_both_sides_of_a_collective(saved, grad):
-    doubled = funcol.all_reduce(saved * grad, "sum", torch.distributed.group.WORLD)
-    return (doubled + saved,)
+    doubled = funcol.all_reduce((saved * grad).exp(), "sum", torch.distributed.group.WORLD)
+    return ((doubled + saved).exp(),)
 
 
 def test_a_piece_leaves_the_backwards_donated_inputs_alone():

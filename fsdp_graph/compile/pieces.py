@@ -8,6 +8,8 @@ at its collectives and waits: those stay in an outer program, run in the planned
 of computation between them become pieces that Inductor compiles. Blocks of the same code, shapes and
 schedule give pieces that differ only in their node names; pieces are compared by structure
 (`piece_key`), and each structure is compiled once, its compiled code run for every piece of it.
+A run that launches one kernel is no piece: the outer program runs it ([Note: Pieces too small to
+compile]).
 
 The outer program runs the collectives as the compiled graph would have (Inductor calls the same
 functional collectives as extern kernels), in the graph's order, which is the schedule: nothing can
@@ -93,6 +95,9 @@ def split_pieces(gm: GraphModule) -> list:
     symbols = _symbol_inputs(gm)
     pieces = []
     for step in steps:
+        if isinstance(step, list) and _too_small_to_compile(step):
+            pieces.extend(step)  # [Note: Pieces too small to compile]: the outer program runs its ops
+            continue
         if isinstance(step, list):
             members = set(step)
             inputs: dict[Node, None] = {}
@@ -112,6 +117,34 @@ def split_pieces(gm: GraphModule) -> list:
         else:
             pieces.append(step)
     return pieces
+
+
+# [Note: Pieces too small to compile]
+# Between two collectives there is sometimes a single op: the division of a reduced row by the
+# world size, a select of its flags, an `empty` for the next gather. Inductor makes that one op one
+# kernel, as eager does, and still pays a whole compile for it (a C++ build each on CPU, about half
+# a second), once per distinct shape: on torchtitan's Llama rank 0 compiled three of them in its
+# cold first step. So a run of computation that launches at most one kernel (its other ops are views)
+# is no piece: the outer program runs its ops one by one, as it runs the collectives, and a step
+# with it stored in AOTAutograd's cache names them by op (`_OpName`). Ops that draw random numbers
+# stay in pieces, where Inductor's generator draws them, and so does anything that is not an op
+# overload returning one tensor (a getitem, a Python operator on sizes, a constant).
+_VIEW_LIKE = frozenset({torch.ops.aten._unsafe_view.default})
+
+
+def _too_small_to_compile(nodes: list[Node]) -> bool:
+    """Whether a run of computation launches at most one kernel: every node an op overload with one
+    tensor for its value, drawing no random numbers, and all but one of them views."""
+    kernels = 0
+    for node in nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            return False
+        if torch.Tag.nondeterministic_seeded in target.tags or not isinstance(node.meta.get("val"), torch.Tensor):
+            return False
+        if not (target.is_view or target in _VIEW_LIKE):
+            kernels += 1
+    return kernels <= 1
 
 
 def _symbol_inputs(gm: GraphModule) -> dict:
