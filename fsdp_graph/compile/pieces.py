@@ -122,13 +122,13 @@ def split_pieces(gm: GraphModule) -> list:
 # [Note: Pieces too small to compile]
 # Between two collectives there is sometimes a single op: the division of a reduced row by the
 # world size, a select of its flags, an `empty` for the next gather. Inductor makes that one op one
-# kernel, as eager does, and still pays a whole compile for it (a C++ build each on CPU, about half
-# a second), once per distinct shape: on torchtitan's Llama rank 0 compiled three of them in its
-# cold first step. So a run of computation that launches at most one kernel (its other ops are views)
-# is no piece: the outer program runs its ops one by one, as it runs the collectives, and a step
-# with it stored in AOTAutograd's cache names them by op (`_OpName`). Ops that draw random numbers
-# stay in pieces, where Inductor's generator draws them, and so does anything that is not an op
-# overload returning one tensor (a getitem, a Python operator on sizes, a constant).
+# kernel, as eager does, and still pays a whole compile for it (a C++ build each on CPU), once per
+# distinct shape (docs/benchmarks.md, session 32 under "Compile cost against depth"). So a run of
+# computation that launches at most one kernel (its other ops are views) is no piece: the outer
+# program runs its ops one by one, as it runs the collectives, and a step with it stored in
+# AOTAutograd's cache names them by op (`_OpName`). Ops that draw random numbers stay in pieces,
+# where Inductor's generator draws them, and so does anything that is not an op overload returning
+# one tensor (a getitem, a Python operator on sizes, a constant).
 _VIEW_LIKE = frozenset({torch.ops.aten._unsafe_view.default})
 
 
