@@ -177,7 +177,7 @@ class ParamGroup:
         `follow_registered_params`, which runs before Dynamo traces."""
         before = self.shard_buffer
         self.shard_buffer = shard_buffer_for(
-            self.layout, self.params, before, self._pin_shard_buffer, self.compiled_grads_handed_out
+            self.layout, self.params, before, self._pin_shard_buffer, on_hand_out=self.compiled_grads_handed_out
         )
         if self.shard_buffer is not before:
             reason = ShardBuffer.reason_not(self.layout, self.params) if self.shard_buffer is None else None
@@ -190,7 +190,9 @@ class ParamGroup:
         has one (its dim-0 shards are views of it), and each shard with storage of its own."""
         self._pin_shard_buffer = True
         if self.shard_buffer is not None:
-            self.shard_buffer = ShardBuffer(self.layout, self.params, True, self.compiled_grads_handed_out)
+            self.shard_buffer = ShardBuffer(
+                self.layout, self.params, pin_memory=True, on_hand_out=self.compiled_grads_handed_out
+            )
         for p in self.params:
             if self.shard_buffer is None or not ShardBuffer.viewable(p):
                 p.pin_shard()  # a shard with its own storage
