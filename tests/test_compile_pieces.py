@@ -51,7 +51,10 @@ def _train(reference, rank, world_size, lengths, regions="marked"):
 def _compile_then_load(rank, world_size, cache_dir, regions):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # ranks fork from a server started before the test
     torch.manual_seed(0)
-    initial = tiny_llama(6)
+    # in float64: float32 rounding differs between CPUs (their vector widths), and AdamW, whose update
+    # divides by the gradient's running size, carried it past the tolerances for one weight on an
+    # AMD machine, where the gradients themselves matched; float64 keeps the check as tight everywhere
+    initial = tiny_llama(6).double()
     counters.clear()
     # the first length compiles a static graph, the second one symbolic in the length
     _train(copy.deepcopy(initial), rank, world_size, [8, 12], regions)
