@@ -144,6 +144,41 @@ def test_a_run_of_one_kernel_is_run_by_the_program_not_compiled():
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def _blocks_that_make_the_next_collectives_buffer(x):
+    # the same block twice; in the middle of each, the buffer of a collective that follows it, of a
+    # different size in each block (as the gather of the next group is made in a layer's computation)
+    results = []
+    for size in (4, 6):
+        y = x.sin() * 2
+        buffer = torch.ones(size)
+        x = funcol.all_reduce(y.cos() + 1, "sum", torch.distributed.group.WORLD)
+        results.append(funcol.all_reduce(buffer, "sum", torch.distributed.group.WORLD))
+    return (x * 3, *results)
+
+
+def test_a_collectives_fresh_buffer_is_made_by_the_program_and_blocks_are_one_piece():
+    # [Note: A collective's fresh buffer is no part of a piece]: both blocks are one piece, compiled
+    # once, the buffers made by the program. Against the graph run eagerly.
+    with fake_process_group(1):
+        gm = make_fx(_blocks_that_make_the_next_collectives_buffer, tracing_mode="fake")(torch.randn(8))
+        compiled = []
+
+        def compile_piece(graph, inputs):
+            compiled.append(graph)
+            return lambda args: graph(*args)
+
+        program = compile_pieces(gm, compile_piece)
+        outside = [what for what, *_ in program.steps if not isinstance(what, int)]
+        x = torch.randn(8)
+        expected = gm(x.clone())
+        got = program([x.clone()])
+    blocks = [g for g in compiled if any(n.target is torch.ops.aten.sin.default for n in g.graph.nodes)]
+    assert len(blocks) == 1, [g.code for g in compiled]
+    assert not any(n.target is torch.ops.aten.ones.default for g in compiled for n in g.graph.nodes)
+    assert outside.count(torch.ops.aten.ones.default) == 2, outside
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def _backward_that_reads_a_saved_value_on_both_sides_of_a_collective(saved, grad):
     doubled = funcol.all_reduce((saved * grad).exp(), "sum", torch.distributed.group.WORLD)
     return ((doubled + saved).exp(),)

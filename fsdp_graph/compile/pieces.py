@@ -9,7 +9,8 @@ of computation between them become pieces that Inductor compiles. Blocks of the 
 schedule give pieces that differ only in their node names; pieces are compared by structure
 (`piece_key`), and each structure is compiled once, its compiled code run for every piece of it.
 A run that launches one kernel is no piece: the outer program runs it ([Note: Pieces too small to
-compile]).
+compile]), as it makes the collectives' fresh buffers ([Note: A collective's fresh buffer is no part of
+a piece]).
 
 The outer program runs the collectives as the compiled graph would have (Inductor calls the same
 functional collectives as extern kernels), in the graph's order, which is the schedule: nothing can
@@ -82,16 +83,20 @@ def split_pieces(gm: GraphModule) -> list:
     waits, placeholders and the output stay single nodes."""
     steps: list = []
     current: list[Node] = []
+    buffers: list[Node] = []  # [Note: A collective's fresh buffer is no part of a piece]
     for node in gm.graph.nodes:
         if not _stays_outside(node):
-            current.append(node)
+            (buffers if _fresh_buffer_for_collectives(node) else current).append(node)
             continue
         if current:
             steps.append(current)
             current = []
+        steps.extend(buffers)
+        buffers = []
         steps.append(node)
     if current:
         steps.append(current)
+    steps.extend(buffers)
     symbols = _symbol_inputs(gm)
     pieces = []
     for step in steps:
@@ -145,6 +150,24 @@ def _too_small_to_compile(nodes: list[Node]) -> bool:
         if not (target.is_view or target in _VIEW_LIKE):
             kernels += 1
     return kernels <= 1
+
+
+# [Note: A collective's fresh buffer is no part of a piece]
+# The gather of the next group writes into a buffer made for it (`empty`), and the schedule makes
+# that buffer where the gather is issued, often in the middle of a block's computation. Were it part
+# of the piece, the block before each gather of a different size would be a piece of its own (the
+# buffer's size is in the piece's key): the last blocks before the model's head, each compiled again.
+# A node that reads no value and is read by collectives alone is run by the outer program instead,
+# after the run of computation it sat in and before the collective: no later than the schedule made
+# it, so no more memory is held.
+def _fresh_buffer_for_collectives(node: Node) -> bool:
+    """Whether the node makes a tensor from nothing (no input values, no random numbers) that only
+    collectives read."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and not node.all_input_nodes and torch.Tag.nondeterministic_seeded not in target.tags
+            and isinstance(node.meta.get("val"), torch.Tensor)
+            and bool(node.users) and all(_stays_outside(user) for user in node.users))
 
 
 def _symbol_inputs(gm: GraphModule) -> dict:
