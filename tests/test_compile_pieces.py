@@ -120,11 +120,12 @@ def _step_with_runs_of_one_kernel(x):
     return (x.cos() * 3,)
 
 
-def test_a_run_of_one_kernel_is_run_by_the_program_not_compiled():
-    # [Note: Pieces too small to compile]: the views and the division between the first and second
-    # collectives are run op by op by the program; the rest are pieces. Against the graph run eagerly.
+def _run_in_pieces(step):
+    """`step` traced on one fake rank, cut into pieces that run as traced (uncompiled): the pieces'
+    graphs, the ops the program runs itself, and the step's values from its graph and from the
+    program (each from the same seed)."""
     with fake_process_group(1):
-        gm = make_fx(_step_with_runs_of_one_kernel, tracing_mode="fake")(torch.randn(8))
+        gm = make_fx(step, tracing_mode="fake")(torch.randn(8))
         compiled = []
 
         def compile_piece(graph, inputs):
@@ -135,9 +136,16 @@ def test_a_run_of_one_kernel_is_run_by_the_program_not_compiled():
         outside = [what for what, *_ in program.steps if not isinstance(what, int)]
         x = torch.randn(8)
         torch.manual_seed(0)
-        (expected,) = gm(x.clone())
+        expected = gm(x.clone())
         torch.manual_seed(0)
-        (got,) = program([x.clone()])
+        got = program([x.clone()])
+    return compiled, outside, expected, got
+
+
+def test_a_run_of_one_kernel_is_run_by_the_program_not_compiled():
+    # [Note: Pieces too small to compile]: the views and the division between the first and second
+    # collectives are run op by op by the program; the rest are pieces. Against the graph run eagerly.
+    compiled, outside, expected, got = _run_in_pieces(_step_with_runs_of_one_kernel)
     assert len(compiled) == 3, [g.code for g in compiled]
     assert torch.ops.aten.div.Tensor in outside and torch.ops.aten.select.int in outside, outside
     assert any(n.target is torch.ops.aten.rand_like.default for g in compiled for n in g.graph.nodes)
@@ -159,19 +167,7 @@ def _blocks_that_make_the_next_collectives_buffer(x):
 def test_a_collectives_fresh_buffer_is_made_by_the_program_and_blocks_are_one_piece():
     # [Note: A collective's fresh buffer is no part of a piece]: both blocks are one piece, compiled
     # once, the buffers made by the program. Against the graph run eagerly.
-    with fake_process_group(1):
-        gm = make_fx(_blocks_that_make_the_next_collectives_buffer, tracing_mode="fake")(torch.randn(8))
-        compiled = []
-
-        def compile_piece(graph, inputs):
-            compiled.append(graph)
-            return lambda args: graph(*args)
-
-        program = compile_pieces(gm, compile_piece)
-        outside = [what for what, *_ in program.steps if not isinstance(what, int)]
-        x = torch.randn(8)
-        expected = gm(x.clone())
-        got = program([x.clone()])
+    compiled, outside, expected, got = _run_in_pieces(_blocks_that_make_the_next_collectives_buffer)
     blocks = [g for g in compiled if any(n.target is torch.ops.aten.sin.default for n in g.graph.nodes)]
     assert len(blocks) == 1, [g.code for g in compiled]
     assert not any(n.target is torch.ops.aten.ones.default for g in compiled for n in g.graph.nodes)
