@@ -158,8 +158,8 @@ def _too_small_to_compile(nodes: list[Node]) -> bool:
 # of the piece, the block before each gather of a different size would be a piece of its own (the
 # buffer's size is in the piece's key): the last blocks before the model's head, each compiled again.
 # A node that reads no value and is read by collectives alone is run by the outer program instead,
-# after the run of computation it sat in and before the collective: no later than the schedule made
-# it, so no more memory is held.
+# after the run of computation it sat in and before its collective: made later than the schedule
+# made it, never earlier, so it holds its memory no longer.
 def _fresh_buffer_for_collectives(node: Node) -> bool:
     """Whether the node makes a tensor from nothing (no input values, no random numbers) that only
     collectives read."""
