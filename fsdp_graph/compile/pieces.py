@@ -126,9 +126,8 @@ def split_pieces(gm: GraphModule) -> list:
 
 # [Note: Pieces too small to compile]
 # Between two collectives there is sometimes a single op: the division of a reduced row by the
-# world size, a select of its flags, an `empty` for the next gather. Inductor makes that one op one
-# kernel, as eager does, and still pays a whole compile for it (a C++ build each on CPU), once per
-# distinct shape (docs/benchmarks.md, session 32 under "Compile cost against depth"). So a run of
+# world size, a select of its flags. Inductor makes that one op one kernel, as eager does, and still
+# pays a whole compile for it (a C++ build each on CPU), once per distinct shape (docs/benchmarks.md, session 32 under "Compile cost against depth"). So a run of
 # computation that launches at most one kernel (its other ops are views) is no piece: the outer
 # program runs its ops one by one, as it runs the collectives, and a step with it stored in
 # AOTAutograd's cache names them by op (`_OpName`). Ops that draw random numbers stay in pieces,
@@ -137,19 +136,21 @@ def split_pieces(gm: GraphModule) -> list:
 _VIEW_LIKE = frozenset({torch.ops.aten._unsafe_view.default})
 
 
+def _runs_as_one_op(node: Node) -> bool:
+    """Whether the outer program can run the node as it is: an op overload with one tensor for its
+    value, drawing no random numbers."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded not in target.tags
+            and isinstance(node.meta.get("val"), torch.Tensor))
+
+
 def _too_small_to_compile(nodes: list[Node]) -> bool:
-    """Whether a run of computation launches at most one kernel: every node an op overload with one
-    tensor for its value, drawing no random numbers, and all but one of them views."""
-    kernels = 0
-    for node in nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-            return False
-        if torch.Tag.nondeterministic_seeded in target.tags or not isinstance(node.meta.get("val"), torch.Tensor):
-            return False
-        if not (target.is_view or target in _VIEW_LIKE):
-            kernels += 1
-    return kernels <= 1
+    """Whether a run of computation launches at most one kernel: every node runs as one op
+    (`_runs_as_one_op`), and all but one of them are views."""
+    if not all(_runs_as_one_op(node) for node in nodes):
+        return False
+    return sum(not (node.target.is_view or node.target in _VIEW_LIKE) for node in nodes) <= 1
 
 
 # [Note: A collective's fresh buffer is no part of a piece]
@@ -161,12 +162,9 @@ def _too_small_to_compile(nodes: list[Node]) -> bool:
 # after the run of computation it sat in and before its collective: made later than the schedule
 # made it, never earlier, so it holds its memory no longer.
 def _fresh_buffer_for_collectives(node: Node) -> bool:
-    """Whether the node makes a tensor from nothing (no input values, no random numbers) that only
+    """Whether the node makes a tensor from nothing (an op run as it is, reading no value) that only
     collectives read."""
-    target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and not node.all_input_nodes and torch.Tag.nondeterministic_seeded not in target.tags
-            and isinstance(node.meta.get("val"), torch.Tensor)
+    return (_runs_as_one_op(node) and not node.all_input_nodes
             and bool(node.users) and all(_stays_outside(user) for user in node.users))
 
 
