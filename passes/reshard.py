@@ -21,12 +21,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
 from .cost_model import is_view
-from .nodes import REGION_OUTPUT_META, fsdp_meta, is_tangent, region_body
+from .nodes import REGION_OUTPUT_META, fsdp_meta, is_region_call, is_tangent, region_body
 
 logger = logging.getLogger(__name__)
 
 # Activation-checkpoint region ids for our regions; user regions count up from 0 or 1.
 _FIRST_REGION_ID = 10_000
+_RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 def depends_on_tangents(gm: GraphModule) -> set[Node]:
@@ -118,4 +119,34 @@ def read_saved_inputs_outside(gm: GraphModule) -> GraphModule:
                 user.replace_all_uses_with(operands[placeholders.index(out)])
             else:
                 user.meta[REGION_OUTPUT_META] = True
+    return gm
+
+
+def outer_joint_for_partition(gm: GraphModule) -> GraphModule:
+    """An outer joint graph (not a region's body) as the min-cut partitioner should see its compile
+    regions: `read_saved_inputs_outside`, then `save_checkpointed_values_regions_read`."""
+    return save_checkpointed_values_regions_read(read_saved_inputs_outside(gm))
+
+
+def save_checkpointed_values_regions_read(gm: GraphModule) -> GraphModule:
+    """In an outer joint graph: a value that the user's activation checkpointing marks for recompute
+    and that a compile region reads is saved instead. Values unchanged.
+
+    [Note: A checkpointed block before a region]
+    Torch's partitioner saves a checkpointed block's output where the next checkpointed block reads
+    it, so that a backward recomputes each block on its own, just before that block's gradient.
+    A region is such a next block, but its call carries no checkpoint tag, so the rule does not see
+    it. Where a checkpointed block traced inline precedes a region (the first block of a kind is
+    traced inline: [Note: Every block a compile region] in fsdp_graph/api/module.py), the block's
+    output was left to recompute, and the region's backward, which reads its input, needed it: the
+    backward gathered the inline block's parameters and recomputed that block, attention included,
+    before the region's gradient, and held it until the block's own gradient (torchtitan's layer 0
+    before layer 1; the region's backward was then compiled as two pieces of its own). Saving the
+    value is what eager checkpointing does: the next block's checkpoint keeps its input.
+    """
+    for node in gm.graph.nodes:
+        if node.meta.get("recompute") not in _RECOMPUTED or node.meta.get("ac_graph_id", _FIRST_REGION_ID) >= _FIRST_REGION_ID - 1:
+            continue  # not tagged by the user's checkpointing (ours tag resharding: those stay)
+        if any(is_region_call(user) for user in node.users):
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     return gm

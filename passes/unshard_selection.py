@@ -40,7 +40,7 @@ from torch.fx import Graph, GraphModule
 
 from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
 from .nodes import KEPT_UNSHARDED_META, fsdp_meta, is_all_gather, is_tangent, tensor_bytes
-from .reshard import depends_on_tangents, read_saved_inputs_outside, tag_reshard_after_forward
+from .reshard import depends_on_tangents, outer_joint_for_partition, tag_reshard_after_forward
 from .simulator import memory_profile, program_of
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def partitioned_peak(gm: GraphModule) -> int:
     graph.output(graph.graph_copy(gm.graph, {}))  # node metas are copied, so tagging the copy is safe
     # As the backend's partitioner does (fsdp_graph/compile/partition.py), a compile region's saved
     # input is read where the outer graph has it, so its backward gathers it again.
-    preview = read_saved_inputs_outside(tag_reshard_after_forward(GraphModule(gm, graph)))
+    preview = outer_joint_for_partition(tag_reshard_after_forward(GraphModule(gm, graph)))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     num_primals = sum(not is_tangent(n) for n in placeholders)
     (outputs,) = graph.output_node().args

@@ -299,6 +299,54 @@ def test_regions_with_other_settings(variant):
         assert regathers > 0, regathers  # the blocks reshard after forward
 
 
+def _checkpointed_blocks(rank, world_size, policy):
+    """torchtitan's layout: each block a `checkpoint_wrapper` (all of it recomputed, or selectively as
+    torchtitan's default policy does: every other matmul saved), then sharded; the backend makes the
+    blocks regions, the first inline. The eager runtime's numbers bit for bit (aot_eager), torch's
+    fully_shard's parameters, and the backward's all-gathers in graph order."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def every_other_matmul():
+        counts = {False: 0, True: 0}  # in forward, in the recompute
+
+        def policy(ctx, op, *args, **kwargs):
+            if op is not torch.ops.aten.mm.default:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            counts[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, dim=32, num_layers=3, num_heads=2, hidden_dim=56))
+    options = {"context_fn": every_other_matmul} if policy == "selective" else {}
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block, **options)
+    eager = shard_llama(copy.deepcopy(model), fully_shard)
+    traced = shard_llama(copy.deepcopy(model), fully_shard)
+    dump_dir = tempfile.mkdtemp()
+    # auto_bucket off: each block's gather on its own, so that their order shows
+    backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=dump_dir, disabled_passes={"auto_bucket"})
+    compiled = torch.compile(traced, backend=backend)
+    train_bitwise_like_eager(model, eager, traced, compiled, rank, world_size)
+    _check_params_like_torch(model, traced, "checkpoint", rank, world_size)
+    regions = (Path(dump_dir) / "frame_0_0.forward.txt").read_text().count("= invoke_subgraph(")
+    return dict(traced._fsdp_state.ctx.fallbacks), regions, collective_groups(dumped_graphs(dump_dir), "backward", "all_gather_into_tensor")
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_a_checkpointed_block_traced_inline_before_regions_is_recomputed_for_its_own_gradient(policy):
+    """[Note: A checkpointed block before a region] (passes/reshard.py): the first block, traced inline,
+    is recomputed just before its own gradient, after the regions' (before, the second block's region
+    read the first block's output, left to recompute: the backward gathered and recomputed the first
+    block before the others, `layers.2, layers.0, layers.1`)."""
+    fallbacks, regions, backward_gathers = run_ranks(_checkpointed_blocks, 2, policy)
+    assert fallbacks == {} and regions == 2, (fallbacks, regions)
+    assert backward_gathers == ["layers.2", "layers.1", "layers.0"], backward_gathers
+
+
 def _block_scope_variant(rank, world_size, variant):
     """scope="block" against the eager runtime and torch's fully_shard under `variant`'s settings:
     (fallbacks, graphs compiled at 3 layers, at 5 layers)."""

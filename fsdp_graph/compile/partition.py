@@ -37,7 +37,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.fx import GraphModule, Node
 
-from ..passes.reshard import read_saved_inputs_outside, save_inputs_not_their_views
+from ..passes.reshard import outer_joint_for_partition, save_inputs_not_their_views
 
 _RUN_AND_SAVE_RNG_STATE = torch._prims.rng_prims.run_and_save_rng_state
 
@@ -50,7 +50,7 @@ def partition(joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) ->
     if not joint_inputs:  # a compile region's body, which AOTAutograd partitions on its own first
         joint = save_inputs_not_their_views(joint)
     else:
-        joint = read_saved_inputs_outside(joint)
+        joint = outer_joint_for_partition(joint)
     forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     put_rng_states_with_tensors(forward, backward, num_fwd_outputs)
     for graph in (forward, backward):
