@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 # Activation-checkpoint region ids for our regions; user regions count up from 0 or 1.
 _FIRST_REGION_ID = 10_000
+_VIEWS_REGION_ID = _FIRST_REGION_ID - 1  # a region body's views of its inputs (`save_inputs_not_their_views`)
 _RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
 
@@ -91,7 +92,7 @@ def save_inputs_not_their_views(gm: GraphModule) -> GraphModule:
         if node.all_input_nodes and node.all_input_nodes[0] in of_input and "recompute" not in node.meta:
             of_input.add(node)
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta["ac_graph_id"] = _FIRST_REGION_ID - 1
+            node.meta["ac_graph_id"] = _VIEWS_REGION_ID
     return gm
 
 
@@ -145,8 +146,12 @@ def save_checkpointed_values_regions_read(gm: GraphModule) -> GraphModule:
     value is what eager checkpointing does: the next block's checkpoint keeps its input.
     """
     for node in gm.graph.nodes:
-        if node.meta.get("recompute") not in _RECOMPUTED or node.meta.get("ac_graph_id", _FIRST_REGION_ID) >= _FIRST_REGION_ID - 1:
-            continue  # not tagged by the user's checkpointing (ours tag resharding: those stay)
-        if any(is_region_call(user) for user in node.users):
+        if _recomputed_by_users_checkpoint(node) and any(is_region_call(user) for user in node.users):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     return gm
+
+
+def _recomputed_by_users_checkpoint(node: Node) -> bool:
+    """Whether the user's activation checkpointing, not one of our regions (resharding, a region's
+    views of its inputs), tagged the node for recompute."""
+    return node.meta.get("recompute") in _RECOMPUTED and node.meta.get("ac_graph_id", _VIEWS_REGION_ID) < _VIEWS_REGION_ID

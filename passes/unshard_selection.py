@@ -101,7 +101,8 @@ def partitioned_peak(gm: GraphModule) -> int:
     graph = Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # node metas are copied, so tagging the copy is safe
     # As the backend's partitioner does (fsdp_graph/compile/partition.py), a compile region's saved
-    # input is read where the outer graph has it, so its backward gathers it again.
+    # input is read where the outer graph has it, so its backward gathers it again, and a checkpointed
+    # value a region reads is saved.
     preview = outer_joint_for_partition(tag_reshard_after_forward(GraphModule(gm, graph)))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     num_primals = sum(not is_tangent(n) for n in placeholders)
