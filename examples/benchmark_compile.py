@@ -13,7 +13,8 @@ Any other transformers causal LM, by class name (built from its config at the sa
         --batch-size 4 --rows selective,fsdp2-eager,fsdp2-compile,floor,collectives --rounds 9
 Every row steps AdamW's foreach implementation (`--optimizer for-loop` for torch's CPU default), as on CUDA.
 Where the time goes: `--profile-dir prof` profiles one more step of each row (a Chrome trace per row and rank there,
-rank 0's forward / backward / optimizer split and ops by self CPU time printed); with `FSDP_GRAPH_DUMP=dump`, compare
+rank 0's forward / backward / optimizer split, its bucket copies (copy-in, copy-out, gradient packing; ours and
+FSDP2's) and ops by self CPU time printed); with `FSDP_GRAPH_DUMP=dump`, compare
 our row's trace with the predicted schedule: `python -m fsdp_graph.inspect dump --trace t.json --measured prof/<row>.rank0.json`.
 
 Compile cost against depth: an HF LlamaForCausalLM (the `hf` extra), only our row and FSDP2 + torch.compile, each
@@ -476,9 +477,35 @@ def where_the_time_goes(directory: str, row: Row, tokens: torch.Tensor, num_ops:
     phases = {e.key: e.cpu_time_total for e in averages if e.key.startswith("bench::")}
     total = sum(phases.values()) or 1.0
     print(f"\n{row.name}: " + ", ".join(f"{k[7:]} {v / 1e3:.1f} ms" for k, v in phases.items()))
+    copies = bucket_copies(prof.events())
+    print("  bucket copies: " + ", ".join(f"{kind} {us / 1e3:.2f} ms" for kind, us in copies.items())
+          + f" = {100 * sum(copies.values()) / total:.2f}% of the step")
     ops = sorted((e for e in averages if not e.key.startswith("bench::")), key=lambda e: -e.self_cpu_time_total)
     for e in ops[:num_ops]:
         print(f"  {e.self_cpu_time_total / 1e3:8.2f} ms {100 * e.self_cpu_time_total / total:5.1f}%  x{e.count:<5} {e.key[:90]}")
+
+
+# The ops that copy parameters into a bucket, out of it, and gradients into one: ours
+# (runtime/bucket_layout.py) and FSDP2's, by kind.
+COPY_OPS = {"fsdp_graph::copy_in": "copy-in", "fsdp::all_gather_copy_in": "copy-in",
+            "fsdp_graph::copy_out": "copy-out", "fsdp::split_with_sizes_copy": "copy-out",
+            "fsdp_graph::pack_grads": "packing", "fsdp::chunk_cat": "packing"}
+
+
+def bucket_copies(events) -> dict[str, float]:
+    """Microseconds of a profiled step in each kind of `COPY_OPS`, counting each op once where it
+    calls itself (a functional op calls its `.out` overload, which the profiler names alike)."""
+    totals = dict.fromkeys(("copy-in", "copy-out", "packing"), 0.0)
+    for event in events:
+        kind = COPY_OPS.get(event.name)
+        parent = event.cpu_parent
+        while kind is not None and parent is not None:
+            if parent.name in COPY_OPS:
+                kind = None
+            parent = parent.cpu_parent
+        if kind is not None:
+            totals[kind] += event.time_range.elapsed_us()
+    return totals
 
 
 def report(args, rows: list[Row]) -> None:
