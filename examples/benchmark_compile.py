@@ -495,16 +495,18 @@ COPY_OPS = {"fsdp_graph::copy_in": "copy-in", "fsdp::all_gather_copy_in": "copy-
 def bucket_copies(events) -> dict[str, float]:
     """Microseconds of a profiled step in each kind of `COPY_OPS`, counting each op once where it
     calls itself (a functional op calls its `.out` overload, which the profiler names alike)."""
+    def inside_a_copy(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name in COPY_OPS:
+                return True
+            parent = parent.cpu_parent
+        return False
+
     totals = dict.fromkeys(("copy-in", "copy-out", "packing"), 0.0)
     for event in events:
-        kind = COPY_OPS.get(event.name)
-        parent = event.cpu_parent
-        while kind is not None and parent is not None:
-            if parent.name in COPY_OPS:
-                kind = None
-            parent = parent.cpu_parent
-        if kind is not None:
-            totals[kind] += event.time_range.elapsed_us()
+        if event.name in COPY_OPS and not inside_a_copy(event):
+            totals[COPY_OPS[event.name]] += event.time_range.elapsed_us()
     return totals
 
 
