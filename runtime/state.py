@@ -15,7 +15,6 @@ Per step, for each state:
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import weakref
@@ -144,20 +143,83 @@ class RootContext:
         return Replay(plan, groups)
 
 
+# [Note: Process-wide state]
+# A process may build many models of the same classes (a sweep, a notebook run again, a train and
+# an eval copy, a reward model beside a policy, a test suite), and resets Dynamo between them. What
+# fsdp_graph keeps beyond a model, and who owns it (tests/test_two_models.py trains two models of
+# the same classes one after the other and interleaved, through every compile mode):
+# - `_roots` below: the live root contexts, weakly; a model gone leaves it.
+# - Dynamo's compile callbacks (`ensure_compile_callbacks`): Dynamo's process-wide list, which
+#   `torch._dynamo.reset()` clears; registered again wherever missing ([Note: Compile callbacks
+#   outlive a Dynamo reset]). Registered once per process, they left every compile after a reset
+#   tracing parameters as followed before it: a group unfrozen since got no gradient.
+# - `_region_ids`/`_region_states` (region ids for Dynamo's constant calls): a counter that never
+#   hands out an id twice, and states held weakly, so a dead model's id names nothing.
+# - The block kinds a trace traced inline (`_kinds_traced`, fsdp_graph/api/module.py): owned by the
+#   trace under way (its TracingContext, weakly), not by its compile id, which starts again at 0
+#   after a reset.
+# - Frames' wire orders (fsdp_graph/compile/agreement.py): per root context, weakly. What the
+#   agreement keeps per set of ranks (whether they diverged) and the peer log's next index
+#   (runtime/peer_log.py) describe the ranks' shared log in the process group's store, one sequence
+#   every model's graphs count in: they belong to the log, not to a model; a divergence seen with
+#   one model keeps later graphs of several groups in program order (the same numbers, unmerged).
+# - The default mesh per device type (fsdp_graph/api/mesh.py): tied to the default process group
+#   it was made for; a new group gets a new mesh.
+# - One `FSDP<Cls>` class per user class, with a `__call__` code object of its own
+#   (fsdp_graph/api/module.py `_fsdp_class`): Dynamo's per-code state (shapes seen, recompile
+#   count) is then shared by models of one class, as torch's `fully_shard` shares it; it holds no
+#   state of a model.
+# - Global hooks installed once (the optimizer step check, parameter registrations): they hold no
+#   state and reach the model through the parameter they are given.
+# - The stand-in for torch's `fully_shard` (fsdp_graph/api/stand_in.py): process-wide by what it
+#   replaces, until `.restore()`; the backend's capture settings (fsdp_graph/api/scope.py): a stack
+#   a context manager pushes and pops.
+# - Files beside the compile caches: keyed by the graph, our sources' digest and the options.
+
 # Every root context alive, for `_follow_all_roots`; contexts of outer roots replace inner ones.
 _roots: "weakref.WeakSet[RootContext]" = weakref.WeakSet()
 
 
 def _follow_before_compiling(ctx: RootContext) -> None:
     _roots.add(ctx)
-    _install_compile_start_callback()
+    ensure_compile_callbacks()
 
 
-@functools.lru_cache(maxsize=None)
-def _install_compile_start_callback() -> None:
+def ensure_compile_callbacks() -> bool:
+    """Register the compile callbacks below with Dynamo where they are not registered now; True if
+    they had to be. See [Note: Compile callbacks outlive a Dynamo reset]."""
+    handler = torch._dynamo.callback.callback_handler
+    if _follow_all_roots in handler.start_callbacks:
+        return False
     torch._dynamo.callback.on_compile_start(_follow_all_roots)
     torch._dynamo.callback.on_compile_start(_lift_checks_for_compile)
     torch._dynamo.callback.on_compile_end(_restore_checks_after_compile)
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def followed_for_this_trace() -> bool:
+    """Called by the traced root before it reads anything followed: where a `torch._dynamo.reset()`
+    since the callbacks were registered cleared them, so that this compile started without them, do
+    now what they do at a compile's start. Plain Python while Dynamo traces; the answer is a
+    constant and leaves no guard."""
+    if ensure_compile_callbacks():
+        _follow_all_roots()
+        _lift_checks_for_compile()
+    return True
+
+
+# [Note: Compile callbacks outlive a Dynamo reset]
+# A trace reads what the compile-start callback followed ([Note: Tracing reads what was followed]),
+# so the callback must run before every trace of a root. `torch._dynamo.reset()` clears every
+# callback registered with Dynamo, as if the process started anew; a test suite, a sweep or a
+# notebook resets between models. Had the callbacks been registered once per process, every
+# compile after a reset would trace parameters as they were followed last: a group frozen then and
+# unfrozen since traced as frozen, and its gradients silently never computed (issue #77). So they
+# are registered again wherever they are missing: when a root is made, at every eager root call,
+# and, for a model that is only ever called compiled, by the traced root itself, which then follows
+# every root before reading anything followed (`followed_for_this_trace`); the end callback
+# registered then runs at the end of that same compile.
 
 
 # [Note: Owner checks while compiling]
@@ -484,6 +546,7 @@ class FSDPState:
         cost every layer's share of tracing again.
         """
         if torch.compiler.is_compiling():
+            followed_for_this_trace()  # [Note: Compile callbacks outlive a Dynamo reset]
             if self.ctx.parameters_replaced < 0:  # never; read so that the graph guards the count
                 raise ValueError("parameters_replaced went negative")
             problem = self.ctx.problem_before_trace
@@ -541,6 +604,7 @@ class FSDPState:
         return [names.get(id(p.replacement() if p.replacement() is not None else p.sharded_param), p.fqn) for p in params]
 
     def _root_pre_forward(self) -> None:
+        ensure_compile_callbacks()  # [Note: Compile callbacks outlive a Dynamo reset]
         self.check_materialized()
         self.follow_registered_params()  # FSDP2's lazy init takes replaced parameters here too
         # Gradients of the last step must be final before parameters are read again, and a

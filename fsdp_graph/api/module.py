@@ -9,9 +9,10 @@ import dataclasses
 import logging
 import re
 import types
+import weakref
 import functools
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -364,7 +365,10 @@ class _KindTraced:
     inline: set = dataclasses.field(default_factory=set)
 
 
-_kinds_traced: dict = {}  # the trace now under way (compile id, attempt) -> {kind: _KindTraced}
+# The trace now under way (its TracingContext, which Dynamo makes anew for every attempt at a frame)
+# -> {kind: _KindTraced}. Keyed by the trace itself, not by its compile id: Dynamo numbers frames
+# from 0 again after `torch._dynamo.reset()`, and another model's trace must never read this one's.
+_kinds_traced: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 @torch._dynamo.assume_constant_result
@@ -376,8 +380,9 @@ def _seen(region_id: int, layout: str) -> bool:
     constants, not the module: a module argument would leave a guard on the block's identity, which
     fails Dynamo's reuse of the next block's region. So the kind is read here, from the block as it
     is now, outside the trace."""
-    context = torch._guards.CompileContext.try_get()
-    trace = (str(context.compile_id), context.attempt) if context is not None else None
+    trace = torch._guards.TracingContext.try_get()
+    if trace is None:  # no trace under way: nothing traced before to reuse
+        return False
     if trace not in _kinds_traced:
         _kinds_traced.clear()  # one trace at a time: only the one under way is kept
         _kinds_traced[trace] = {}
