@@ -426,9 +426,9 @@ class ParamGroup:
     # reached its inputs the group counts as ready: no gradient of its own can come after that (the
     # engine accumulates a parameter's gradient before it runs anything that waits on the op that
     # made it). A rank whose gradients all came reduced it a moment earlier, with no collective in
-    # between. Calls whose inputs need no gradient have no such point (nothing earlier runs a
-    # backward after them); a parameter read outside its group's calls must not give a gradient
-    # after it.
+    # between. Not covered: a call whose inputs need no gradient has no such point, and its group
+    # reduces as before (all gradients here, or the end of backward); a parameter of the group read
+    # outside its calls would give its gradient too late.
 
     def expect_input_grads(self, reduces_at_inputs: bool = False) -> None:
         """A forward call whose inputs need a gradient: hold the reshard until `input_grads_done`.
