@@ -147,9 +147,13 @@ class ParamGroup:
         self._num_grads_ready = 0
         self.reduced_this_backward = False
         # Forward calls (with inputs that need a gradient) whose backward has not reached their
-        # inputs yet; counted for groups with frozen parameters only. See [Note: Frozen parameters
-        # outlive the gradients].
+        # inputs yet; counted for groups with frozen parameters, and for calls that ran on the eager
+        # hooks inside a compiled step. See [Note: Frozen parameters outlive the gradients].
         self._num_input_grads_pending = 0
+        # A call ran on the eager hooks inside a compiled step, and then every call's backward reached
+        # its inputs: see [Note: A fallback group's backward ends at its inputs].
+        self._reduces_at_inputs = False
+        self._inputs_reached = False
 
     @property
     def world(self) -> int:
@@ -337,8 +341,9 @@ class ParamGroup:
 
     @property
     def all_grads_ready(self) -> bool:
-        """Every trainable parameter's gradient has accumulated this backward (on this rank)."""
-        return self._num_grads_ready >= self.num_trainable
+        """Every trainable parameter's gradient has accumulated this backward (on this rank), or no
+        more will: [Note: A fallback group's backward ends at its inputs]."""
+        return self._num_grads_ready >= self.num_trainable or self._inputs_reached
 
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
         self._num_grads_ready += 1
@@ -407,13 +412,40 @@ class ParamGroup:
     # without a backward leaves a call pending: the group then reshards at the end of the next
     # backward, which resets the count.
 
-    def expect_input_grads(self) -> None:
-        """A forward call whose inputs need a gradient: hold the reshard until `input_grads_done`."""
+    # [Note: A fallback group's backward ends at its inputs]
+    # A group reduces once all its trainable gradients are here, or else at the end of backward
+    # ([Note: One order of reduce-scatters on every rank] in runtime/state.py). In a routed block (an
+    # MoE's router and experts in one group) an expert that gets no tokens on one rank gets no
+    # gradient there, so that rank's group waits for the end of backward while a rank whose experts
+    # all got tokens reduces at once. On the eager hooks alone the other groups wait behind it on
+    # every rank, but where the group's call fell back inside a compiled step, the groups before it
+    # are traced, and their graph's backward issues their reduce-scatters at once: the ranks met
+    # with different collectives and waited for ever. Its graph would reduce the group where its
+    # backward ends, gradients or not, so a call that ran on the eager hooks inside a compiled call
+    # routes its inputs through `InputGradsDone` as frozen groups do, and once every call's backward
+    # reached its inputs the group counts as ready: no gradient of its own can come after that (the
+    # engine accumulates a parameter's gradient before it runs anything that waits on the op that
+    # made it). A rank whose gradients all came reduced it a moment earlier, with no collective in
+    # between. Not covered: a call whose inputs need no gradient has no such point, and its group
+    # reduces as before (all gradients here, or the end of backward); a parameter of the group read
+    # outside its calls would give its gradient too late.
+
+    def expect_input_grads(self, reduces_at_inputs: bool = False) -> None:
+        """A forward call whose inputs need a gradient: hold the reshard until `input_grads_done`.
+        `reduces_at_inputs`: the call ran on the eager hooks inside a compiled call, and the group
+        reduces once every call's backward reached its inputs ([Note: A fallback group's backward
+        ends at its inputs])."""
         self._num_input_grads_pending += 1
+        self._reduces_at_inputs |= reduces_at_inputs
 
     def input_grads_done(self) -> None:
-        """A forward call's backward reached its inputs; reshard if it was the last one pending."""
+        """A forward call's backward reached its inputs; reduce (a fallback's group) and reshard if
+        it was the last one pending."""
         self._num_input_grads_pending -= 1
+        if self._num_input_grads_pending == 0 and self._reduces_at_inputs and not self.reduced_this_backward:
+            self._inputs_reached = True
+            if self.num_trainable:
+                self.on_all_grads_ready()
         if (
             self._num_input_grads_pending == 0
             and (self.reduced_this_backward or self.num_trainable == 0)
@@ -489,3 +521,5 @@ class ParamGroup:
         self._num_grads_ready = 0
         self.reduced_this_backward = False
         self._num_input_grads_pending = 0
+        self._reduces_at_inputs = False
+        self._inputs_reached = False

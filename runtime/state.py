@@ -517,16 +517,18 @@ class FSDPState:
         """What every module call of this state does to its inputs, each module of
         `fully_shard([a, b])` too: cast them (`cast_forward_inputs`), and, for a group with frozen
         parameters, hold its reshard until their gradients are computed ([Note: Frozen parameters
-        outlive the gradients] in runtime/param_group.py)."""
+        outlive the gradients] in runtime/param_group.py), and for a call that fell back inside a
+        compiled call, reduce when its backward reaches them ([Note: A fallback group's backward
+        ends at its inputs])."""
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), self.mp_policy.param_dtype)
         group = self.group
-        if group is None or group.num_trainable == len(group.params) or not torch.is_grad_enabled():
+        if group is None or not torch.is_grad_enabled() or (group.num_trainable == len(group.params) and not self._fell_back):
             return args, kwargs
         needing_grad = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
         if not needing_grad:
             return args, kwargs
-        group.expect_input_grads()
+        group.expect_input_grads(reduces_at_inputs=self._fell_back)
         hooked = dict(zip(map(id, needing_grad), _InputGradsDone.apply(group, *needing_grad)))
         return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
 

@@ -581,8 +581,10 @@ def trace_hooks_inside_checkpoint() -> None:
 # runtime/bucket_layout.py); and a group whose forward fell back does what its graph would do, in the
 # same place: it prefetches nothing (the graph's gather of the next group is in that group's own
 # graph), and an int `reshard_after_forward` reshards fully, so backward re-gathers from the whole
-# shard group as the graph does. Its reduce-scatter runs when its gradients are ready, where the
-# graph's backward runs it. What this does not cover: a graph whose passes merged or reordered
+# shard group as the graph does. Its reduce-scatter runs when its gradients are ready, or when its
+# backward reaches its inputs where some never come on this rank (an expert without tokens):
+# where the graph's backward runs it ([Note: A fallback group's backward ends at its inputs] in
+# runtime/param_group.py). What this does not cover: a graph whose passes merged or reordered
 # collectives of several groups, when another rank runs one of those groups on the eager hooks
 # (README, Differences from FSDP2; docs/compiler.md), except where the whole call falls back:
 # [Note: A fallback keeps the frame's wire order] in runtime/wire_plan.py.
