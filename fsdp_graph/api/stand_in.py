@@ -115,7 +115,7 @@ def use_in_place_of_torch_fsdp() -> TorchFSDPReplaced:
     `DataParallelMeshDims`) use fsdp_graph's; returns the handle whose `restore()` undoes it.
 
     Call it before the framework shards the model (torchtitan's `Trainer`, Accelerate's `prepare`,
-    Lightning's `configure_model`); see docs/frameworks.md. Calling it again while it is in force
+    Lightning's `configure_model`); see docs/frameworks/README.md. Calling it again while it is in force
     returns the same handle.
     """
     global _active
