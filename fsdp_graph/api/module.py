@@ -418,14 +418,16 @@ def _seen(region_id: int, layout: str) -> bool:
 # value: CONSTANT_MATCH, EQUALS_MATCH). Read at the kind's next block, these attributes' values join
 # the kind: a block whose values no block traced inline had goes inline too, as the first of its
 # own kind. A layer index the code does not read (a Llama's, without a cache) leaves no guard, and
-# its blocks stay one kind. What the code reads outside the block (global state) is not covered.
+# its blocks stay one kind. What the code reads outside the block (global state) is not covered,
+# but for a number Dynamo left symbolic: [Note: Numbers a region cannot take from outside].
 
 # [Note: Numbers a region cannot take from outside]
 # A number Dynamo does not take as a constant (a module-level float the script changed between
 # steps, which Dynamo compiles again unspecialized) enters the graph as a tensor input and its
 # `.item()`, a float with no source of its own. A region body that reads it takes that `.item()`
 # from the enclosing graph, and torch 2.13 cannot reuse such a body: Dynamo raises "Freevar has no
-# source" at the region's first call (and a marked region fails too, under torch.compile alone).
+# source" at the region's first call; a marked region fails too, under torch.compile alone
+# (examples/repro/region_module_level_float.py).
 # A symbolic int is reused fine. So a kind whose first block's inline trace used a symbolic float
 # or bool that is not a graph input is traced inline in every block, as with regions="marked".
 # What the trace did between that block and the kind's next one counts too (the root reading the
