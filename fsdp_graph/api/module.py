@@ -356,12 +356,16 @@ class _KindTraced:
     not the module, which the record would keep alive) and name from the root, the names of
     Dynamo's guards before its trace (`guards_before`), then the attributes of the block that trace
     guarded the values of (`guarded`, read at the next block of the kind), and the values of those
-    attributes of the blocks traced inline so far (`inline`)."""
+    attributes of the blocks traced inline so far (`inline`). `node_before`: the graph's last node
+    before its trace, until the next block of the kind reads `reads_free_numbers` from the nodes
+    after it ([Note: Numbers a region cannot take from outside])."""
 
     first: int
     name: str
     guards_before: frozenset
+    node_before: Optional[torch.fx.Node]
     guarded: Optional[tuple] = None
+    reads_free_numbers: bool = False
     inline: set = dataclasses.field(default_factory=set)
 
 
@@ -391,14 +395,18 @@ def _seen(region_id: int, layout: str) -> bool:
     kind = (kind_of(block), layout)
     traced_kind = _kinds_traced[trace].get(kind)
     if traced_kind is None:
-        _kinds_traced[trace][kind] = _KindTraced(region_id, state.name, _guard_names())
+        _kinds_traced[trace][kind] = _KindTraced(region_id, state.name, _guard_names(), _last_node())
         return False
     if traced_kind.guarded is None:  # [Note: Numbers a block's trace guarded on]
         added = _guard_names() - traced_kind.guards_before
         traced_kind.guarded = _attributes_guarded(traced_kind.name, added)
+        traced_kind.reads_free_numbers = _reads_free_numbers(traced_kind.node_before)
+        traced_kind.node_before = None  # the graph is the trace's, not the record's
         first = region_state(traced_kind.first)
         if first is not None:
             traced_kind.inline.add(_values(first.modules[0], traced_kind.guarded))
+    if traced_kind.reads_free_numbers:  # [Note: Numbers a region cannot take from outside]
+        return False
     values = _values(block, traced_kind.guarded)
     if values in traced_kind.inline:
         return True
@@ -415,7 +423,46 @@ def _seen(region_id: int, layout: str) -> bool:
 # value: CONSTANT_MATCH, EQUALS_MATCH). Read at the kind's next block, these attributes' values join
 # the kind: a block whose values no block traced inline had goes inline too, as the first of its
 # own kind. A layer index the code does not read (a Llama's, without a cache) leaves no guard, and
-# its blocks stay one kind. What the code reads outside the block (global state) is not covered.
+# its blocks stay one kind. What the code reads outside the block (global state) is not covered,
+# but for a number Dynamo left symbolic: [Note: Numbers a region cannot take from outside].
+
+# [Note: Numbers a region cannot take from outside]
+# A number Dynamo does not take as a constant (a module-level float the script changed between
+# steps, which Dynamo compiles again unspecialized) enters the graph as a tensor input and its
+# `.item()`, a float with no source of its own. A region body that reads it takes that `.item()`
+# from the enclosing graph, and torch 2.13 cannot reuse such a body: Dynamo raises "Freevar has no
+# source" at the region's first call; a marked region fails too, under torch.compile alone
+# (examples/repro/region_module_level_float.py).
+# A symbolic int is reused fine. So a kind whose first block's inline trace used a symbolic float
+# or bool that is not a graph input is traced inline in every block, as with regions="marked".
+# What the trace did between that block and the kind's next one counts too (the root reading the
+# number between two blocks): its blocks go inline, which costs compile time, never numbers.
+
+
+def _last_node() -> Optional[torch.fx.Node]:
+    """The last node of the graph Dynamo is building now (None outside a trace)."""
+    tx = getattr(torch._dynamo.symbolic_convert.tls, "current_tx", None)
+    if tx is None:
+        return None
+    return tx.output.current_tracer.graph._root.prev  # the graph's sentinel where it is empty
+
+
+def _reads_free_numbers(node_before: Optional[torch.fx.Node]) -> bool:
+    """Whether a node after `node_before` is, or uses, a symbolic float or bool with no graph input
+    behind it ([Note: Numbers a region cannot take from outside])."""
+    if node_before is None:
+        return False
+    node = node_before.next
+    while node.op != "root":
+        if any(_free_number(n) for n in (node, *node.all_input_nodes)):
+            return True
+        node = node.next
+    return False
+
+
+def _free_number(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("example_value"), (torch.SymFloat, torch.SymBool)) and "grapharg" not in node.meta
+
 
 _VALUE_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
 _ATTRIBUTE_STEP = re.compile(r"\._modules\['([^']+)'\]|\.(\w+)")

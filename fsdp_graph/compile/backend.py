@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch._functorch import config as functorch_config
-from torch._functorch.aot_autograd import make_boxed_func
+from torch.utils import _pytree as pytree
+from torch._dynamo.backends.debugging import AOTEagerOutputCode, boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule
 
@@ -375,7 +376,7 @@ class FSDPGraphBackend:
             def compile_graph(graph: GraphModule, _inputs):
                 _log_graph(graph_id, kind, graph, dump)
                 graph = _schedule(schedule, lower, graph_id, kind, graph, dump, order)
-                return make_boxed_func(inline_regions(graph).forward)
+                return _eager_graph(inline_regions(graph), _inputs)
 
             return compile_graph
 
@@ -534,6 +535,33 @@ class _InductorSchedulePass(CustomGraphPass):
 
     def uuid(self) -> Optional[str]:
         return self.key
+
+
+def _eager_graph(graph: GraphModule, example_inputs: list) -> Callable:
+    """`graph` run op by op, as torch's aot_eager runs one: under `aot_compile`
+    (fsdp_graph.precompile) an OutputCode that AOTAutograd's bundled entry saves, else a boxed
+    function ([Note: Saving an aot_eager step])."""
+    compiled = boxed_nop(graph, example_inputs)
+    if not isinstance(compiled, AOTEagerOutputCode):
+        return compiled
+    savable = _SavableEagerGraph(gm=compiled.gm)
+    savable._boxed_call = True
+    return savable
+
+
+# [Note: Saving an aot_eager step]
+# torch's aot_eager saves a step's forward and backward as `AOTEagerOutputCode`, whose graph
+# `GraphPickler` writes with each node's fake value. A value our passes computed as a view of
+# another (a bucket's slices) holds its base, and GraphPickler writes the base's fake mode too,
+# which it cannot ("Cannot access data pointer of Tensor"). Nothing runs on those values once the
+# graph is compiled, so they are left out of the saved graph.
+class _SavableEagerGraph(AOTEagerOutputCode):
+    def prepare_for_serialization(self) -> None:
+        for node in self.gm.graph.nodes:
+            values = pytree.tree_leaves(node.meta.get("val"))
+            if any(isinstance(value, torch.Tensor) and value._base is not None for value in values):
+                del node.meta["val"]
+        super().prepare_for_serialization()
 
 
 def _schedule(
