@@ -185,10 +185,11 @@ class MeasuredOrder:
         all-gathers) in flight, and those at a collective's issue ((0, 0, 0) elsewhere)."""
         clocks, frees, flights, pendings, issued = [], [], [], [], []
         free_now, flight_now = tuple(run.free), tuple(run.in_flight.items())
+        step, collective = run.step, OpKind.COLLECTIVE
         for i, key in enumerate(keys, lo):
-            f = run.step(i, key)
+            f = step(i, key)
             at_issue = (0, 0, 0)
-            if f.kind is OpKind.COLLECTIVE:
+            if f.kind is collective:
                 free_now, flight_now = tuple(run.free), tuple(run.in_flight.items())
                 at_issue = (run.pending_bytes, run.pending_count, run.pending_gathers if f.is_all_gather else 0)
             elif f.waited is not None:

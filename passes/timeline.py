@@ -11,6 +11,9 @@ from .cost_model import CollectiveKind, CostModel
 from .program import OpKind, _allocates_apart, saved_inputs, seconds, ticks
 
 
+_COMPUTE, _COLLECTIVE, _OUTPUT = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.OUTPUT  # read once per step
+
+
 class NodeFacts(NamedTuple):
     """What the simulator knows of one node of a graph, whatever its position in an order: found once
     per graph (`OrderCost`), read by `Timeline.step` at each position of each order. See [Note:
@@ -84,15 +87,15 @@ class Timeline:
         kind, uses = f.kind, self.uses
         if f.allocates >= 0 and key not in uses:
             uses[key] = i
-        if kind is OpKind.COMPUTE:
+        if kind is _COMPUTE:
             self.clock += f.duration
             if f.scratch:  # a compile region's body, held while it runs
                 self.scratch_at[i] = f.scratch
-        elif kind is OpKind.COLLECTIVE:
+        elif kind is _COLLECTIVE:
             self._issue(i, key, f)
         elif f.waited is not None:
             self._wait(i, f.waited)
-        until = self.end if kind is OpKind.OUTPUT else i
+        until = self.end if kind is _OUTPUT else i
         for owner in f.reads:
             if uses.get(owner, -1) < until:
                 uses[owner] = until
@@ -142,14 +145,18 @@ class Timeline:
         lives, peaks = [], []
         for i, key in enumerate(keys, lo):
             f = facts[key]
-            scratch = scratch_at.get(i, 0)
-            allocated = max(f.allocates, 0) + max(scratch, 0)
+            allocated = f.allocates if f.allocates > 0 else 0
+            scratch = scratch_at.get(i, 0) if scratch_at else 0
+            if scratch > 0:  # a collective's issue, a compile region's call
+                allocated += scratch
             at_peak = 0
             if allocated:
                 live += allocated
                 at_peak = live
-            live -= freed.get(i, 0) - min(scratch, 0)
-            if f.kind is OpKind.COMPUTE:  # a compile region's body, held while it ran
+            live -= freed.get(i, 0)
+            if scratch < 0:  # a collective's wait gives its scratch back
+                live += scratch
+            if f.kind is _COMPUTE:  # a compile region's body, held while it ran
                 live -= f.scratch
             lives.append(live)
             peaks.append(at_peak)
