@@ -39,7 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .simulator import OpKind, OrderCost, seconds
+from .program import OpKind, seconds
+from .timeline import OrderCost, Timeline
 
 _NEVER = float("-inf")  # no path from here to the end of the compute stream
 
@@ -91,8 +92,7 @@ class _Run:
     hi: int
     clocks: list[int]  # compute clock after the node (ticks)
     free: list[tuple]  # each stream's free time after the node
-    in_flight: list[tuple]  # collectives issued and not yet waited on after the node
-    ends: dict  # collectives issued in the window -> when they finish
+    in_flight: list[tuple]  # (collective, its end) issued and not yet waited on after the node
     live: list[int]  # live bytes after the node
     peaks: list[int]  # live bytes once the node allocated (0: it allocates nothing)
     pending: list[tuple[int, int, int]]  # (bytes, collectives, all-gathers) in flight after the node
@@ -115,22 +115,20 @@ class MeasuredOrder:
 
     def __init__(self, cost: OrderCost, order: list) -> None:
         self._cost = cost
-        facts = self._facts = cost._facts
+        facts = self._facts = cost.facts
         self.order = list(order)
         self.num_simulated = 0
         n = len(self.order)
-        streams = sorted({f[2] for f in facts.values() if f[0] is OpKind.COLLECTIVE})
-        self._stream_index = {s: i for i, s in enumerate(streams)}
-        self._collectives = {key for key, f in facts.items() if f[0] is OpKind.COLLECTIVE}
+        self._num_streams = len(cost.streams)
         self._wait_of: dict = {}  # collective -> its wait
         waits: dict = {}
         for key, f in facts.items():
-            if f[0] is OpKind.WAIT and f[7] in self._collectives:
-                self._wait_of[f[7]] = key
-                waits[f[7]] = waits.get(f[7], 0) + 1
+            if f.waited is not None:
+                self._wait_of[f.waited] = key
+                waits[f.waited] = waits.get(f.waited, 0) + 1
         # A collective waited on more than once keeps its inputs until its last wait: measured whole.
         self._whole = any(count > 1 for count in waits.values())
-        self._compute_ticks = sum(f[1] for f in facts.values() if f[0] is OpKind.COMPUTE)
+        self._compute_ticks = sum(f.duration for f in facts.values() if f.kind is OpKind.COMPUTE)
         self._position = {key: i for i, key in enumerate(self.order)}
         # Memory and collectives in flight, after each position: always up to date.
         self._live = [0] * n
@@ -142,12 +140,11 @@ class MeasuredOrder:
         self._clock = [0] * n
         self._free: list[tuple] = [()] * n
         self._in_flight: list[tuple] = [()] * n
-        self._end: dict = {}  # collective -> when it finishes (of those before `_forward`)
         self._forward = 0
         # The As of [Note: Measuring a move] for the state before each position (n: the end), up to
         # date from position `_backward` on: (A of the compute clock, A of each stream's free time).
         self._to_end: list[tuple[int, tuple]] = [(0, ())] * (n + 1)
-        self._to_end[n] = (0, (_NEVER,) * len(self._stream_index))
+        self._to_end[n] = (0, (_NEVER,) * self._num_streams)
         self._backward = n
         if self._whole:
             self.num_simulated += n
@@ -173,145 +170,78 @@ class MeasuredOrder:
             return
         self._keep(self._run(window, lo, hi))
 
+    def _timeline_before(self, lo: int) -> Timeline:
+        """The current order's run after position lo-1, as a `Timeline` to step on from position lo.
+        Its `uses`, `worst` and `exposed` count from lo."""
+        n = len(self.order)
+        if lo == 0:
+            return Timeline(self._facts, n, self._num_streams)
+        return Timeline(self._facts, n, self._num_streams, self._clock[lo - 1], list(self._free[lo - 1]),
+                        dict(self._in_flight[lo - 1]), self._pending[lo - 1])
+
+    def _step_over(self, run: Timeline, keys: list, lo: int) -> tuple[list, list, list, list, list]:
+        """Step `run` over `keys` at positions lo, lo+1, ...; after each: the compute clock, each
+        stream's free time, the collectives in flight with their ends, the (bytes, collectives,
+        all-gathers) in flight, and those at a collective's issue ((0, 0, 0) elsewhere)."""
+        clocks, frees, flights, pendings, issued = [], [], [], [], []
+        free_now, flight_now = tuple(run.free), tuple(run.in_flight.items())
+        step, collective = run.step, OpKind.COLLECTIVE
+        for i, key in enumerate(keys, lo):
+            f = step(i, key)
+            at_issue = (0, 0, 0)
+            if f.kind is collective:
+                free_now, flight_now = tuple(run.free), tuple(run.in_flight.items())
+                at_issue = (run.pending_bytes, run.pending_count, run.pending_gathers if f.is_all_gather else 0)
+            elif f.waited is not None:
+                flight_now = tuple(run.in_flight.items())
+            clocks.append(run.clock)
+            frees.append(free_now)
+            flights.append(flight_now)
+            pendings.append((run.pending_bytes, run.pending_count, run.pending_gathers))
+            issued.append(at_issue)
+        self.num_simulated += len(keys)
+        return clocks, frees, flights, pendings, issued
+
     def _run(self, window: list, lo: int, hi: int) -> _Run:
         """Measure the order that is `window` at positions lo..hi-1 and the current order elsewhere,
-        with `OrderCost.measure`'s arithmetic over the window."""
-        facts, stream_index, base_end, collectives = self._facts, self._stream_index, self._end, self._collectives
-        compute, collective, wait, output = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.WAIT, OpKind.OUTPUT
+        with `OrderCost.measure`'s step over the window."""
         n = len(self.order)
         self._run_forward(lo)
         self._run_backward(hi)
-        if lo == 0:
-            clock, free, in_flight = 0, [0] * len(stream_index), {}
-            pending_bytes = pending_count = pending_gathers = live = 0
-        else:
-            clock, free = self._clock[lo - 1], list(self._free[lo - 1])
-            in_flight = dict.fromkeys(self._in_flight[lo - 1])
-            pending_bytes, pending_count, pending_gathers = self._pending[lo - 1]
-            live = self._live[lo - 1]
-        ends: dict = {}
-        uses: dict = {}  # storage -> its last use in the window
-        scratch_at: dict[int, int] = {}  # position -> scratch bytes taken (+) or given back (-)
-        clocks, frees, flights, pendings, issued = [], [], [], [], []
-        flight_now, free_now = tuple(in_flight), tuple(free)
-        for i in range(lo, hi):
-            key = window[i - lo]
-            kind, duration, stream, num_bytes, is_all_gather, allocates, reads, waited, scratch = facts[key]
-            at_issue = (0, 0, 0)
-            if allocates >= 0 and key not in uses:
-                uses[key] = i
-            if kind is compute:
-                clock += duration
-                if scratch:  # a compile region's body, held while it runs
-                    scratch_at[i] = scratch
-            elif kind is collective:
-                s = stream_index[stream]
-                end = free[s] = ends[key] = max(clock, free[s]) + duration
-                free_now = tuple(free)
-                in_flight[key] = None
-                flight_now = tuple(in_flight)
-                pending_bytes += num_bytes
-                pending_count += 1
-                if is_all_gather:
-                    pending_gathers += 1
-                at_issue = (pending_bytes, pending_count, pending_gathers if is_all_gather else 0)
-                if scratch:
-                    scratch_at[i] = scratch
-            elif kind is wait and waited in collectives:
-                clock = max(clock, ends[waited] if waited in ends else base_end[waited])
-                in_flight.pop(waited, None)
-                flight_now = tuple(in_flight)
-                waited_facts = facts[waited]
-                pending_bytes -= waited_facts[3]
-                pending_count -= 1
-                if waited_facts[4]:
-                    pending_gathers -= 1
-                if waited_facts[8]:
-                    scratch_at[i] = -waited_facts[8]
-                for owner in waited_facts[6]:  # a collective reads its inputs until its wait
-                    if uses.get(owner, -1) < i:
-                        uses[owner] = i
-            until = n if kind is output else i
-            for owner in reads:
-                if uses.get(owner, -1) < until:
-                    uses[owner] = until
-            clocks.append(clock)
-            frees.append(free_now)
-            flights.append(flight_now)
-            pendings.append((pending_bytes, pending_count, pending_gathers))
-            issued.append(at_issue)
-        self.num_simulated += hi - lo
+        run = self._timeline_before(lo)
+        clocks, frees, flights, pendings, issued = self._step_over(run, window, lo)
         # Memory: a storage whose last use is after the window keeps it; the others die in it.
-        base_last, freed, last_use = self._last_use, {}, {}
-        for owner, i in uses.items():
-            if base_last.get(owner, -1) >= hi:
-                continue
-            last_use[owner] = i
-            freed[i] = freed.get(i, 0) + facts[owner][5]
-        lives, peaks = [], []
-        window_peak = 0
-        for i in range(lo, hi):
-            scratch = scratch_at.get(i, 0)
-            allocated = max(facts[window[i - lo]][5], 0) + max(scratch, 0)
-            at_peak = 0
-            if allocated:
-                live += allocated
-                at_peak = live
-                if live > window_peak:
-                    window_peak = live
-            live -= freed.get(i, 0) - min(scratch, 0)
-            if facts[window[i - lo]][0] is compute:
-                live -= scratch
-            lives.append(live)
-            peaks.append(at_peak)
-        # Time: the compute clock at the end, from the state after the window and the As there.
-        to_end, position, wait_of = self._to_end, self._position, self._wait_of
-        clock_to_end, free_to_end = to_end[hi]
-        final = clock + clock_to_end
-        for s, a in enumerate(free_to_end):
-            final = max(final, free[s] + a)
-        for key in in_flight:  # waited on after the window
-            if key in wait_of:
-                end = ends[key] if key in ends else base_end[key]
-                final = max(final, end + to_end[position[wait_of[key]] + 1][0])
-        peak = max(self._peaks.max(0, lo), window_peak, self._peaks.max(hi, n))
+        base_last = self._last_use
+        last_use = {owner: i for owner, i in run.uses.items() if base_last.get(owner, -1) < hi}
+        lives, peaks = run.live_bytes(window, lo, self._live[lo - 1] if lo else 0, run.freed(last_use))
+        peak = max(self._peaks.max(0, lo), max(peaks, default=0), self._peaks.max(hi, n))
         flight = tuple(
             max(tree.max(0, lo), max((x[c] for x in issued), default=0), tree.max(hi, n))
             for c, tree in enumerate(self._issued)
         )
-        return _Run(list(window), lo, hi, clocks, frees, flights, ends, lives, peaks, pendings, issued, last_use, peak,
-                    seconds(final - self._compute_ticks), flight)
+        return _Run(list(window), lo, hi, clocks, frees, flights, lives, peaks, pendings, issued, last_use, peak,
+                    seconds(self._final_clock(run, hi) - self._compute_ticks), flight)
+
+    def _final_clock(self, run: Timeline, hi: int) -> int:
+        """The compute clock at the end of the order, from `run` after position hi-1 and the As there."""
+        to_end, position, wait_of = self._to_end, self._position, self._wait_of
+        clock_to_end, free_to_end = to_end[hi]
+        final = run.clock + clock_to_end
+        for s, a in enumerate(free_to_end):
+            final = max(final, run.free[s] + a)
+        for key, end in run.in_flight.items():  # waited on after the window
+            if key in wait_of:
+                final = max(final, end + to_end[position[wait_of[key]] + 1][0])
+        return final
 
     def _run_forward(self, stop: int) -> None:
         """Bring the clocks after positions `_forward`..stop-1 up to date."""
-        if stop <= self._forward:
+        start = self._forward
+        if stop <= start:
             return
-        facts, stream_index, ends, collectives = self._facts, self._stream_index, self._end, self._collectives
-        compute, collective, wait = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.WAIT
-        i = self._forward
-        if i == 0:
-            clock, free, in_flight = 0, [0] * len(stream_index), {}
-        else:
-            clock, free = self._clock[i - 1], list(self._free[i - 1])
-            in_flight = dict.fromkeys(self._in_flight[i - 1])
-        free_now, flight_now = tuple(free), tuple(in_flight)
-        for i in range(self._forward, stop):
-            key = self.order[i]
-            kind, duration, stream, _, _, _, _, waited, _ = facts[key]
-            if kind is compute:
-                clock += duration
-            elif kind is collective:
-                s = stream_index[stream]
-                free[s] = ends[key] = max(clock, free[s]) + duration
-                free_now = tuple(free)
-                in_flight[key] = None
-                flight_now = tuple(in_flight)
-            elif kind is wait and waited in collectives:
-                clock = max(clock, ends[waited])
-                in_flight.pop(waited, None)
-                flight_now = tuple(in_flight)
-            self._clock[i], self._free[i], self._in_flight[i] = clock, free_now, flight_now
-        self.num_simulated += stop - self._forward
+        run = self._timeline_before(start)
+        clocks, frees, flights, _, _ = self._step_over(run, self.order[start:stop], start)
+        self._clock[start:stop], self._free[start:stop], self._in_flight[start:stop] = clocks, frees, flights
         self._forward = stop
 
     def _run_backward(self, start: int) -> None:
@@ -321,21 +251,21 @@ class MeasuredOrder:
         a wait passes the clock's A on to its collective's end."""
         if start >= self._backward:
             return
-        facts, stream_index, to_end = self._facts, self._stream_index, self._to_end
+        facts, to_end = self._facts, self._to_end
         position, wait_of = self._position, self._wait_of
         compute, collective = OpKind.COMPUTE, OpKind.COLLECTIVE
         for p in range(self._backward - 1, start - 1, -1):
             key = self.order[p]
-            kind, duration, stream = facts[key][:3]
+            f = facts[key]
             clock_to_end, free_to_end = to_end[p + 1]
-            if kind is compute:
-                to_end[p] = (clock_to_end + duration, free_to_end)
-            elif kind is collective:
-                s = stream_index[stream]
+            if f.kind is compute:
+                to_end[p] = (clock_to_end + f.duration, free_to_end)
+            elif f.kind is collective:
+                s = f.stream
                 end_to_end = free_to_end[s]
                 if key in wait_of:
                     end_to_end = max(end_to_end, to_end[position[wait_of[key]] + 1][0])
-                through = duration + end_to_end
+                through = f.duration + end_to_end
                 to_end[p] = (max(clock_to_end, through), free_to_end[:s] + (through,) + free_to_end[s + 1 :])
             else:
                 to_end[p] = (clock_to_end, free_to_end)
@@ -350,7 +280,6 @@ class MeasuredOrder:
         self._clock[lo:hi] = run.clocks
         self._free[lo:hi] = run.free
         self._in_flight[lo:hi] = run.in_flight
-        self._end.update(run.ends)
         self._forward = hi  # the clocks after the window moved with it
         self._backward = max(self._backward, hi)  # the As before its end changed with it
         self._live[lo:hi] = run.live

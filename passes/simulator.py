@@ -39,10 +39,8 @@ simulation gives only when the arithmetic is exact.
 
 from __future__ import annotations
 
-import math
 import operator
-from dataclasses import dataclass, field, fields
-from enum import Enum
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -50,86 +48,10 @@ from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .cost_model import CollectiveKind, CostModel, OpFacts, is_view, op_facts
-from .nodes import (REGION_OUTPUT_META, backend_of, collective_label, is_collective, is_region_call, is_tangent_name,
-                    is_wait_tensor, region_body, size_hint, value_bytes)
-
-
-class OpKind(Enum):
-    INPUT = "input"
-    COMPUTE = "compute"
-    VIEW = "view"
-    COLLECTIVE = "collective"
-    WAIT = "wait"
-    OUTPUT = "output"
-
-
-@dataclass
-class Op:
-    """One node of a `Program`. Attributes:
-    name: the FX node's name.
-    kind: an `OpKind`.
-    target: the op, short (`aten.mm`), for display.
-    inputs: names of the nodes it reads, in order.
-    out_bytes: bytes of its output (0 for the output node).
-    facts: what it does (flops, bytes, collective) -- see `OpFacts`.
-    group: the fsdp_graph group of a collective, e.g. "layers.3".
-    scratch_bytes: what a collective holds besides its output from its issue to its wait (gloo's
-        copies; `_gloo_scratch_bytes`); what a compile region's call holds while it runs (its body's
-        peak, outputs included; `_region_scratch_bytes`).
-    storage_of: the node whose storage its output is, so that it allocates nothing of its own: an
-        `out=` argument (gloo's all-gathers after passes/gloo.py), or for a backward's saved input an
-        earlier saved input viewing the same tensor (`_size_saved_storages`). Its own name on a
-        `getitem` of a compile region's call, which is a tensor of its own (`_region_output`).
-    """
-
-    name: str
-    kind: OpKind
-    target: str
-    inputs: list[str]
-    out_bytes: int = 0
-    facts: OpFacts = field(default_factory=OpFacts)
-    group: Optional[str] = None
-    scratch_bytes: int = 0
-    storage_of: Optional[str] = None
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "kind": self.kind.value, "target": self.target, "inputs": self.inputs,
-                "out_bytes": self.out_bytes, "facts": _facts_to_json(self.facts), "group": self.group,
-                "scratch_bytes": self.scratch_bytes, "storage_of": self.storage_of}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "Op":
-        return cls(data["name"], OpKind(data["kind"]), data["target"], list(data["inputs"]), data["out_bytes"],
-                   _facts_from_json(data["facts"]), data.get("group"), data.get("scratch_bytes", 0), data.get("storage_of"))
-
-
-def _facts_to_json(facts: OpFacts) -> dict:
-    data = {f.name: getattr(facts, f.name) for f in fields(facts)}
-    data["collective"] = facts.collective.value if facts.collective else None
-    data["parts"] = [_facts_to_json(part) for part in facts.parts]
-    return data
-
-
-def _facts_from_json(data: dict) -> OpFacts:
-    data = dict(data)
-    data["collective"] = CollectiveKind(data["collective"]) if data["collective"] else None
-    data["parts"] = tuple(_facts_from_json(part) for part in data.get("parts", ()))
-    return OpFacts(**data)
-
-
-Program = list[Op]
-
-TICKS_PER_S = 1 << 100  # see [Note: Exact simulated time]
-
-
-def ticks(seconds: float) -> int:
-    """`seconds` as whole ticks: exact for any float above 2**-48 s."""
-    return round(math.ldexp(seconds, 100))
-
-
-def seconds(num_ticks: int) -> float:
-    """Ticks as float seconds, correctly rounded."""
-    return num_ticks / TICKS_PER_S
+from .nodes import (REGION_OUTPUT_META, backend_of, collective_label, is_collective, is_region_call, is_wait_tensor,
+                    region_body, size_hint, value_bytes)
+from .program import TICKS_PER_S, Op, OpKind, Program, saved_inputs, seconds, ticks  # noqa: F401 (imported from here)
+from .timeline import NodeFacts, OrderCost, Timeline  # noqa: F401 (imported from here)
 
 
 def _kind(node: Node) -> OpKind:
@@ -181,10 +103,6 @@ def _region_scratch_bytes(node: Node) -> int:
     it, alive at its end), the same ops inlined would allocate. 0 for any other node."""
     body = region_body(node)
     return memory_profile(program_of(body), callers_inputs=True).peak_bytes if body is not None else 0
-
-
-def _allocates_apart(op: Op) -> bool:
-    return op.kind is OpKind.VIEW and op.storage_of == op.name
 
 
 def _gloo_scratch_bytes(node: Node, facts: OpFacts, out_bytes: int) -> int:
@@ -258,16 +176,6 @@ def _written_input(node: Node) -> Optional[Node]:
     return None
 
 
-def saved_inputs(program: Program) -> frozenset[str]:
-    """The inputs of a backward program (one with incoming gradients, `tangents_*`) that its forward
-    saved for it: activations, recomputation's inputs. Parameters (`primals_*`, resident anyway) and
-    the incoming gradients are not; a forward has none."""
-    inputs = [op.name for op in program if op.kind is OpKind.INPUT]
-    if not any(is_tangent_name(name) for name in inputs):
-        return frozenset()
-    return frozenset(name for name in inputs if not (name.startswith("primals") or is_tangent_name(name)))
-
-
 def program_of(gm: GraphModule) -> Program:
     """`gm`'s nodes in graph order as a `Program`."""
     program = [op_of(node) for node in gm.graph.nodes]
@@ -292,54 +200,16 @@ def memory_profile(program: Program, callers_inputs: bool = False) -> MemoryProf
     """Live bytes by liveness over program order. See [Note: Simulator model]. Inputs are not counted,
     except a backward's `saved_inputs`: live from the start until their last use. `callers_inputs`:
     every input is the caller's, saved ones too (a compile region's body, whose caller holds them)."""
-    owned_inputs = frozenset() if callers_inputs else saved_inputs(program)
-    storage: dict[str, Optional[str]] = {}  # node -> the node that allocated its storage (None: an input)
-    wait_of: dict[str, int] = {}  # collective -> position of its wait
-    for i, op in enumerate(program):
-        if op.kind is OpKind.INPUT:  # the step's storage if it is a saved input, else the caller's
-            storage[op.name] = (storage[op.storage_of] if op.storage_of else op.name) if op.name in owned_inputs else None
-        elif _allocates_apart(op):
-            storage[op.name] = op.name
-        elif op.kind in (OpKind.VIEW, OpKind.WAIT):
-            storage[op.name] = storage.get(op.inputs[0]) if op.inputs else None
-            if op.kind is OpKind.WAIT and op.inputs:
-                wait_of[op.inputs[0]] = i
-        elif op.storage_of is not None:
-            storage[op.name] = storage.get(op.storage_of)
-        elif op.kind is not OpKind.OUTPUT:
-            storage[op.name] = op.name
-    last = len(program)
-    last_use: dict[str, int] = {}
-    for i, op in enumerate(program):
-        owner = storage.get(op.name)
-        if owner is not None:
-            last_use.setdefault(owner, i)
-        until = last if op.kind is OpKind.OUTPUT else wait_of.get(op.name, i) if op.kind is OpKind.COLLECTIVE else i
-        for name in op.inputs:
-            owner = storage.get(name)
-            if owner is not None:
-                last_use[owner] = max(last_use.get(owner, 0), until, i)
-    dies_at: dict[int, list[str]] = {}
-    for owner, i in last_use.items():
-        dies_at.setdefault(i, []).append(owner)
-    sizes = {op.name: op.out_bytes for op in program}
-    scratch_until: dict[int, int] = {}  # position -> scratch bytes freed there (a collective's wait)
-    live, peak, peak_at, curve = 0, 0, None, []
-    for i, op in enumerate(program):
-        allocated = sizes[op.name] if storage.get(op.name) == op.name else 0
-        if op.scratch_bytes:
-            allocated += op.scratch_bytes
-            at = wait_of.get(op.name, last) if op.kind is OpKind.COLLECTIVE else i
-            scratch_until[at] = scratch_until.get(at, 0) + op.scratch_bytes
-        if allocated:
-            live += allocated
-            if live > peak:
-                peak, peak_at = live, op.name
-        for owner in dies_at.get(i, ()):
-            live -= sizes[owner]
-        live -= scratch_until.pop(i, 0)
-        curve.append(live)
-    return MemoryProfile(peak, peak_at, curve)
+    cost = OrderCost({op.name: op for op in program}, None, callers_inputs)
+    names = [op.name for op in program]
+    return _memory_of(names, cost.run(names))
+
+
+def _memory_of(names: list[str], run: Timeline) -> MemoryProfile:
+    """The `MemoryProfile` of `run`, a whole run of the program whose nodes are `names`."""
+    lives, peaks = run.live_bytes(names, 0, 0, run.freed(run.uses))
+    peak = max(peaks, default=0)
+    return MemoryProfile(peak, names[peaks.index(peak)] if peak > 0 else None, lives)
 
 
 # -- time ----------------------------------------------------------------------------------------------
@@ -394,49 +264,43 @@ def simulate(program: "Program | GraphModule", cost_model: CostModel) -> Simulat
     """Run `program` on `cost_model`'s machine. See [Note: Simulator model]."""
     if isinstance(program, GraphModule):
         program = program_of(program)
-    clock = compute = comm = exposed = 0  # ticks: [Note: Exact simulated time]
-    comm_free: dict[str, int] = {}  # per stream (parallelism): when its last collective ends
-    spans: list[tuple[str, int, int]] = []
+    cost = OrderCost({op.name: op for op in program}, cost_model)
+    run = Timeline(cost.facts, len(program), len(cost.streams))
+    compute = comm = 0  # ticks: [Note: Exact simulated time]
+    spans: list[tuple[str, float, float]] = []
     by_name: dict[str, CollectiveSpan] = {}
-    ends: dict[str, int] = {}  # collective -> when it ends
     collectives: list[CollectiveSpan] = []
     num_compute = 0
-    compute_seen: dict[str, int] = {}
+    compute_seen: dict[str, int] = {}  # collective -> compute nodes before its issue
     clocks: list[int] = []
     for i, op in enumerate(program):
-        if op.kind is OpKind.COMPUTE:
-            duration = ticks(cost_model.seconds(op.facts))
-            spans.append((op.name, clock, clock + duration))
-            clock += duration
-            compute += duration
+        before = run.clock
+        facts = run.step(i, op.name)
+        if facts.kind is OpKind.COMPUTE:
+            spans.append((op.name, seconds(before), seconds(run.clock)))
+            compute += facts.duration
             num_compute += 1
-        elif op.kind is OpKind.COLLECTIVE:
-            duration = ticks(cost_model.seconds(op.facts))
-            start = max(clock, comm_free.get(op.facts.parallelism, 0))
-            end = ends[op.name] = comm_free[op.facts.parallelism] = start + duration
-            comm += duration
-            span = CollectiveSpan(op.name, op.facts.collective.value, op.group, op.facts.collective_bytes,
-                                  i, -1, 0, seconds(clock), seconds(start), seconds(end),
-                                  parallelism=op.facts.parallelism, busy_s=seconds(duration))
+        elif facts.kind is OpKind.COLLECTIVE:
+            end = run.in_flight[op.name]
+            comm += facts.duration
+            span = CollectiveSpan(op.name, op.facts.collective.value, op.group, facts.num_bytes, i, -1, 0,
+                                  seconds(before), seconds(end - facts.duration), seconds(end),
+                                  parallelism=op.facts.parallelism, busy_s=seconds(facts.duration))
             by_name[op.name] = span
             compute_seen[op.name] = num_compute
             collectives.append(span)
-        elif op.kind is OpKind.WAIT and op.inputs and op.inputs[0] in by_name:
-            span = by_name[op.inputs[0]]
+        elif facts.waited is not None:
+            span = by_name[facts.waited]
             span.wait_index = i
             span.prefetch_distance = num_compute - compute_seen[span.name]
-            end = ends[span.name]
-            if end > clock:
-                span.exposed_s = seconds(end - clock)
-                exposed += end - clock
-                clock = end
-        clocks.append(clock)
-    total = max([clock, *comm_free.values()])
-    memory = memory_profile(program)
+            if run.clock > before:
+                span.exposed_s = seconds(run.clock - before)
+        clocks.append(run.clock)
+    total = max([run.clock, *run.free])
+    memory = _memory_of([op.name for op in program], run)
     points = [(seconds(c), live) for c, live in zip(clocks, memory.live_bytes)]
-    spans_s = [(name, seconds(start), seconds(end)) for name, start, end in spans]
-    return Simulation(seconds(total), seconds(compute), seconds(comm), seconds(exposed), spans_s, collectives, memory,
-                      cost_model.profile.name, points)
+    return Simulation(seconds(total), seconds(compute), seconds(comm), seconds(run.exposed), spans, collectives,
+                      memory, cost_model.profile.name, points)
 
 
 def in_flight(program: Program) -> tuple[int, int]:
@@ -470,125 +334,3 @@ def all_gathers_in_flight(program: Program) -> int:
 def in_flight_bytes(program: Program) -> int:
     """The most collective bytes issued and not yet waited on at any point of `program`."""
     return in_flight(program)[0]
-
-
-# -- one graph, many orders ------------------------------------------------------------------------------
-
-
-class OrderCost:
-    """What the scheduler compares between candidate orders of one graph's nodes, computed fast: the
-    numbers `simulate` (exposed communication, peak memory), `in_flight` and `all_gathers_in_flight`
-    give for the same program, bit for bit.
-
-    [Note: Measuring candidate orders]
-    The reorder pass measures one candidate order per move it tries, and the moves grow with the
-    number of blocks, as does the program: a full `simulate` per candidate made the pass quadratic in
-    depth. Everything that does not depend on the order is found
-    once here: each node's duration, its stream, which storage it allocates and which storages it
-    reads (a view reads its base's; see [Note: Simulator model]). A whole order then costs one pass
-    over its nodes for the clocks and the collectives in flight and one sweep for live memory, with
-    `simulate`'s exact arithmetic ([Note: Exact simulated time]), so the decisions are the ones whole
-    simulations would make. The scheduler measures a move from the order it has measured, over the
-    positions the move changes: [Note: Measuring a move] in passes/measured_order.py.
-    tests/test_passes_schedule.py checks every order the scheduler measures against `simulate`.
-
-    Assumes the orders are topological (every node after its inputs), as the scheduler's are.
-    """
-
-    def __init__(self, ops: dict, cost_model: CostModel) -> None:
-        """`ops`: every node of the graph (keys, any hashable, in a topological order) with its `Op`."""
-        owner_of: dict[str, object] = {}  # op name -> the key whose storage it is (absent: an input's or none)
-        key_of = {op.name: key for key, op in ops.items()}
-        owned = saved_inputs(list(ops.values()))
-        self._facts: dict[object, tuple] = {}
-        for key, op in ops.items():
-            if _allocates_apart(op):
-                owner_of[op.name] = key
-            elif op.kind in (OpKind.VIEW, OpKind.WAIT):
-                if op.inputs and op.inputs[0] in owner_of:
-                    owner_of[op.name] = owner_of[op.inputs[0]]
-            elif op.storage_of is not None:
-                if op.storage_of in owner_of:
-                    owner_of[op.name] = owner_of[op.storage_of]
-            elif op.kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) or op.name in owned:
-                owner_of[op.name] = key
-        for key, op in ops.items():
-            reads = tuple(owner_of[name] for name in op.inputs if name in owner_of)
-            duration = ticks(cost_model.seconds(op.facts)) if op.kind in (OpKind.COMPUTE, OpKind.COLLECTIVE) else 0
-            allocates = op.out_bytes if owner_of.get(op.name) is key else -1
-            waited = key_of.get(op.inputs[0]) if op.kind is OpKind.WAIT and op.inputs else None
-            is_all_gather = op.facts.collective is CollectiveKind.ALL_GATHER
-            self._facts[key] = (op.kind, duration, op.facts.parallelism, op.facts.collective_bytes, is_all_gather,
-                                allocates, reads, waited, op.scratch_bytes)
-
-    def measure(self, order: list) -> tuple[int, float, tuple[int, int, int]]:
-        """(peak bytes, exposed seconds, (bytes, collectives, all-gathers) most in flight) of `order`."""
-        compute, collective, wait, output = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.WAIT, OpKind.OUTPUT
-        facts = self._facts
-        clock = exposed = 0  # ticks: [Note: Exact simulated time]
-        stream_free: dict[str, int] = {}
-        ends: dict[object, int] = {}  # issued collective -> when it finishes
-        pending: dict[object, int] = {}  # collective in flight -> its bytes
-        pending_bytes = worst_bytes = worst_count = 0
-        gathers: set = set()
-        worst_gathers = 0
-        last_use: dict[object, int] = {}  # storage -> position of its last reader
-        reads_until_wait: dict[object, tuple] = {}  # collective -> the storages it reads until its wait
-        pending_scratch: dict[object, int] = {}  # collective in flight -> its scratch bytes
-        end = len(order)  # what the output reads lives past the last position
-        scratch_at: dict[int, int] = {}  # position -> scratch bytes taken (+, a collective or region) or given back (-, its wait)
-        for i, key in enumerate(order):
-            kind, duration, stream, num_bytes, is_all_gather, allocates, reads, waited, scratch = facts[key]
-            if scratch:
-                scratch_at[i] = scratch
-            if allocates >= 0:
-                last_use.setdefault(key, i)
-            if kind is compute:
-                clock += duration
-            elif kind is collective:
-                start = max(clock, stream_free.get(stream, 0))
-                ends[key] = stream_free[stream] = start + duration
-                if key in pending:
-                    pending_bytes -= pending[key]
-                pending[key] = num_bytes
-                pending_bytes += num_bytes
-                worst_bytes = max(worst_bytes, pending_bytes)
-                worst_count = max(worst_count, len(pending))
-                if is_all_gather:
-                    gathers.add(key)
-                    worst_gathers = max(worst_gathers, len(gathers))
-                reads_until_wait[key] = reads
-                if scratch:
-                    pending_scratch[key] = scratch
-            elif kind is wait:
-                if waited in ends:
-                    finish = ends[waited]
-                    if finish > clock:
-                        exposed += finish - clock
-                        clock = finish
-                if waited in pending:
-                    pending_bytes -= pending.pop(waited)
-                gathers.discard(waited)
-                if waited in pending_scratch:
-                    scratch_at[i] = scratch_at.get(i, 0) - pending_scratch.pop(waited)
-                for owner in reads_until_wait.get(waited, ()):
-                    if last_use[owner] < i:
-                        last_use[owner] = i
-            until = end if kind is output else i
-            for owner in reads:
-                if last_use.get(owner, 0) < until:
-                    last_use[owner] = until
-        freed: dict[int, int] = {}  # position -> bytes whose last reader it is
-        for owner, i in last_use.items():
-            freed[i] = freed.get(i, 0) + facts[owner][5]
-        live = peak = 0
-        for i, key in enumerate(order):
-            allocates = max(facts[key][5], 0) + max(scratch_at.get(i, 0), 0)
-            if allocates:
-                live += allocates
-                if live > peak:
-                    peak = live
-            live -= freed.get(i, 0) - min(scratch_at.get(i, 0), 0)
-            if facts[key][0] is compute:  # a compile region's body, held while it runs
-                live -= facts[key][8]
-        return peak, seconds(exposed), (worst_bytes, worst_count, worst_gathers)

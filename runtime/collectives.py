@@ -1,22 +1,12 @@
 """The eager runtime's two bucketed collectives: all-gather of a group's shards, reduce-scatter of its
-gradients, on side streams (CUDA) or as async work handles (CPU/gloo).
-
-[Note: Streams without record_stream]
-On CUDA each collective has its own stream so it overlaps compute on the current stream:
-
-    copy-in stream:        cast/copy shards into the flat all-gather input
-    all-gather stream:     all_gather_single(input -> output)
-    current stream:        copy-out into unsharded parameters, forward/backward compute
-    reduce-scatter stream: pack gradients, reduce_scatter_single (+ all_reduce for HSDP), divide
-
-A tensor used on a stream other than the one it was allocated on could be recycled by the caching
-allocator while still in use. Instead of `record_stream` (which frees at an unknown later point) we
-keep such tensors referenced until the allocating stream has waited for an event recorded after
-their last use; each buffer below says when that is. Memory is therefore freed at known points.
+gradients, on side streams (CUDA) or as async work handles (CPU/gloo), as `CommContext`
+(runtime/comm_context.py) places them: [Note: Streams without record_stream] and [Note: One
+sequence, on a stream or inline] there.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -24,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .bucket_layout import FLAGS, BucketLayout
+from .comm_context import CommContext
 from .custom_comms import AllGather, Comm, ReduceScatter
 from .mesh_info import MeshInfo
 from .param import ShardedParam
@@ -31,75 +22,6 @@ from .shard_buffer import ShardBuffer
 
 # (packed gradient, output shard, shard process group) -> None: writes the summed shard to output.
 CommHook = Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup], None]
-
-
-class CommContext:
-    """Streams and retired buffers shared by every group under one root."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.uses_streams = device.type == "cuda"
-        if self.uses_streams:
-            self._device_module = torch.get_device_module(device.type)
-            # Copies shards into all-gather inputs; waits for the current stream so it reads shards
-            # after the optimizer step. Lives as long as the root.
-            self.copy_in_stream = self._device_module.Stream(device=device, priority=-1)
-            # Runs all-gathers; high priority so prefetches are not queued behind compute.
-            self.all_gather_stream = self._device_module.Stream(device=device, priority=-1)
-            # Packs, reduce-scatters and divides gradients.
-            self.reduce_scatter_stream = self._device_module.Stream(device=device, priority=-1)
-        # All-gather buffers whose copy-out was issued, each with the current-stream event after that
-        # copy-out. They die at the next all-gather, once the copy-in stream has waited the events.
-        self._retired_all_gathers: list[tuple[AllGatherWork, object]] = []
-        # Issued reduce-scatters whose sharded gradients are not written yet, oldest first.
-        self.pending_reduce_scatters: list[ReduceScatterWork] = []
-        # `set_post_optim_event`: what the next copy-in waits for instead of the whole current stream.
-        self.post_optim_event: Optional[torch.Event] = None
-
-    def current_stream(self):
-        return self._device_module.current_stream(self.device)
-
-    def retire(self, work: "AllGatherWork") -> None:
-        if self.uses_streams:
-            event = self.current_stream().record_event()
-            self._retired_all_gathers.append((work, event))
-
-    def add_reduce_scatter(self, work: "ReduceScatterWork") -> None:
-        """Track an issued reduce-scatter until `finish_reduce_scatters`."""
-        self.pending_reduce_scatters.append(work)
-
-    def finish_reduce_scatters(self, but_waiting: bool = False) -> None:
-        """Finish the issued reduce-scatters; with `but_waiting`, not those whose replica all-reduce
-        waits for its turn in a replayed plan (`ReduceScatterWork.all_reduce_later`)."""
-        works, self.pending_reduce_scatters = self.pending_reduce_scatters, []
-        for work in works:
-            if but_waiting and work.all_reduce_later:
-                self.pending_reduce_scatters.append(work)
-            else:
-                work.finish(self)
-
-    def discard_reduce_scatters(self) -> None:
-        """Wait for the issued reduce-scatters to end and drop their gradients (`reset_iter_state`)."""
-        for work in self.pending_reduce_scatters:
-            if work.handle is not None:
-                work.handle.wait()
-            if work.event is not None:
-                self.current_stream().wait_event(work.event)
-        self.pending_reduce_scatters.clear()
-
-    def copy_in_waits_for_optimizer(self) -> None:
-        """Order the next copy-in after the optimizer step: after the user's post-optimizer event
-        if one was set (once), else after everything on the current stream."""
-        if self.post_optim_event is not None:
-            self.copy_in_stream.wait_event(self.post_optim_event)
-            self.post_optim_event = None
-        else:
-            self.copy_in_stream.wait_stream(self.current_stream())
-
-    def release_retired(self) -> None:
-        for _, event in self._retired_all_gathers:
-            self.copy_in_stream.wait_event(event)
-        self._retired_all_gathers.clear()
 
 
 @dataclass
@@ -212,28 +134,17 @@ def all_gather(
         return _allocate(buffers, world * input.numel(), input.dtype, device), input, list(layout.widths)
 
     if world == 1:  # [Note: One rank issues no collectives]
-        if comm_ctx.uses_streams:
-            comm_ctx.release_retired()  # else the retired buffers would pile up: no stream waits here
+        comm_ctx.release_retired()  # else the retired buffers would pile up: no stream waits here
         _, row, widths = output_and_row()
         return AllGatherWork(row, row, widths, layout, done=True)
-    if not comm_ctx.uses_streams:
-        output, row, widths = output_and_row()
-        if comm is not None:
-            handle = comm(output, row, group, async_op=async_op)
-        else:
-            handle = dist.all_gather_single(output, row, group=group, async_op=async_op)
-        return AllGatherWork(output, row, widths, layout, handle=handle, done=not async_op)
-
-    mod = comm_ctx._device_module
     output, row, widths = _on_copy_in_stream(comm_ctx, output_and_row)
-    comm_ctx.all_gather_stream.wait_stream(comm_ctx.copy_in_stream)
-    with mod.stream(comm_ctx.all_gather_stream):
+    with comm_ctx.on(comm_ctx.all_gather_stream, after=comm_ctx.copy_in_stream):
         if comm is not None:
-            comm(output, row, group)
+            handle = comm_ctx.issue(lambda a: comm(output, row, group, async_op=a), async_op)
         else:
-            dist.all_gather_single(output, row, group=group)
-        event = comm_ctx.all_gather_stream.record_event()
-    work = AllGatherWork(output, row, widths, layout, event=event)
+            handle = comm_ctx.issue(lambda a: dist.all_gather_single(output, row, group=group, async_op=a), async_op)
+        event = comm_ctx.record_event(comm_ctx.all_gather_stream)
+    work = AllGatherWork(output, row, widths, layout, handle=handle, event=event)
     if not async_op:
         work.wait(comm_ctx)
     return work
@@ -241,10 +152,12 @@ def all_gather(
 
 def _on_copy_in_stream(comm_ctx: CommContext, copy_in: Callable[[], tuple]) -> tuple:
     """Run `copy_in` on the copy-in stream (CUDA), after the retired all-gather buffers are free and
-    the optimizer step is done with the shards."""
+    the optimizer step is done with the shards; inline without streams."""
+    if not comm_ctx.uses_streams:
+        return copy_in()
     comm_ctx.release_retired()
     comm_ctx.copy_in_waits_for_optimizer()
-    with comm_ctx._device_module.stream(comm_ctx.copy_in_stream):
+    with comm_ctx.on(comm_ctx.copy_in_stream):
         return copy_in()
 
 
@@ -499,54 +412,32 @@ def reduce_scatter(
     work.all_reduce_later = all_reduce_later
     shard_group = controls.reduce_scatter_group or mesh_info.shard_group
 
-    if not comm_ctx.uses_streams:
+    with comm_ctx.on(comm_ctx.reduce_scatter_stream, after=comm_ctx.current_stream()):
         packed = _pack(layout, params, grads, dtype, comm_ctx.device, buffers)
         if pre != 1:
             packed.div_(pre)
+        # Kept until `finish`: on CUDA the packed input and the unsharded gradients, read on the
+        # reduce-scatter stream but allocated on the current one; without streams the packed input
+        # of a collective that may still be running (or is still to be issued, by pieces).
+        keep = [packed, grads] if comm_ctx.uses_streams else [packed]
         if not issue:
-            work.handle, work.keep_alive = PieceHandles(), [packed]
-            return work
-        if comm_hook is not None:
-            comm_hook(packed, output, shard_group)
-            work.reduce_across_replicas_and_divide()
-            return work
-        if world == 1:  # [Note: One rank issues no collectives]
-            output.copy_(packed)
-            if not all_reduce_later:
-                work.reduce_across_replicas_and_divide()
-            return work
-        if comm is not None:
-            work.handle = comm(output, packed, shard_group, dist.ReduceOp.SUM, async_op=True)
-        else:
-            work.handle = dist.reduce_scatter_single(
-                output, packed, op=dist.ReduceOp.SUM, group=shard_group, async_op=True
-            )
-        if work.handle is None and not all_reduce_later:  # a custom comm that ran synchronously
-            work.reduce_across_replicas_and_divide()
-        work.keep_alive = [packed]
-        return work
-
-    mod = comm_ctx._device_module
-    comm_ctx.reduce_scatter_stream.wait_stream(comm_ctx.current_stream())
-    with mod.stream(comm_ctx.reduce_scatter_stream):
-        packed = _pack(layout, params, grads, dtype, comm_ctx.device, buffers)
-        if pre != 1:
-            packed.div_(pre)
-        if not issue:
-            work.keep_alive = [packed, grads]
+            work.handle, work.keep_alive = (None if comm_ctx.uses_streams else PieceHandles()), keep
             return work
         if comm_hook is not None:
             comm_hook(packed, output, shard_group)
         elif world == 1:  # [Note: One rank issues no collectives]
             output.copy_(packed)
         elif comm is not None:
-            comm(output, packed, shard_group, dist.ReduceOp.SUM)
+            work.handle = comm_ctx.issue(lambda a: comm(output, packed, shard_group, dist.ReduceOp.SUM, async_op=a))
         else:
-            dist.reduce_scatter_single(output, packed, op=dist.ReduceOp.SUM, group=shard_group)
-        if not all_reduce_later:
+            work.handle = comm_ctx.issue(
+                lambda a: dist.reduce_scatter_single(output, packed, op=dist.ReduceOp.SUM, group=shard_group, async_op=a)
+            )
+        if work.handle is None and not all_reduce_later:  # reduced (on CUDA: queued on the stream)
             work.reduce_across_replicas_and_divide(comm_ctx)
-            work.event = comm_ctx.reduce_scatter_stream.record_event()
-    work.keep_alive = [packed, grads]
+            work.event = comm_ctx.record_event(comm_ctx.reduce_scatter_stream)
+    if comm_ctx.uses_streams or (comm_hook is None and world > 1):  # else nothing reads it any more
+        work.keep_alive = keep
     return work
 
 
@@ -596,9 +487,8 @@ def prepare_all_gather(
     def copy_in() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         return _copy_in(layout, params, world, rank, None, comm_ctx.device, shard_buffer)
 
-    if not comm_ctx.uses_streams:
-        return AllGatherWork(*copy_in(), layout, handle=PieceHandles())
-    return AllGatherWork(*_on_copy_in_stream(comm_ctx, copy_in), layout)
+    handle = None if comm_ctx.uses_streams else PieceHandles()  # see `_copy_back`
+    return AllGatherWork(*_on_copy_in_stream(comm_ctx, copy_in), layout, handle=handle)
 
 
 def _copy_columns(buffer: torch.Tensor, world: int, offset: int, tensor: torch.Tensor, lo: int, hi: int, into_tensor: bool) -> None:
@@ -617,32 +507,29 @@ def _offsets(pieces: list[tuple[object, int, int]]) -> list[int]:
     return starts
 
 
+def _copy_back(work: "AllGatherWork | ReduceScatterWork", handle: Optional[dist.Work], copy: Callable[[], None], sent: torch.Tensor) -> None:
+    """Copy a collective's columns back into `work`'s bucket: once `handle` ends (CPU: `work.handle`
+    is the bucket's `PieceHandles`, which keeps `sent`, the collective's input, until then), or now,
+    queued after the collective on its stream (CUDA, no handle)."""
+    if handle is None:
+        copy()
+    else:
+        work.handle.add(handle, copy, sent)
+
+
 @torch.no_grad()
 def all_gather_pieces(pieces: list[tuple[AllGatherWork, int, int]], group: dist.ProcessGroup, world: int, comm_ctx: CommContext) -> None:
     """One all-gather of columns [lo, hi) of each prepared bucket's row, side by side ([Note: A compiled
     graph's buckets on the eager hooks]); each bucket gets its columns of every rank back."""
     starts = _offsets(pieces)
-
-    def issue(async_op: bool) -> tuple[Optional[dist.Work], torch.Tensor, torch.Tensor]:
+    with comm_ctx.on(comm_ctx.all_gather_stream, after=comm_ctx.copy_in_stream):
         row = torch.cat([work.input[lo:hi] for work, lo, hi in pieces])
         gathered = row.new_empty(world * row.numel())
-        return dist.all_gather_single(gathered, row, group=group, async_op=async_op), row, gathered
-
-    def copy_back(gathered: torch.Tensor, i: int) -> None:
-        work, lo, hi = pieces[i]
-        _copy_columns(gathered, world, starts[i], work.output, lo, hi, into_tensor=True)
-
-    if not comm_ctx.uses_streams:
-        handle, row, gathered = issue(async_op=True)
-        for i, (work, _, _) in enumerate(pieces):
-            work.handle.add(handle, lambda i=i: copy_back(gathered, i), row)
-        return
-    comm_ctx.all_gather_stream.wait_stream(comm_ctx.copy_in_stream)
-    with comm_ctx._device_module.stream(comm_ctx.all_gather_stream):
-        _, _, gathered = issue(async_op=False)
-        for i in range(len(pieces)):
-            copy_back(gathered, i)
-        event = comm_ctx.all_gather_stream.record_event()
+        handle = comm_ctx.issue(lambda a: dist.all_gather_single(gathered, row, group=group, async_op=a))
+        for (work, lo, hi), start in zip(pieces, starts):
+            copy = functools.partial(_copy_columns, gathered, world, start, work.output, lo, hi, into_tensor=True)
+            _copy_back(work, handle, copy, row)
+        event = comm_ctx.record_event(comm_ctx.all_gather_stream)
     for work, _, _ in pieces:
         work.event = event
 
@@ -655,35 +542,23 @@ def reduce_scatter_pieces(
     issue=False)`), side by side ([Note: A compiled graph's buckets on the eager hooks]); each work's
     output gets its columns of this rank's sum. `reduce_scatter_issued` then ends a work."""
     starts = _offsets(pieces)
-
-    def issue(async_op: bool) -> tuple[Optional[dist.Work], torch.Tensor, torch.Tensor]:
+    with comm_ctx.on(comm_ctx.reduce_scatter_stream):
         width = sum(hi - lo for _, lo, hi in pieces)
         packed = pieces[0][0].keep_alive[0].new_empty(world * width)
         for (work, lo, hi), start in zip(pieces, starts):
             _copy_columns(packed, world, start, work.keep_alive[0], lo, hi, into_tensor=False)
         summed = packed.new_empty(width)
-        handle = dist.reduce_scatter_single(summed, packed, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-        return handle, packed, summed
-
-    def copy_back(summed: torch.Tensor, i: int) -> None:
-        work, lo, hi = pieces[i]
-        _copy_columns(summed, 1, starts[i], work.output, lo, hi, into_tensor=True)
-
-    if not comm_ctx.uses_streams:
-        handle, packed, summed = issue(async_op=True)
-        for i, (work, _, _) in enumerate(pieces):
-            work.handle.add(handle, lambda i=i: copy_back(summed, i), packed)
-        return
-    with comm_ctx._device_module.stream(comm_ctx.reduce_scatter_stream):
-        _, _, summed = issue(async_op=False)
-        for i in range(len(pieces)):
-            copy_back(summed, i)
+        op = dist.ReduceOp.SUM
+        handle = comm_ctx.issue(lambda a: dist.reduce_scatter_single(summed, packed, op=op, group=group, async_op=a))
+        for (work, lo, hi), start in zip(pieces, starts):
+            copy = functools.partial(_copy_columns, summed, 1, start, work.output, lo, hi, into_tensor=True)
+            _copy_back(work, handle, copy, packed)
 
 
 def reduce_scatter_issued(work: ReduceScatterWork, comm_ctx: CommContext) -> None:
     """Every column of `work`'s bucket is issued: on CUDA queue what `finish` waits for (the replica
     all-reduce and the division, unless `all_reduce_later`); on CPU `finish` does it after the wait."""
     if comm_ctx.uses_streams and not work.all_reduce_later:
-        with comm_ctx._device_module.stream(comm_ctx.reduce_scatter_stream):
+        with comm_ctx.on(comm_ctx.reduce_scatter_stream):
             work.reduce_across_replicas_and_divide(comm_ctx)
-            work.event = comm_ctx.reduce_scatter_stream.record_event()
+            work.event = comm_ctx.record_event(comm_ctx.reduce_scatter_stream)
