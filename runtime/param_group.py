@@ -31,6 +31,17 @@ from .shard_buffer import ShardBuffer, shard_buffer_for
 
 logger = logging.getLogger(__name__)
 
+# What to do, told with the two reasons of gradient accumulation without sync ([Note: Groups that
+# stay on the eager hooks] in runtime/traced.py): a micro-batch with sync on is a plain step, whose
+# graph reduce-scatters and adds to the sharded `.grad`.
+_COMPILE_WHOLE_ACCUMULATION = (
+    "; the collectives run on the eager hooks and only the forwards between them compile. To compile the "
+    "whole step, keep gradient sync on in every micro-batch (Accelerate: "
+    "GradientAccumulationPlugin(num_steps=N, sync_each_batch=True); HF Trainer: "
+    "accelerator_config={'gradient_accumulation_kwargs': {'sync_each_batch': True}}; your own loop: no "
+    "set_requires_gradient_sync(False)), which reduce-scatters every micro-batch's gradients"
+)
+
 
 class ShardedState(Enum):
     """Which parameters the owner modules hold right now."""
@@ -497,9 +508,10 @@ class ParamGroup:
         if self.comm_hook is not None:
             return "a comm hook is registered (fsdp_graph.fsdp1.comm_hooks); hooks run on the eager runtime"
         if not self.requires_gradient_sync:
-            return "gradient sync is off (no_sync / set_requires_gradient_sync(False)): accumulating unreduced gradients"
+            return ("gradient sync is off (no_sync / set_requires_gradient_sync(False)): accumulating unreduced "
+                    f"gradients{_COMPILE_WHOLE_ACCUMULATION}")
         if self.holds_unreduced_grads:
-            return "it holds gradients accumulated without sync, which this backward reduces"
+            return f"it holds gradients accumulated without sync, which this backward reduces{_COMPILE_WHOLE_ACCUMULATION}"
         if self.mesh_info.is_hsdp and not self.reduce_controls.all_reduce:
             return "set_requires_all_reduce(False): keeping reduce-scattered sums without the replica all-reduce"
         if self.reduce_controls.partial is not None:

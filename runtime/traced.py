@@ -595,12 +595,21 @@ def trace_hooks_inside_checkpoint() -> None:
 # (arbitrary Python replacing the reduce-scatter), gradient sync turned off (unsharded gradients
 # accumulate across backwards), and the first synced backward after that (it reduces what
 # accumulated). While `ParamGroup.eager_only_reason()` says so for any group under a root,
-# `FSDPModule.__call__` hands the root's whole call to a `torch._dynamo.disable`d function: a
-# graph break in the compiled frame itself, which Dynamo resumes after, so the call runs on the
-# eager hooks (logged with the reason) and nothing is marked to be skipped for good. A break
-# inside the hooks would not do: Dynamo cannot resume inside inlined code and would give up on
-# the frame. Dynamo guards on the flags it read, so once they clear the next step runs the full
-# graph again.
+# `FSDPModule.__call__` hands the root's whole call to `_call_on_eager_hooks`, disabled for its own
+# frame only: a graph break in the compiled frame itself, which Dynamo resumes after, so the call
+# runs on the eager hooks and nothing is marked to be skipped for good. A break inside the hooks
+# would not do: Dynamo cannot resume inside inlined code and would give up on the frame. The frames
+# the call reaches are still Dynamo's: the forwards between the hooks compile, each sharded module
+# call in them whose group has such a reason breaking out the same way (one without is traced into
+# that frame's graph), which is what torch's fully_shard gives under
+# torch.compile (its hooks are disabled); a call disabled with everything below it would compile
+# nothing, and gradient accumulation would run uncompiled. The break is taken in
+# `FSDPModule.__call__` itself, not in a helper it calls: a helper's frame, resumed after the
+# break, would be compiled again for every kind of module and arguments until Dynamo's recompile
+# limit. Dynamo guards on the flags it read, so once they clear the next step runs the full graph
+# again. `record_fallback` says it once per reason at WARNING, with what to do where there is
+# something (gradient accumulation: sync in every micro-batch); tests/test_frameworks.py checks
+# accumulation through Accelerate against torch's fully_shard.
 
 
 def skip_when_not_inlined(*hooks) -> None:
@@ -636,11 +645,16 @@ def record_fallback(state: TracedState) -> None:
     fallbacks = state.ctx.fallbacks
     if state.name not in fallbacks:
         reason = state.eager_only_reason()
-        if reason is not None:
+        if reason is not None:  # a setting of the user's, the same in every group that has it: said once
             reason = f"its group stays on the eager runtime's hooks: {reason}"
+            said = reason in fallbacks.values()
         else:
             reason = state.hooks_around_compiled_body or _FALLBACK_REASON
+            said = False
         fallbacks[state.name] = reason
-        logger.warning("fsdp_graph::fallback (%s): %s", state.name, reason)
+        if said:
+            logger.debug("fsdp_graph::fallback (%s): %s", state.name, reason)
+        else:
+            logger.warning("fsdp_graph::fallback (%s): %s", state.name, reason)
         if state.group is not None:  # where another rank may have traced it ([Note: Ranks that compile different graphs])
             peer_log.tell(state.group.mesh_info.ranks, f"eager:{state.name}")

@@ -105,3 +105,20 @@ def test_lightning_model_parallel_strategy():
 def test_peft_lora():
     """The whole step compiled, against torch's eager run."""
     _check_same_losses(_torchrun("peft_train.py", "ours", "whole"), _torchrun("peft_train.py", "torch", "eager"))
+
+
+@_needs("accelerate")
+def test_accelerate_gradient_accumulation_compiled(tmp_path_factory):
+    """Two micro-batches per step, the first without gradient sync, the model compiled in place:
+    Dynamo compiled no graph at all and nothing said so (issue #77). The groups stay on the eager
+    hooks while gradients accumulate unreduced, so the forwards between the hooks compile, as under
+    torch's fully_shard, and one warning says why and how to compile the whole step. Against
+    torch's `fully_shard` in eager: every loss and the final parameters bit for bit."""
+    model_dir = str(tmp_path_factory.getbasetemp() / "accelerate_model")
+    theirs = _torchrun("accelerate_train.py", "torch", "accumulate", model_dir)
+    ours = _torchrun("accelerate_train.py", "ours", "whole_accumulate", model_dir)
+    assert ours["fsdp2"] and theirs["fsdp2"]  # so `accumulate()` turned gradient sync off
+    _check_same_losses(ours, theirs)
+    assert ours["params"] == theirs["params"]
+    assert ours["graphs"] > 0, ours
+    assert len(ours["warnings"]) == 1 and "sync_each_batch" in ours["warnings"][0], ours["warnings"]

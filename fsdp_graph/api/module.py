@@ -40,6 +40,8 @@ class FSDPModule:
         # Each FSDP class gets its own copy of this code object: see `_own_call`. `compile()` below
         # gives `module.compile()` the same frame.
         if torch.compiler.is_compiling():
+            if traced_scope() != "block" and self._fsdp_state.eager_only_reason() is not None:
+                return _call_on_eager_hooks(self, args, kwargs)  # [Note: Groups that stay on the eager hooks]
             return _traced_call(self, args, kwargs)
         return super().__call__(*args, **kwargs)
 
@@ -334,11 +336,10 @@ def _new_for_unpickling(cls: type, *args):
 
 
 def _traced_call(module: nn.Module, args: tuple, kwargs: dict):
-    """A module call while Dynamo traces: inside the step's graph, or one of the ways out of it."""
+    """A module call while Dynamo traces: inside the step's graph, or one of the ways out of it
+    (groups that stay on the eager hooks leave in `FSDPModule.__call__`)."""
     if traced_scope() == "block":
         return _call_in_block_scope(module, args, kwargs)  # [Note: Compile scope] in fsdp_graph/api/scope.py
-    if module._fsdp_state.eager_only_reason() is not None:
-        return _call_on_eager_hooks(module, args, kwargs)  # [Note: Groups that stay on the eager hooks]
     if module._fsdp_state.hooks_around_compiled_body is not None:
         if module._fsdp_state.traces_as_region():
             return _call_as_region(module, *_flat_call(args, kwargs), every_block=False)  # [Note: Blocks as compile regions]
@@ -516,9 +517,13 @@ def _call_hooks_and_forward(module: nn.Module, args: tuple, kwargs: dict):
     return call(module, *args, **kwargs)
 
 
-@torch._dynamo.disable
+@functools.partial(torch._dynamo.disable, recursive=False)
 def _call_on_eager_hooks(module: nn.Module, args: tuple, kwargs: dict):
-    return _call_hooks_and_forward(module, args, kwargs)
+    state = module._fsdp_state
+    call = nn.Module._call_impl if state.compiled_in_place else nn.Module.__call__
+    output = call(module, *args, **kwargs)
+    traced.record_fallback(state)  # after the call: a root's first call claims its `ctx`
+    return output
 
 
 # [Note: Compile regions under fully_shard]
@@ -552,7 +557,7 @@ def _call_in_block_scope(module: nn.Module, args: tuple, kwargs: dict):
         state.calling_in_block_scope = False
 
 
-traced.skip_own_frame(_call_around_compiled_body, _call_in_block_scope)
+traced.skip_own_frame(_call_on_eager_hooks, _call_around_compiled_body, _call_in_block_scope)
 
 
 # Distinct region bodies Dynamo keeps for `_forward_region` in one trace, all kinds of block
