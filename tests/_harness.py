@@ -1,4 +1,4 @@
-"""Run a test body on several gloo ranks (processes from a fork server, file store, a deadline per test)."""
+"""Run a test body on several gloo ranks (processes from a fork server, file store, a hang watchdog)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import os
 import pickle
 import queue
 import signal
+import subprocess
 import tempfile
+import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 from unittest import mock
 
 import torch
@@ -20,14 +22,25 @@ import torch.distributed as dist
 
 from fsdp_graph.predict import fake_world
 
+# [Note: Timeouts that only catch hangs]
+# A rank that waits on a peer that will never answer uses no CPU; a rank that compiles on a loaded
+# machine is slow but busy. So the ranks are called hung when they and their child processes (the
+# C++ compiler's included) used almost no CPU for `timeout_s` seconds in a row, not when a test
+# takes longer than some fixed time: a machine shared by other jobs makes the second one fail
+# tests that were fine. The process group's own timeout is `HANG_CAP_S`, far above any test's run,
+# so a rank that waits in a collective for a busy peer is not failed by gloo either; the watchdog
+# kills hung ranks long before. `HANG_CAP_S` also ends ranks that spin without progress.
 DEFAULT_TIMEOUT_S = 180
+HANG_CAP_S = 3600
+_BUSY_CPU_FRACTION = 0.01  # of one core, over the window: below it the ranks are idle (hung)
+_POLL_S = 2.0
 
 
 def _crash_path(store_path: str, rank: int) -> str:
     return f"{store_path}.crash{rank}"
 
 
-def _rank_main(fn, rank, world_size, store_path, results, timeout_s, args) -> None:
+def _rank_main(fn, rank, world_size, store_path, results, args) -> None:
     # A fatal signal (a segfault) leaves no Python traceback to report: faulthandler writes every
     # thread's stack to a file the parent reads if the rank dies. The file stays open until exit.
     crash_file = open(_crash_path(store_path, rank), "w")
@@ -39,7 +52,7 @@ def _rank_main(fn, rank, world_size, store_path, results, timeout_s, args) -> No
             init_method=f"file://{store_path}",
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=HANG_CAP_S),
         )
         # Pickled here, not in the queue's feeder thread, so an unpicklable result fails the test.
         out = pickle.dumps(fn(rank, world_size, *args))
@@ -75,11 +88,92 @@ def rank_context():
     return ctx
 
 
+def _cpu_seconds_of_trees(pids: list[int]) -> Optional[float]:
+    """CPU seconds used so far by the processes `pids` and their living descendants (Linux's
+    /proc); None where /proc cannot say."""
+    children: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        pid, ppid = int(entry), int(fields[1])
+        children.setdefault(ppid, []).append(pid)
+        times[pid] = (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / tick
+    if not any(pid in times for pid in pids):
+        return None
+    total, stack, seen = 0.0, list(pids), set()
+    while stack:
+        pid = stack.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        total += times.get(pid, 0.0)
+        stack += children.get(pid, [])
+    return total
+
+
+class HangWatch:
+    """Says when processes have been idle (hung) for `timeout_s`: [Note: Timeouts that only catch
+    hangs]. Where /proc cannot tell, it falls back to `timeout_s` of wall-clock time."""
+
+    def __init__(self, pids: Callable[[], list[int]], timeout_s: float) -> None:
+        self.pids, self.timeout_s = pids, timeout_s
+        self.start = self.since = time.monotonic()
+        self.cpu = _cpu_seconds_of_trees(pids())
+
+    def hung(self) -> Optional[str]:
+        """Why the processes count as hung now, or None while they work."""
+        now = time.monotonic()
+        if now - self.start > HANG_CAP_S:
+            return f"still running after {HANG_CAP_S}s"
+        cpu = _cpu_seconds_of_trees(self.pids())
+        if cpu is None or self.cpu is None:
+            return f"did not finish within {self.timeout_s}s" if now - self.start > self.timeout_s else None
+        if cpu - self.cpu > _BUSY_CPU_FRACTION * max(now - self.since, _POLL_S):
+            self.since, self.cpu = now, cpu  # busy: the window starts again
+            return None
+        if now - self.since > self.timeout_s:
+            return f"used no CPU for {self.timeout_s}s (a hang)"
+        return None
+
+
+def run_process(command: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, **popen_kwargs: Any) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, capture_output=True, text=True, ...)` whose process is killed, and
+    the test failed, only when it hangs ([Note: Timeouts that only catch hangs])."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, text=True, **popen_kwargs)
+        watch = HangWatch(lambda: [process.pid], timeout_s)
+        while process.poll() is None:
+            why = watch.hung()
+            if why is not None:
+                process.kill()
+                process.wait()
+                err.seek(0)
+                raise AssertionError(f"{command[:3]} {why}; its stderr ends:\n{err.read()[-3000:]}")
+            time.sleep(_POLL_S)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, process.returncode, out.read(), err.read())
+
+
 def run_ranks(fn: Callable, world_size: int = 2, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return rank 0's result.
 
-    A failure on any rank fails the test with that rank's traceback; ranks still running after
-    `timeout_s` are killed and the test fails, so a hang never blocks the suite.
+    A failure on any rank fails the test with that rank's traceback; ranks that use no CPU for
+    `timeout_s` seconds in a row (waiting on each other: a hang) are killed and the test fails, so
+    a hang never blocks the suite, while a slow machine does not fail a busy test ([Note: Timeouts
+    that only catch hangs]).
     """
     ctx = rank_context()
     results = ctx.Queue()
@@ -87,19 +181,25 @@ def run_ranks(fn: Callable, world_size: int = 2, *args, timeout_s: float = DEFAU
     os.close(fd)
     os.unlink(store_path)
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, store_path, results, timeout_s, args))
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, store_path, results, args))
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
     outcomes: dict[int, tuple] = {}
+    watch = HangWatch(lambda: [p.pid for p in procs if p.pid is not None], timeout_s)
     try:
         while len(outcomes) < world_size:
             try:
-                rank, error, out = results.get(timeout=timeout_s)
+                rank, error, out = results.get(timeout=_POLL_S)
             except queue.Empty:
-                missing = sorted(set(range(world_size)) - set(outcomes))
-                raise AssertionError(f"ranks {missing} did not finish within {timeout_s}s") from None
+                why = watch.hung()
+                if all(not procs[r].is_alive() for r in range(world_size) if r not in outcomes):
+                    why = "exited without a report"
+                if why is not None:
+                    missing = sorted(set(range(world_size)) - set(outcomes))
+                    raise AssertionError(f"ranks {missing} {why}") from None
+                continue
             outcomes[rank] = (error, out)
             if error is not None:
                 break

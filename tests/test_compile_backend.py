@@ -58,6 +58,7 @@ def test_string_backend_with_options_dumps_and_inspect_prints_summary(tmp_path, 
     assert "fell back to the eager hooks: none" in out
 
 
+@pytest.mark.slow  # Inductor compiles cold
 def test_inspect_shows_the_schedule_of_an_inductor_dump(tmp_path, capsys):
     """The inspector reads the program as scheduled, before pin_order wraps collectives and waits
     in control_deps (which would hide them): every bucket appears with its wait."""

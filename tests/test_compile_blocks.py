@@ -201,6 +201,7 @@ def _inductor_with_and_without_regions(rank, world_size):
     return runs, _reference(copy.deepcopy(model), world_size)
 
 
+@pytest.mark.slow  # Inductor compiles cold
 def test_regions_compiled_by_inductor():
     pytest.importorskip("transformers")
     """A transformers Llama whose decoder layers are regions: Inductor compiles them as one body: the same numbers as the whole step without

@@ -11,11 +11,14 @@ arrive as the row's] in runtime/shard_buffer.py).
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from _harness import run_process
+
+pytestmark = pytest.mark.slow  # Inductor compiles in fresh processes
 
 _SCRIPT = """
 import json, sys, torch
@@ -42,7 +45,7 @@ print(json.dumps({{**counters["inductor"], **counters["aot_autograd"]}}))
 def _compile_in_fresh_process(rank: int, cache_dir: Path, uneven: bool, pieces: bool = True, **env_vars: str) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), **env_vars}
     script = _SCRIPT.format(tests=str(Path(__file__).resolve().parent), rank=rank, uneven=uneven, pieces=pieces)
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    done = run_process([sys.executable, "-c", script], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -121,8 +124,7 @@ def test_a_checkpoint_policy_with_a_cache_hash_is_served_by_aotautogradcache(tmp
 
     def compile_once(cache_hash):
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
-        done = subprocess.run([sys.executable, "-c", _CHECKPOINTED.format(cache_hash=cache_hash)], env=env,
-                              capture_output=True, text=True, timeout=600)
+        done = run_process([sys.executable, "-c", _CHECKPOINTED.format(cache_hash=cache_hash)], env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 

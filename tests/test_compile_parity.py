@@ -83,6 +83,7 @@ def test_gloo_gathers_through_the_plain_allgather_with_several_in_flight(tmp_pat
     assert max(result["in_flight"].values()) >= 2, result["in_flight"]
 
 
+@pytest.mark.slow  # Inductor compiles cold
 def test_inductor_matches_unsharded_reference():
     # Default resharding: blocks reshard after forward (re-gathered in backward), the root does not.
     result = run_ranks(_mlp, 2, "inductor", None)

@@ -67,6 +67,7 @@ def _compile_then_load(rank, world_size, cache_dir, regions):
     return {"compiled": compiled, "relaunch": {**counters["fsdp_graph"], **counters["aot_autograd"]}}
 
 
+@pytest.mark.slow  # Inductor compiles cold and loads in a new launch
 @pytest.mark.parametrize("regions", ["marked", "blocks"])
 def test_pieces_train_as_the_unsharded_model_compile_repeated_blocks_once_and_load_from_the_cache(tmp_path, regions):
     """With regions="blocks" too, whose backward graph symbolic in the length makes zeros of a
@@ -204,6 +205,7 @@ def test_a_piece_leaves_the_backwards_donated_inputs_alone():
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # Inductor compiles cold
 def test_a_piece_compiled_by_other_sources_is_not_loaded(tmp_path, monkeypatch):
     # A piece's FX-graph-cache key holds our sources' digest (how the piece is compiled is ours, and
     # Inductor's key does not hold everything we hand it): the same sources load it, others do not.

@@ -67,7 +67,7 @@ def _moe_with_per_rank_recompile_limit(rank, world_size, compiler):
     return _fallbacks_per_rank(result["fallbacks"])
 
 
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_expert_traced_on_one_rank_and_eager_on_the_other(compiler):
     on_rank0, on_rank1 = run_ranks(_moe_with_per_rank_recompile_limit, 2, compiler, timeout_s=400)
     experts = {f"experts.{e}" for e in range(4)}
@@ -111,7 +111,7 @@ def _graph_break_on_one_rank(rank, world_size, compiler, flag, break_on_rank0):
 
 @pytest.mark.parametrize(
     "compiler,flag",
-    [("inductor", True), ("aot_eager", False)],
+    [pytest.param("inductor", True, marks=pytest.mark.slow), ("aot_eager", False)],
     ids=["inductor-flag", "aot_eager-detected"],
 )
 def test_graph_break_on_one_rank(compiler, flag):
@@ -282,6 +282,7 @@ def _steps_against_reference(rank, world_size, reference, model, run, lengths, b
     return set(model._fsdp_state.ctx.fallbacks)
 
 
+@pytest.mark.slow  # Inductor compiles cold, relaunches
 def test_relaunches_from_each_cache_keep_the_wire_orders_and_each_ranks_backward(tmp_path):
     """Three launches on one cache directory: cold, then from AOTAutogradCache, then without it
     from Inductor's FX graph cache (as where torchtitan's selective activation checkpointing

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 import fsdp_graph
-from _harness import rank_context
+from _harness import HangWatch, rank_context
 from _models import MLPStack, shard_blocks_then_root
 
 PG_TIMEOUT_S = 5
-DEADLINE_S = 60  # the test's own limit: ranks still running then are killed and the test fails
+DEADLINE_S = 60  # ranks that use no CPU this long are hung: killed, and the test fails (see HangWatch)
 
 
 def _rank_main(fn, rank, world_size, store_path, results, args) -> None:
@@ -54,7 +54,8 @@ def run_ranks_with_a_failure(fn, world_size: int, failing_rank: int, *args) -> d
     """Run `fn(rank, world_size, *args)` on gloo ranks until every rank but `failing_rank` reported.
 
     Returns {rank: (traceback or None, result)} of the ranks that reported (a rank that exits
-    reports nothing); `failing_rank` is killed if still alive. Fails if that takes DEADLINE_S.
+    reports nothing); `failing_rank` is killed if still alive. Fails if the ranks hang: no CPU used
+    for DEADLINE_S ([Note: Timeouts that only catch hangs] in _harness.py).
     """
     ctx = rank_context()
     results = ctx.Queue()
@@ -65,7 +66,8 @@ def run_ranks_with_a_failure(fn, world_size: int, failing_rank: int, *args) -> d
     for p in procs:
         p.start()
     outcomes = {}
-    deadline = time.monotonic() + DEADLINE_S
+    watch = HangWatch(lambda: [p.pid for p in procs], DEADLINE_S)
+    checked = time.monotonic()
     try:
         survivors = set(range(world_size)) - {failing_rank}
         while not survivors <= set(outcomes):
@@ -74,8 +76,11 @@ def run_ranks_with_a_failure(fn, world_size: int, failing_rank: int, *args) -> d
                 outcomes[rank] = (error, out)
             except queue.Empty:
                 pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"ranks still running after {DEADLINE_S}s: a hang; reported: {sorted(outcomes)}")
+            if time.monotonic() - checked > 2:
+                checked = time.monotonic()
+                why = watch.hung()
+                if why is not None:
+                    raise AssertionError(f"ranks {why}; reported: {sorted(outcomes)}")
         procs[failing_rank].join(timeout=1)  # one that raised reports on its way out
         while not results.empty():
             rank, error, out = results.get(timeout=1)

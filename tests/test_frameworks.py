@@ -16,11 +16,14 @@ import functools
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from _harness import run_process
+
+pytestmark = pytest.mark.slow  # runs frameworks under torchrun
 
 SCRIPTS = Path(__file__).resolve().parent / "frameworks"
 
@@ -40,7 +43,7 @@ def _torchrun(script: str, *args: str) -> dict:
         str(SCRIPTS / script), *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    done = run_process(command, env=env)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):  # printed after the last step, so a teardown that aborts later is no failure
             return json.loads(line.removeprefix("RESULT "))

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
 from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp_graph.runtime.collectives as collectives
-from _harness import run_ranks
+from _harness import run_ranks, run_process
 from _models import comm_counts, MLPBlock, shard_blocks_then_root
 from fsdp_graph import AllGather, CPUOffloadPolicy, MixedPrecisionPolicy, ReduceScatter, fully_shard, share_comm_ctx
 
@@ -590,17 +590,17 @@ os._exit(0)  # [Note: Gloo teardown] in tests/_harness.py
 """
 
 
+@pytest.mark.slow  # relaunches Python
 def test_fully_shard_initialises_the_default_process_group():
     import os
     import socket
-    import subprocess
     import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    out = subprocess.run([sys.executable, "-c", _DEFAULT_GROUP_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    out = run_process([sys.executable, "-c", _DEFAULT_GROUP_SCRIPT], env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "trained torch.Size([4, 4])" in out.stdout
 
@@ -665,7 +665,7 @@ def _compiled(rank, world_size):
     # A group whose output is detached inside the graph (no gradient reaches it), one parameter
     # unused, with set_reduce_scatter_unused_params: compiled as torch's fully_shard in eager. One
     # step, one graph. (A group that ran in an earlier step but not in this one keeps `.grad` None
-    # compiled, where FSDP2 gives zeros: README, Differences from FSDP2.)
+    # compiled, where FSDP2 gives zeros: docs/api.md, Differences from FSDP2.)
     compiled_run = _train_routed(fully_shard, rank, True, compile_with=backend, modes=("detached c",))
     expected = _train_routed(torch_fully_shard, rank, True, modes=("detached c",))
     _assert_same_routed(compiled_run, expected, what="compiled, unused params")

@@ -63,6 +63,7 @@ def _against_torch(rank, world_size):
     return reference, results
 
 
+@pytest.mark.slow  # runs transformers' GPT-2, ours and torch's, eager and compiled
 def test_gpt2_trains_like_torch_fully_shard():
     (ref_losses, ref_grads), results = run_ranks(_against_torch, 2, timeout_s=300)
     assert ref_losses[-1] < ref_losses[0]  # it learns: the comparison is not between two flat lines

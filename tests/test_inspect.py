@@ -8,7 +8,6 @@ One process on a fake process group of 8 ranks, `aot_eager`; the structured trac
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import xml.etree.ElementTree as ET
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 import fsdp_graph
-from _harness import fake_process_group
+from _harness import fake_process_group, run_process
 from _models import MLPStack, shard_blocks_then_root
 from fsdp_graph.inspect.dump import format_summary, load_summary
 from fsdp_graph.inspect import main as inspect_main
@@ -260,6 +259,7 @@ def _artifacts(trace_dir: Path) -> list[dict]:
     return records
 
 
+@pytest.mark.slow  # relaunches Python
 def test_dump_goes_into_torch_structured_trace(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch
@@ -274,7 +274,8 @@ def test_dump_goes_into_torch_structured_trace(tmp_path):
     """)
     env = {**os.environ, "TORCH_TRACE": str(tmp_path / "trace")}
     env.pop("FSDP_GRAPH_DUMP", None)
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    done = run_process([sys.executable, "-c", script], env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
     records = _artifacts(tmp_path / "trace")
     ours = {r["artifact"]["name"]: r for r in records if r["artifact"]["name"].startswith("fsdp_graph_")}
     for name in ("fsdp_graph_frame_0_0.dynamo", "fsdp_graph_frame_0_0.forward", "fsdp_graph_frame_0_0.backward",

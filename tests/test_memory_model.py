@@ -5,6 +5,7 @@ the heap: gloo's all-gather holds a copy of its output while it runs, its reduce
 its input until the wait (examples/repro/gloo_collective_scratch.py shows it with torch alone).
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -142,6 +143,7 @@ def _compiled_step_heap(rank, world_size, dump_dir):
     return predicted / _MIB, peak[0] / _MIB
 
 
+@pytest.mark.slow  # Inductor compiles cold
 def test_compiled_step_holds_no_more_than_predicted(tmp_path):
     # The whole step on real gloo ranks, a model with fused projections, against the plan's peak.
     # Under Inductor the plan keeps gloo's reduce-scatter copies that the in-place all-reduce has

@@ -371,7 +371,7 @@ def test_parameters_replaced_between_compiled_steps(how):
     """The compiled step reads the parameters the modules hold now: followed by the load hook, or,
     assigned behind every hook's back, by a recompile (the traced root guards a count of such
     assignments). torch's `fully_shard` takes an assigned parameter only at its lazy init, before
-    the first forward: later it trains on (see the README's differences from FSDP2)."""
+    the first forward: later it trains on (see docs/api.md's differences from FSDP2)."""
     losses = run_ranks(_replaced_between_steps, 2, "aot_eager", how)
     torch.testing.assert_close(losses["ours"], losses["unsharded"], rtol=1e-5, atol=0)
     assert losses["ours"][2] != losses["ours"][1]

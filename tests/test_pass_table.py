@@ -6,11 +6,11 @@ option is one file plus one table entry: the worked example of docs/compiler.md 
 copy of the sources and compiled.
 """
 
+import dataclasses
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_graph
-from _harness import fake_process_group
+from _harness import fake_process_group, run_process
 from _models import MLPStack, shard_blocks_then_root
 from fsdp_graph import BackendConfig
 from fsdp_graph.compile.backend import FSDPGraphBackend
@@ -113,6 +113,24 @@ def test_the_docs_list_is_the_table(capsys):
     assert capsys.readouterr().out == format_table()
 
 
+def test_the_docs_options_table_is_made_from_the_config():
+    """docs/compiler.md's options table is what tools/options_table.py makes from `BackendConfig`'s
+    fields and their docstrings: one row per option of `fsdp_graph.backend(...)`."""
+    from fsdp_graph.compile.option_docs import field_docs, options_table
+
+    text = DOCS.read_text()
+    start = text.index("<!-- options table -->\n") + len("<!-- options table -->\n")
+    end = text.index("<!-- end of options table -->")
+    table = options_table(BackendConfig)
+    assert text[start:end] == table, "docs/compiler.md's options table is stale: paste `python tools/options_table.py`"
+    rows = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
+    assert rows == [f.name for f in dataclasses.fields(BackendConfig)]
+    documented = set(field_docs(BackendConfig)) | {o.name for o in OPTIONS}
+    assert documented == set(rows), set(rows) ^ documented
+    script = run_process([sys.executable, str(REPO / "tools" / "options_table.py")])
+    assert script.returncode == 0 and script.stdout == table, script.stderr
+
+
 class _Sink:
     def __init__(self):
         self.graphs, self.times = [], []
@@ -204,6 +222,7 @@ print("seconds:", json.dumps(load_summary({dump!r})["passes"]["frame_0_0.backwar
 """
 
 
+@pytest.mark.slow  # relaunches Python on a copy of the sources
 def test_a_new_pass_with_one_option_is_one_file_and_one_table_entry(tmp_path):
     """The worked example of docs/compiler.md, applied to a copy of the sources: the new file, and
     the entry (with its import) in the table. The option is then a checked backend option in the
@@ -226,8 +245,7 @@ def test_a_new_pass_with_one_option_is_one_file_and_one_table_entry(tmp_path):
     dump = tmp_path / "dump"
     script = _NEW_PASS_SCRIPT.format(tests=str(REPO / "tests"), dump=str(dump))
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "src")}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path)
+    done = run_process([sys.executable, "-c", script], env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "check:   - wait_late_min_bytes must be a non-negative int, got -1" in out, out

@@ -11,6 +11,8 @@ from _harness import fake_process_group, run_ranks
 from _schedule_helpers import FIXED, sharded_stack
 from fsdp_graph import fully_shard
 
+pytestmark = pytest.mark.slow  # Inductor compiles cold
+
 
 _RUN_NAMES = {"_c10d_functional::all_gather_into_tensor": "AG", "_c10d_functional::all_gather_into_tensor_out": "AG",
               "_c10d_functional::reduce_scatter_tensor": "RS", "_c10d_functional::all_reduce_": "RS",

@@ -96,6 +96,7 @@ def _aliasing_guards(compiled) -> tuple[int, int]:
     return relational, len(root.get_epilogue_lambda_guards())
 
 
+@pytest.mark.slow  # Inductor compiles cold, relaunches
 def test_saved_step_is_loaded_by_the_next_launch_and_trains_as_the_reference(tmp_path):
     model_file = tmp_path / "precompiled_net.py"
     model_file.write_text(_MODEL.format(activation="tanh"))
@@ -127,6 +128,7 @@ def test_saved_step_is_loaded_by_the_next_launch_and_trains_as_the_reference(tmp
     assert edited["losses"] != first["losses"]
 
 
+@pytest.mark.slow  # Inductor compiles cold, relaunches
 def test_saved_step_with_blocks_as_regions(tmp_path):
     """Blocks whose forward is a torch.compiler.nested_compile_region ([Note: Blocks as compile
     regions]): the step with its region is saved, and the next launch loads it without tracing
@@ -144,6 +146,7 @@ def test_saved_step_with_blocks_as_regions(tmp_path):
     assert relaunch["graphs_traced_in_training"] == 0 and relaunch["losses"] == first["losses"], relaunch
 
 
+@pytest.mark.slow  # Inductor compiles cold, relaunches
 def test_saved_step_with_every_block_a_region(tmp_path):
     """`fsdp_graph.backend(regions="blocks")` ([Note: Every block a compile region]), no block
     marked: precompile captures the step with the regions its backend asks for (`capture_for` in
@@ -261,6 +264,7 @@ def _launch_assigning(rank, world_size, model_dir, save_dir):
     return compiled.source, losses, counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow  # Inductor compiles cold, relaunches
 def test_shards_assigned_after_a_saved_step_is_loaded_are_the_ones_trained(tmp_path):
     # The loaded step gathers the groups' shard buffers in place ([Note: Sharded parameters live in
     # their group's row] in runtime/shard_buffer.py): shards replaced after the load must be what

@@ -545,6 +545,7 @@ def test_a_tensor_parallel_pair_falling_back_keeps_the_graphs_fsdp_order():
     assert fallbacks[2] == fallbacks[3] == set() and {"<root>", "blocks.0", "blocks.7"} <= fallbacks[0] == fallbacks[1]
 
 
+@pytest.mark.slow  # Inductor compiles cold
 def test_sequence_parallel_compiled_over_lengths():
     """With sequence parallelism the second length's graph is symbolic in it, and so is the tp
     all-gather of the sequence shards: on gloo it became an all-gather into a buffer allocated with

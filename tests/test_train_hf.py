@@ -60,6 +60,7 @@ def _train_unsharded(world_size):
     return losses
 
 
+@pytest.mark.slow  # runs transformers and DCP: the example's whole job
 def test_hf_llama_trains_like_unsharded_and_resumes_from_dcp(tmp_path):
     uninterrupted, first, resumed = run_ranks(_train_sharded, 2, str(tmp_path / "checkpoint"), timeout_s=420)
     reference = _train_unsharded(2)

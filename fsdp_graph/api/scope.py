@@ -22,13 +22,15 @@ group on the eager hooks, so the groups prefetch and reshard as in eager mode.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal, get_args
 
 import torch
 
-SCOPES = ("step", "block")  # what one compiled graph spans: `BackendConfig.scope`
+Scope = Literal["step", "block"]  # what one compiled graph spans: `BackendConfig.scope`
+SCOPES: tuple[str, ...] = get_args(Scope)
 SCOPE_ATTR = "fsdp_graph_scope"  # on a backend: the scope it compiles for
-REGIONS = ("marked", "blocks")  # which blocks a step traces as compile regions: `BackendConfig.regions`
+Regions = Literal["marked", "blocks"]  # which blocks a step traces as compile regions: `BackendConfig.regions`
+REGIONS: tuple[str, ...] = get_args(Regions)
 REGIONS_ATTR = "fsdp_graph_regions"  # on a backend: its `regions`
 _captures: list[dict[str, str]] = []  # innermost last: the settings of `capture_for`'s backends
 

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import os
+import textwrap
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from importlib.metadata import entry_points
@@ -34,6 +35,7 @@ from .cache_key import (
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
 from .pieces import compile_in_pieces, inline_regions
+from .option_docs import field_docs
 from .region_schema import region_schemas_once
 from ..passes.nodes import fsdp_meta, is_backward_graph, is_region_call
 from ..passes.pipeline import GraphPass, PassPipeline
@@ -41,7 +43,7 @@ from ..passes.async_tp import async_tp_on_cuda
 from ..passes import table as pass_table
 from ..passes.table import OPTIONS, PASS_NAMES, Stage
 from ..passes.unshard_selection import FIRST_BACKWARD_GATHERS_META
-from ..api.scope import REGIONS, REGIONS_ATTR, SCOPE_ATTR, SCOPES
+from ..api.scope import REGIONS, REGIONS_ATTR, SCOPE_ATTR, SCOPES, Regions, Scope
 from ..runtime.meta import GROUP_KEY
 from ..runtime.param import OWNER_ATTR
 from ..runtime.param_group import ParamGroup
@@ -62,78 +64,82 @@ class Compiler(Enum):
 
 def _with_pass_options(cls: type) -> type:
     """Give the config class a field, with its default and its docs, for every option a pass of
-    the table reads (passes/table.py). Runs before `dataclass`, which then makes them fields."""
+    the table reads (passes/table.py), and an `Attributes:` section made of every field's docs (the
+    string under each field of the class body; fsdp_graph/compile/option_docs.py). Runs before
+    `dataclass`, which then makes them fields."""
+    own = field_docs(cls)
     for option in OPTIONS:
         cls.__annotations__[option.name] = "Any"
         setattr(cls, option.name, option.default)
-    cls.__doc__ = cls.__doc__.rstrip() + "\n" + pass_table.format_options(indent=8) + "    "
+    attributes = "".join(
+        textwrap.fill(f"{name}: {doc}", 104, initial_indent=" " * 8, subsequent_indent=" " * 12,
+                      break_on_hyphens=False) + "\n"
+        for name, doc in own.items()
+    )
+    cls.__doc__ = (cls.__doc__.rstrip() + "\n\n    Attributes:\n" + attributes
+                   + pass_table.format_options(indent=8) + "    ")
     return cls
 
 
 @dataclass(frozen=True)
 @_with_pass_options
 class BackendConfig:
-    """How the `fsdp_graph` backend compiles.
-
-    Attributes:
-        compiler: the inner compiler, a `Compiler` or its value ("inductor", "aot_eager").
-        dump_dir: write every graph around every pass, the seconds each pass took, and
-            summary.json, here. None: use the `FSDP_GRAPH_DUMP` environment variable if set, else
-            dump nothing. Under `TORCH_TRACE` the graphs and the summary also go into torch's
-            structured trace (for tlparse).
-        disabled_passes: names of passes to skip, e.g. to compare graphs or numbers with and
-            without one: the rows of the pass table (passes/table.py; `python -m
-            fsdp_graph.inspect --passes` prints it). Skipping "reshard_after_forward" keeps every
-            group's unsharded parameters from forward to backward.
-        rank_divergent_graphs: the ranks may compile different graphs for one step: Python in the
-            forward that depends on the rank, or a graph break or recompile limit reached on some
-            ranks only. Then a group traced on one rank can run on the eager hooks on another, and
-            only a schedule that keeps every group's collectives on their own and in program order
-            puts the same collectives on the wire on both ([Note: Fallback groups keep the traced
-            order] in runtime/traced.py): the passes that merge or reorder collectives of several
-            groups or leave a re-gather out (`differs_from_eager` in the table: "auto_bucket",
-            "reorder_for_overlap", "unshard_selection") are left out, at the cost of their overlap.
-            Graphs of one group each (every expert call a frame of its own) need no such care.
-            False: the ranks compare their graphs while compiling, and a graph of several groups
-            that differs between them gets the same treatment ([Note: Ranks that compile different
-            graphs] in fsdp_graph/compile/agreement.py).
-        scope: what one compiled graph spans ([Note: Compile scope] in fsdp_graph/api/scope.py).
-            "step" (default): a sharded module's hooks are traced into the graph of the code that calls
-            it, so the whole step is one graph and its collectives are the passes' to bucket, reorder
-            and reshard. "block": FSDP2's way: every sharded module's hooks run on the eager runtime
-            (one bucket per group, prefetched), and Dynamo compiles the code between them, so
-            blocks of the same code share one compiled graph and the compile time stays flat in
-            depth; cross-group bucketing, the reordered schedule and selective unsharding are
-            then left out.
-        regions: which blocks a step ("step" scope) traces as compile regions, so that Dynamo's
-            graph holds one body for all blocks of the same code and shapes, which AOTAutograd
-            and Inductor then handle once: "blocks" (default): every sharded block that is a group
-            of its own, as if its forward were a `torch.compiler.nested_compile_region`, after the
-            first of each kind (its classes, flags, parameter shapes and call layout, and the
-            numbers its first block's trace guarded on), which is traced inline so that a block
-            that breaks the graph falls back as without regions ([Note: Every block a compile
-            region] in fsdp_graph/api/module.py). A graph break inside a region is an error
-            (torch's rule): a later block that branches on global state, or on a number passed as
-            an argument, into one meets it; "marked" traces every block inline but those whose
-            forward is marked so (the earlier default).
-        pieces: with Inductor, compile the step's forward and backward graphs piece by piece (the
-            default): the computation between two collectives is a piece, and pieces of the same
-            structure (the blocks of one code, shapes and schedule) are compiled once, so Inductor's
-            cost stays nearly flat in depth; the collectives run in the scheduled order between
-            them ([Note: Pieces between the collectives] in fsdp_graph/compile/pieces.py). Same
-            values as one graph, within Inductor's rounding. A relaunch loads the step from
-            AOTAutograd's cache, or each piece from Inductor's where that cache cannot serve it.
-            False: Inductor compiles each graph whole (needed by Inductor's own collective passes).
-    The options the passes read, one field each (`Option`s of passes/table.py):
-    """
+    """How the `fsdp_graph` backend compiles: the options of `fsdp_graph.backend(...)` and of
+    `torch.compile(model, backend="fsdp_graph", options={...})`, one field each (docs/compiler.md's
+    options table is made from them: `python tools/options_table.py`). The options the
+    passes read come last, from the pass table (`Option`s of passes/table.py)."""
 
     compiler: Compiler = Compiler.INDUCTOR
+    """The inner compiler, a `Compiler` or its value: "inductor" compiles the partitioned forward
+    and backward graphs to kernels; "aot_eager" runs them op by op, the same numbers as the eager
+    runtime, for debugging."""
+
     dump_dir: Optional[str] = None
+    """Write every graph around every pass, the seconds each pass took, and summary.json, here, for
+    `python -m fsdp_graph.inspect`. None: use the `FSDP_GRAPH_DUMP` environment variable if set,
+    else dump nothing. Under `TORCH_TRACE` the graphs and the summary also go into torch's
+    structured trace (for tlparse)."""
+
     disabled_passes: frozenset[str] = field(default_factory=frozenset)
+    """Names of passes to skip, e.g. to compare graphs or numbers with and without one: the rows
+    of the pass table (`python -m fsdp_graph.inspect --passes` prints it). Skipping
+    "reshard_after_forward" keeps every group's unsharded parameters from forward to backward."""
+
     rank_divergent_graphs: bool = False
-    scope: str = "step"
-    regions: str = "blocks"
+    """The ranks may compile different graphs for one step (Python in the forward that depends on
+    the rank, or a graph break or recompile limit reached on some ranks only): leave out the
+    passes that merge or reorder collectives of several groups or leave a re-gather out
+    ("auto_bucket", "reorder_for_overlap", "unshard_selection"), so that a group traced on one rank
+    and run on the eager hooks on another puts the same collectives on the wire ([Note: Fallback
+    groups keep the traced order] in runtime/traced.py). False: the ranks compare their graphs
+    while compiling, and a graph of several groups that differs between them gets the same
+    treatment ([Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py)."""
+
+    scope: Scope = "step"
+    """What one compiled graph spans ([Note: Compile scope] in fsdp_graph/api/scope.py). "step": a
+    sharded module's hooks are traced into the graph of the code that calls it, so the whole step
+    is one graph and its collectives are the passes' to bucket, reorder and reshard. "block":
+    FSDP2's way: every sharded module's hooks run on the eager runtime (one bucket per group,
+    prefetched) and Dynamo compiles the code between them, so blocks of the same code share one
+    compiled graph; cross-group buckets, the reordered schedule and selective unsharding are left
+    out."""
+
+    regions: Regions = "blocks"
+    """Which blocks a "step" scope traces as compile regions, so that the graph holds one body for
+    all blocks of the same code and shapes, which AOTAutograd and Inductor handle once. "blocks":
+    every sharded block that is a group of its own, after the first of each kind (its classes,
+    flags, parameter shapes, call layout and the numbers its trace guarded on), which is traced
+    inline so that a block that breaks the graph falls back as without regions ([Note: Every block
+    a compile region] in fsdp_graph/api/module.py); a graph break inside a later region is torch's
+    error. "marked": only blocks whose forward is a `torch.compiler.nested_compile_region`."""
+
     pieces: bool = True
+    """With Inductor, compile the step's forward and backward graphs piece by piece: the
+    computation between two collectives is a piece, and pieces of the same structure are compiled
+    once, so Inductor's cost stays nearly flat in depth; the collectives run in the scheduled order
+    between them ([Note: Pieces between the collectives] in fsdp_graph/compile/pieces.py). Same
+    values as one graph, within Inductor's rounding. False: Inductor compiles each graph whole
+    (needed by Inductor's own collective passes)."""
 
     def __post_init__(self) -> None:
         problems = []
