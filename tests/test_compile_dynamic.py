@@ -61,7 +61,7 @@ def _torch_eager() -> tuple:
     return run_ranks(_train, 2, _LENGTHS, "torch-eager")
 
 
-@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic=True"])
+@pytest.mark.parametrize("dynamic", [None, pytest.param(True, marks=pytest.mark.slow)], ids=["automatic", "dynamic=True"])
 def test_new_lengths_do_not_recompile_the_whole_step(dynamic):
     """Each length compiled a graph of its own: a pass turned the symbolic length into an int, which
     guarded the graph to that length (`Eq(2*s50, 24)`)."""

@@ -215,6 +215,7 @@ def test_per_rank_padding_recompiles_on_one_rank_at_a_time_without_waiting():
     assert asked == 1  # the first graph only: the recompiles asked nobody
 
 
+@pytest.mark.slow  # over 13 s on a quiet 2-core machine (docs/testing.md)
 def test_per_rank_padding_with_every_block_a_region():
     """The same with `regions="blocks"` ([Note: Every block a compile region]), 3 layers (the first
     traced inline, the other two one region): each rank's recompiles make the same regions, and
@@ -415,6 +416,7 @@ def test_a_rank_falling_back_keeps_the_graphs_merged_and_split_buckets(buckets):
     assert on_rank0 == set() and {"<root>", "layers.0", "layers.7"} <= on_rank1, (on_rank0, on_rank1)
 
 
+@pytest.mark.slow  # over 13 s on a quiet 2-core machine (docs/testing.md)
 @pytest.mark.parametrize("buckets", [None, "split"])
 def test_a_rank_falling_back_keeps_hsdps_all_reduces_in_the_graphs_order(buckets):
     """HSDP on 4 ranks (2 replicas of 2 shards), rank 1 falling back at its second length: the

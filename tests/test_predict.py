@@ -219,7 +219,7 @@ def _mlp_stack(layers: int):
     return model, model.blocks, (torch.randn(8, 24, device="meta"),)
 
 
-@pytest.mark.parametrize("build, world, budget", [(_llama_tp, 4, None), (_mlp_stack, 8, None), (_mlp_stack, 8, 60_000)],
+@pytest.mark.parametrize("build, world, budget", [pytest.param(_llama_tp, 4, None, marks=pytest.mark.slow), (_mlp_stack, 8, None), (_mlp_stack, 8, 60_000)],
                          ids=["llama-fsdp-x-tp-checkpointed", "mlp-stack", "mlp-stack-memory-budget"])
 def test_stamped_graphs_are_the_whole_models_trace(build, world, budget):
     with fake_world(world):

@@ -145,6 +145,7 @@ def _long_run(rank, world_size, num_steps, checkpoints):
     return samples
 
 
+@pytest.mark.slow  # over 13 s on a quiet 2-core machine (docs/testing.md)
 def test_1000_steps_heap_and_tensors_flat():
     samples = run_ranks(_long_run, 2, 1000, (100, WARM_UP_STEPS, 1000))
     at_100, at_1000 = samples[100], samples[1000]

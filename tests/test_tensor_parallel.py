@@ -533,6 +533,7 @@ def _compiled_over_lengths(rank, world_size, lengths, blocks=2, sequence_paralle
     return fallbacks
 
 
+@pytest.mark.slow  # over 13 s on a quiet 2-core machine (docs/testing.md)
 def test_a_tensor_parallel_pair_falling_back_keeps_the_graphs_fsdp_order():
     """8 blocks; the tp pair on dp rank 0 takes new lengths at a recompile limit of 1, so both fall
     back to the eager hooks at the second step, while the pair on dp rank 1 runs its first graph.
@@ -581,6 +582,7 @@ def _hsdp_tensor_parallel(rank, world_size):
     return {n: tuple(p.placements) for n, p in eager.named_parameters()}, max_diff, warnings
 
 
+@pytest.mark.slow  # over 13 s on a quiet 2-core machine (docs/testing.md)
 def test_hsdp_with_tensor_parallel_on_a_3d_mesh():
     """8 gloo ranks: the one test of the suite that needs a 3-D mesh."""
     placements, max_diff, warnings = run_ranks(_hsdp_tensor_parallel, 8)

@@ -499,7 +499,7 @@ def _differential(rank, world_size, loops, compiled):
     return len(loops)
 
 
-@pytest.mark.parametrize("compiled", [False, "step", "block"])
+@pytest.mark.parametrize("compiled", [False, pytest.param("step", marks=pytest.mark.slow), "block"])
 def test_training_loops_match_the_unsharded_model_and_torch(compiled, loop_fuzz):
     """Each loop trained by the unsharded model on the global batch, by ours (eager, or compiled with
     the whole step in one graph or block by block: the backend's `scope`) and by torch's

@@ -105,7 +105,7 @@ _MODES = {
 
 
 @pytest.mark.parametrize(
-    "mode", [pytest.param(m, marks=[pytest.mark.slow] if m.startswith("inductor") else []) for m in _MODES]
+    "mode", [pytest.param(m, marks=[pytest.mark.slow] if m.startswith("inductor") or m.endswith("marked") else []) for m in _MODES]
 )
 def test_two_models_of_the_same_classes_each_train_as_if_alone(mode):
     run_ranks(_two_models, 2, _MODES[mode], timeout_s=600)
