@@ -42,12 +42,13 @@ class MLPBlock(nn.Module):
 
 
 class MLPStack(nn.Module):
-    """Blocks of uneven widths (dim 0 of 5, 13 and 1 do not divide by 2 or 4) and a head."""
+    """Blocks of uneven widths (dim 0 of 5, 13 and 1 do not divide by 2 or 4) and a head; `block(dim,
+    hidden)` makes each block (`MLPBlock` unless given)."""
 
-    def __init__(self, dim: int = 13, hidden: int = 5, num_blocks: int = 3) -> None:
+    def __init__(self, dim: int = 13, hidden: int = 5, num_blocks: int = 3, block: "type | None" = None) -> None:
         super().__init__()
         self.inp = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(MLPBlock(dim, hidden) for _ in range(num_blocks))
+        self.blocks = nn.ModuleList((block or MLPBlock)(dim, hidden) for _ in range(num_blocks))
         self.head = nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

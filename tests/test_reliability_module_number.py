@@ -16,34 +16,20 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fsdp_graph
 from _harness import run_ranks
-from _models import batch_for_step, global_mean, loss_fn, shard_blocks_then_root
+from _models import MLPStack, batch_for_step, global_mean, loss_fn, shard_blocks_then_root
 from fsdp_graph import fully_shard
 
 SCALE = 1.0  # changed by the training loop between steps; read by every block's forward
 
 
 class _ScaledBlock(nn.Module):
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.up = nn.Linear(dim, 2 * dim)
-        self.down = nn.Linear(2 * dim, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.relu(self.up(x))) * SCALE
-
-
-class _ScaledStack(nn.Module):
-    def __init__(self, dim: int = 8, num_blocks: int = 3) -> None:
-        super().__init__()
-        self.inp = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(_ScaledBlock(dim) for _ in range(num_blocks))
-        self.head = nn.Linear(dim, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x).squeeze(-1)
 
 
 _SCALES = (1.0, 0.5, 2.0, 0.25)
@@ -71,7 +57,7 @@ def _train(model, run, rank, world_size, sharded):
 
 def _module_number_changes(rank, world_size, regions):
     torch.manual_seed(0)
-    model = _ScaledStack()
+    model = MLPStack(dim=8, hidden=16, block=_ScaledBlock)
     runs = {}
     for name, shard, backend in (
         ("ours", fully_shard, fsdp_graph.backend(compiler="aot_eager", regions=regions)),
