@@ -21,8 +21,13 @@ from ..passes.table import OPTIONS, PASSES
 
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each annotated field of `cls`'s body, by field name, in order, with
-    its lines joined."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    its lines joined; none where the class's source is not installed (only compiled files), so
+    that the backend still imports."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    tree = ast.parse(textwrap.dedent(source))
     body = tree.body[0].body
     docs = {}
     for statement, following in zip(body, body[1:]):
