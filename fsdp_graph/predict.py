@@ -34,7 +34,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.fx import GraphModule
 
-from .api.scope import SCOPE_ATTR
+from .traced.scope import SCOPE_ATTR
 from .compile.backend import BackendConfig, Compiler
 from .compile.partition import partition
 from .passes.cost_model import CostModel
@@ -42,7 +42,8 @@ from .passes.pipeline import PassPipeline
 from .passes.simulator import Simulation, program_of, simulate
 from .passes.stamp import stamp_blocks
 from .passes.table import Stage
-from .runtime.state import FSDPState, capturing_graphs
+from .runtime.state import FSDPState
+from .traced.state import capturing_graphs
 
 __all__ = ["StepPrediction", "capture_graphs", "fake_world", "predict_step", "schedule_graphs"]
 

@@ -1,7 +1,7 @@
 """Bucket collectives: one per communication group (the default plan), or merged and split by the
 cost model (auto-bucketing). Both run on the partitioned forward and backward graphs.
 
-A bucket's layout is the eager runtime's (see [Note: Traced unshard] in runtime/traced.py): each
+A bucket's layout is the eager runtime's (see [Note: Traced unshard] in traced/unshard.py): each
 rank contributes a flat 1-D shard, and the all-gather output is rank-major, `(world, shard_numel)`.
 Merging buckets `a` and `b` therefore concatenates the flat inputs, gathers once, and cuts each old
 output back out of the rank-major rows:

@@ -101,7 +101,7 @@ def region_body(node: Node) -> Optional[GraphModule]:
 
 def inline_regions(gm: GraphModule) -> GraphModule:
     """`gm`, changed in place, with the bodies of its compile regions in place of their calls ([Note:
-    Blocks as compile regions] in runtime/traced.py). The backend inlines them once our passes have
+    Blocks as compile regions] in traced/unshard.py). The backend inlines them once our passes have
     scheduled a step, so that what runs is plain ops, which a user's TorchDispatchMode sees as it
     sees any step, where the region call itself is an operator such modes refuse; and before it
     compiles a graph whose regions do not compile ([Note: Regions that do not compile] in
@@ -122,7 +122,7 @@ def is_fsdp_collective(node: Node) -> bool:
     """A collective the traced runtime made for a group (it carries GROUP_KEY), as opposed to one
     of tensor parallelism or the user's: the passes bucket and move only these, and keep every
     other collective and its wait where it is, in its order ([Note: Traced tensor-parallel
-    parameters] in runtime/traced.py)."""
+    parameters] in traced/unshard.py)."""
     return is_collective(node) and group_of(node) is not None
 
 

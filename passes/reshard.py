@@ -76,7 +76,7 @@ def save_inputs_not_their_views(gm: GraphModule) -> GraphModule:
     """In the joint graph of a compile region's body: recompute in backward every forward view of
     a region input instead of saving it, so the region saves the input itself.
 
-    A block compiled as a region ([Note: Blocks as compile regions] in runtime/traced.py) takes its
+    A block compiled as a region ([Note: Blocks as compile regions] in traced/regions.py) takes its
     unsharded parameters as inputs. Left alone, the partitioner may save a view of one (the
     transposed weight a matmul's backward needs) as a region output; outside the region that is an
     opaque value, so the outer graph could neither see nor re-gather it, and every block would

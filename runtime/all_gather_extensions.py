@@ -20,7 +20,7 @@ uint8) and reshards fully after forward (an int `reshard_after_forward` would re
 the post-hook already consumed). Gradients are the unsharded parameter's, reduce-scattered as usual.
 Both runtimes call the hooks through `call_pre_all_gather` and `call_post_all_gather`, in a form
 Dynamo inlines, so compiled steps trace them into the graph: [Note: Traced all-gather extensions] in
-runtime/traced.py.
+traced/unshard.py.
 """
 
 from __future__ import annotations

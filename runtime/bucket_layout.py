@@ -4,7 +4,7 @@ ops that put them there: one `BucketLayout` per group, one implementation of eac
 [Note: One bucket layout for eager and traced steps]
 Ranks may run one group on different paths in the same step: traced in a graph on one rank, on the
 eager hooks on another (a recompile limit or a graph break reached on one rank only, see
-[Note: Fallback to the eager hooks] in runtime/traced.py). Both paths therefore put the same bytes
+[Note: Fallback to the eager hooks] in traced/hooks.py). Both paths therefore put the same bytes
 on the wire, by construction: each group has one `BucketLayout`, which both read, and the bytes are
 moved by three registered ops, which both call:
 
@@ -13,7 +13,7 @@ moved by three registered ops, which both call:
     fsdp_graph::pack_grads  unsharded gradients -> the reduce-scatter input, flags included
 
 Each op has two overloads, as aten's ops do: the functional one a graph traces (with the autograd
-formulas of [Note: Traced unshard] in runtime/traced.py), and `.out`, which writes into buffers its
+formulas of [Note: Traced unshard] in traced/unshard.py), and `.out`, which writes into buffers its
 caller owns. The eager runtime calls `.out`: its all-gather runs in place in the output's slot, its
 unsharded parameters keep their storage across steps (autograd saved them), and a custom comm may
 own the buffers. The functional overload allocates and calls `.out`, so the copy code exists once,
@@ -31,14 +31,14 @@ Where the traced path needs no copy it calls no op: a row of a single piece is t
 with `F.pad` where it is narrower than its block), and a group of one frozen parameter is a view
 of its gathered rows ([Note: Traced unshard]). A traced group with frozen parameters copies its
 row in as two parts, the blocks the backward reduces and the frozen ones, which `AllGatherShards`
-(runtime/traced_ops.py) joins, so that its backward hands back only the reduced columns; the bytes
+(traced/unshard.py) joins, so that its backward hands back only the reduced columns; the bytes
 are the layout's.
 
 The shard an int `reshard_after_forward` keeps for the backward's re-gather within a smaller group
 (runtime/param_group.py, `post_forward_reshard`) is rows of the gathered bucket in the same layout,
 each rebuilt with `copy_in` from the gathered parameters. Only eager ranks gather it: a traced step
 re-gathers from the whole shard group instead, and so does a group that fell back to the eager
-hooks ([Note: Fallback groups keep the traced order] in runtime/traced.py).
+hooks ([Note: Fallback groups keep the traced order] in traced/hooks.py).
 
 The layout depends on each parameter's requires_grad, unsharded dtype and all-gather extensions,
 which may change between steps ([Note: Parameters changed after fully_shard] in runtime/param.py):

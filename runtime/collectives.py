@@ -104,7 +104,7 @@ def _copy_in(
 # output is this rank's shard and the reduce-scatter output is its input, so, as FSDP2 does, neither
 # is issued (nor a custom comm): the shard is copied into the bucket, the packed gradient is divided
 # in place. With one replica the HSDP all-reduce is skipped too. The numbers are the same; the
-# traced steps do the same in the graph (runtime/traced.py), which then holds no collective.
+# traced steps do the same in the graph (traced/unshard.py), which then holds no collective.
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """The `node.meta` keys the traced hooks write, for the passes to read.
 
-The traced unshard (runtime/traced.py) runs under `torch.fx.traceback.annotate`, so every node it
+The traced unshard (traced/unshard.py) runs under `torch.fx.traceback.annotate`, so every node it
 makes, and every backward node AOTAutograd derives from them, carries `node.meta["custom"]` with the
 keys below. They live here, with their writer, so the runtime never imports the compiler; passes
 read them through passes/nodes.py.

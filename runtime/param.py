@@ -131,7 +131,7 @@ class ShardedParam(AllGatherExtensions):
         self._init_all_gather_extensions(mp_policy, type(local))
         # Whether the last compiled backward accumulated into this parameter (`grad_seen`), and if
         # so whether `.grad` was None just before; see [Note: Gradient flags in a graph] in
-        # runtime/traced.py.
+        # traced/unshard.py.
         self.grad_seen = False
         self.grad_was_none = False
         self._watching_grad = False

@@ -10,7 +10,6 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import traced
 from .bucket_layout import FLAGS, BucketLayout
 from .collectives import (
     AllGatherWork,
@@ -32,7 +31,7 @@ from .shard_buffer import ShardBuffer, shard_buffer_for
 logger = logging.getLogger(__name__)
 
 # What to do, told with the two reasons of gradient accumulation without sync ([Note: Groups that
-# stay on the eager hooks] in runtime/traced.py): a micro-batch with sync on is a plain step, whose
+# stay on the eager hooks] in traced/hooks.py): a micro-batch with sync on is a plain step, whose
 # graph reduce-scatters and adds to the sharded `.grad`.
 _COMPILE_WHOLE_ACCUMULATION = (
     "; the collectives run on the eager hooks and only the forwards between them compile. To compile the "
@@ -150,10 +149,6 @@ class ParamGroup:
         # it. See [Note: A backward that writes no parameter gradient] in runtime/state.py.
         self.backward_writes_param_grads: Callable[[], bool] = lambda: True
 
-        # The flags a compiled backward reduces with the gradients; see runtime/traced.py.
-        self.grad_flags: Optional[torch.Tensor] = None
-        traced.track_gradient_flags(self)
-
         # Per-backward bookkeeping, reset by `reset_backward_state`.
         self._num_grads_ready = 0
         self.reduced_this_backward = False
@@ -266,21 +261,18 @@ class ParamGroup:
 
     def compiled_grads_handed_out(self) -> None:
         """The shard buffer gave the parameters a compiled backward's gradients: finish the group's
-        backward at its end (runtime/traced.py, [Note: Flags that need no reading])."""
-        traced.finish_at_backward_end(self)
+        backward at its end: the layer above does, where steps run in a graph
+        (traced/unshard.py, [Note: Flags that need no reading])."""
 
     def follow_registered_params(self) -> None:
         """Take the sharded parameters the modules hold now (replaced, or converted by `_apply`:
-        `to_empty()`, `.to()`), with our hooks, and move the compiled steps' gradient-flags leaf
-        to where the shards are. A no-op while the group is gathered (the modules hold the
+        `to_empty()`, `.to()`), with our hooks. A no-op while the group is gathered (the modules hold the
         unsharded parameters). See [Note: The sharded parameter is the one its module holds] in
         runtime/param.py."""
         if self.state is ShardedState.UNSHARDED:
             return
         for p in self.params:
             p.follow_registered_param()
-        if self.grad_flags.device != self.params[0].local_shard.device:
-            traced.new_flags_leaf(self)
         if self.state is ShardedState.SHARDED:  # a post-forward shard keeps the layout it was cut in
             self.refresh_layout()
             self.refresh_shard_buffer()
@@ -503,7 +495,7 @@ class ParamGroup:
         return self.allocate_from_process_group and has_own_allocator(self.mesh_info.shard_group, self.device)
 
     def eager_only_reason(self) -> Optional[str]:
-        """Why this group cannot be traced into a graph right now, or None. See runtime/traced.py,
+        """Why this group cannot be traced into a graph right now, or None. See traced/hooks.py,
         [Note: Groups that stay on the eager hooks]."""
         if self.comm_hook is not None:
             return "a comm hook is registered (fsdp_graph.fsdp1.comm_hooks); hooks run on the eager runtime"

@@ -3,7 +3,7 @@
 Per set of ranks, each rank keeps a sequence of entries in the process group's store: one for each
 graph it compiles that holds collectives of some group (written by the compile backend), and one
 for each group whose hooks first run eagerly inside a compiled call (a fallback, written by
-runtime/traced.py). Ranks that run the same program write the same sequence, so the n-th entries
+traced/unshard.py). Ranks that run the same program write the same sequence, so the n-th entries
 agree; the backend compares them before it schedules a graph of several groups
 ([Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py). Writing needs no
 collective, so a rank that traced less than another never blocks on it.

@@ -12,7 +12,7 @@ in it, as FSDP2 keeps each padded shard in one tensor and the local tensor a vie
 `load_state_dict` (without `assign`), DCP and initialisation write the shards in place, so the
 row is current whenever a gather begins; the padding and the flags' columns stay zeros. The eager
 all-gather reads `flat` as its input (runtime/collectives.py); a traced one takes it as a graph
-input ([Note: Traced gathers read the shard buffer] in runtime/traced.py).
+input ([Note: Traced gathers read the shard buffer] in traced/unshard.py).
 
 What lives here and what views what:
 - `flat`: (sum of the layout's widths,) in the shards' dtype, on their device (CPU when offloaded,
@@ -35,7 +35,7 @@ is a tensor subclass. `ShardBuffer.reason_not` says which.
 
 [Note: Compiled gradients arrive as the row's]
 A compiled step reads the row, not the parameters ([Note: Traced gathers read the shard buffer] in
-runtime/traced.py). Had it taken each sharded DTensor parameter as a graph input for its gradient,
+traced/unshard.py). Had it taken each sharded DTensor parameter as a graph input for its gradient,
 Dynamo would wrap and guard every parameter of every layer (the DTensor, its local tensor, mesh and
 base) and AOTAutograd would trace each one's `to_local()` and its gradient's slices and views: at
 16 HF Llama layers that was most of what a layer added to the compile (docs/benchmarks.md). So the
@@ -47,7 +47,7 @@ reduce-scatter output (`ShardedParam.accumulate_sharded_grad`: a view where `.gr
 in-place add where it was not, then the parameter's post-accumulate-grad hooks), and drops the
 leaf's own `.grad`, so each backward starts from nothing. It records, as the parameters' own
 gradient watches do in eager steps, which `.grad` was None ([Note: Gradient flags in a graph] in
-runtime/traced.py). The leaf carries the first parameter's owner tag, by which the compile backend
+traced/unshard.py). The leaf carries the first parameter's owner tag, by which the compile backend
 finds the group's root. A backward that reaches no accumulator (`torch.autograd.grad`) leaves the
 leaf, and so every `.grad`, as it was.
 """
@@ -102,7 +102,7 @@ class ShardBuffer:
         self.grad_leaf.register_post_accumulate_grad_hook(self._hand_out_row_grad)
         # Called after each hand-out (the group's end-of-backward work), and the flags' columns of
         # the last row gradient handed out, until taken: [Note: Flags that need no reading] in
-        # runtime/traced.py.
+        # traced/unshard.py.
         self.on_hand_out = on_hand_out
         self.row_flags: Optional[torch.Tensor] = None
 
@@ -197,7 +197,7 @@ class ShardBuffer:
         follows it first. Dynamo guards the flag, not the views: a guard on an attribute of the
         DTensor parameter would not survive `fsdp_graph.precompile`'s save and load (a pickled
         DTensor keeps no Python attributes). See [Note: Traced gathers read the shard buffer] in
-        runtime/traced.py."""
+        traced/unshard.py."""
         if not self.all_viewed:
             return None
         return self.grad_leaf if self.layout.reduced else self.flat

@@ -14,12 +14,9 @@ Per step, for each state:
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
-import weakref
 from enum import Enum, auto
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -27,13 +24,12 @@ from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
-from . import traced
 from .collectives import CommContext
 from .param import MetaParameterError
 from .param_group import ParamGroup, ShardedState
 from .policies import MixedPrecisionPolicy
 from .trees import cast_floats, map_tensors, tensors_in
-from .wire_plan import Replay, WirePlan
+from .wire_plan import Replay
 
 logger = logging.getLogger(__name__)
 
@@ -57,29 +53,15 @@ class RootContext:
         self.final_callback_queued = False
         self.is_last_backward = True
         self.materialized = False  # every parameter was seen off the meta device (checked until then)
-        # Graphs are being captured, not run (fsdp_graph.predict): parameters on the meta device are
-        # expected then. Set by `capturing_graphs`.
-        self.capturing = False
-        # State name -> why its hooks ran eagerly inside a compiled call; see runtime/traced.py.
-        self.fallbacks: dict[str, str] = {}
         # `backward_writes_param_grads`' answer for the current backward, None until asked.
         self._writes_param_grads: Optional[bool] = None
         # Sharded parameters that modules registered anew (`module.w = nn.Parameter(...)`), counted:
         # a compiled step guards the count, so a replacement recompiles ([Note: The sharded
         # parameter is the one its module holds] in runtime/param.py).
         self.parameters_replaced = 0
-        # The call checks lifted while Dynamo compiles: [Note: Owner checks while compiling].
-        self.checks_lifted_for_compile: list[_OwnerCheck] = []
-        # What `check_materialized` found before the latest trace began, raised by the traced root:
-        # [Note: Tracing reads what was followed].
-        self.problem_before_trace: Optional[tuple[str, Any]] = None
-        # The wire orders of the compiled frames whose calls this root makes, by frame (set by the
-        # backend), and the one a step running on the eager hooks keeps: [Note: A fallback keeps
-        # the frame's wire order] in runtime/wire_plan.py.
-        self.wire_plans: dict[Any, WirePlan] = {}
+        # The order of collectives a step on these hooks keeps, where the layer above gives one
+        # ([Note: A fallback keeps the frame's wire order] in runtime/wire_plan.py).
         self.replay: Optional[Replay] = None
-        _follow_before_compiling(self)
-
     def note_parameter_replaced(self) -> None:
         self.parameters_replaced += 1
 
@@ -120,167 +102,6 @@ class RootContext:
             else:
                 group.post_backward()
 
-    def replay_for_fallback(self) -> Optional[Replay]:
-        """For a root call that runs on the eager hooks inside a compiled call: the compiled frame's
-        wire order to keep, if one frame's is known ([Note: A fallback keeps the frame's wire order]).
-        None where a group stays on the hooks by a setting of the user's (`eager_only_reason`: no
-        sync, comm hooks, ...): every rank has it, so no rank runs the graph, and the hooks do
-        what the setting asks."""
-        plans = set(self.wire_plans.values())
-        if len(plans) != 1 or not torch.is_grad_enabled() or self.root.eager_only_reason() is not None:
-            return None
-        (plan,) = plans
-        groups = {s.group.name: s.group for s in self.states if s.group is not None}
-        shared = plan.others & {name for group in groups.values() for name in group.parallelism_names()}
-        if shared:
-            logger.warning("fsdp_graph: the root's call runs on the eager hooks where its compiled graph ran before, "
-                           "and the graph holds collectives of its own on the groups' process groups (%s), which "
-                           "the hooks cannot place: they issue their own order ([Note: A fallback keeps the "
-                           "frame's wire order])", ", ".join(sorted(shared)))
-            return None
-        logger.info("fsdp_graph: the root's call runs on the eager hooks where its compiled graph ran before; "
-                    "its collectives keep the graph's order ([Note: A fallback keeps the frame's wire order])")
-        return Replay(plan, groups)
-
-
-# [Note: Process-wide state]
-# A process may build many models of the same classes (a sweep, a notebook run again, a train and
-# an eval copy, a reward model beside a policy, a test suite), and resets Dynamo between them. What
-# fsdp_graph keeps beyond a model, and who owns it (tests/test_two_models.py trains two models of
-# the same classes one after the other and interleaved, through every compile mode):
-# - `_roots` below: the live root contexts, weakly; a model gone leaves it.
-# - Dynamo's compile callbacks (`ensure_compile_callbacks`): Dynamo's process-wide list, which
-#   `torch._dynamo.reset()` clears; registered again wherever missing ([Note: Compile callbacks
-#   outlive a Dynamo reset]). Registered once per process, they left every compile after a reset
-#   tracing parameters as followed before it: a group unfrozen since got no gradient.
-# - `_region_ids`/`_region_states` (region ids for Dynamo's constant calls): a counter that never
-#   hands out an id twice, and states held weakly, so a dead model's id names nothing.
-# - The block kinds a trace traced inline (`_kinds_traced`, fsdp_graph/api/module.py): owned by the
-#   trace under way (its TracingContext, weakly), not by its compile id, which starts again at 0
-#   after a reset.
-# - Frames' wire orders (fsdp_graph/compile/agreement.py): per root context, weakly. What the
-#   agreement keeps per set of ranks (whether they diverged) and the peer log's next index
-#   (runtime/peer_log.py) describe the ranks' shared log in the process group's store, one sequence
-#   every model's graphs count in: they belong to the log, not to a model; a divergence seen with
-#   one model keeps later graphs of several groups in program order (the same numbers, unmerged).
-# - The default mesh per device type (fsdp_graph/api/mesh.py): tied to the default process group
-#   it was made for; a new group gets a new mesh.
-# - One `FSDP<Cls>` class per user class, with a `__call__` code object of its own
-#   (fsdp_graph/api/module.py `_fsdp_class`): Dynamo's per-code state (shapes seen, recompile
-#   count) is then shared by models of one class, as torch's `fully_shard` shares it; it holds no
-#   state of a model.
-# - Global hooks installed once (the optimizer step check, parameter registrations): they hold no
-#   state and reach the model through the parameter they are given.
-# - The stand-in for torch's `fully_shard` (fsdp_graph/api/stand_in.py): process-wide by what it
-#   replaces, until `.restore()`; the backend's capture settings (fsdp_graph/api/scope.py): a stack
-#   a context manager pushes and pops.
-# - Files beside the compile caches: keyed by the graph, our sources' digest and the options.
-
-# Every root context alive, for `_follow_all_roots`; contexts of outer roots replace inner ones.
-_roots: "weakref.WeakSet[RootContext]" = weakref.WeakSet()
-
-
-def _follow_before_compiling(ctx: RootContext) -> None:
-    _roots.add(ctx)
-    ensure_compile_callbacks()
-
-
-def ensure_compile_callbacks() -> bool:
-    """Register the compile callbacks below with Dynamo where they are not registered now; True if
-    they had to be. See [Note: Compile callbacks outlive a Dynamo reset]."""
-    handler = torch._dynamo.callback.callback_handler
-    if _follow_all_roots in handler.start_callbacks:
-        return False
-    torch._dynamo.callback.on_compile_start(_follow_all_roots)
-    torch._dynamo.callback.on_compile_start(_lift_checks_for_compile)
-    torch._dynamo.callback.on_compile_end(_restore_checks_after_compile)
-    return True
-
-
-@torch._dynamo.assume_constant_result
-def followed_for_this_trace() -> bool:
-    """Called by the traced root before it reads anything followed: where a `torch._dynamo.reset()`
-    since the callbacks were registered cleared them, so that this compile started without them, do
-    now what they do at a compile's start. Plain Python while Dynamo traces; the answer is a
-    constant and leaves no guard."""
-    if ensure_compile_callbacks():
-        _follow_all_roots()
-        _lift_checks_for_compile()
-    return True
-
-
-# [Note: Compile callbacks outlive a Dynamo reset]
-# A trace reads what the compile-start callback followed ([Note: Tracing reads what was followed]),
-# so the callback must run before every trace of a root. `torch._dynamo.reset()` clears every
-# callback registered with Dynamo, as if the process started anew; a test suite, a sweep or a
-# notebook resets between models. Had the callbacks been registered once per process, every
-# compile after a reset would trace parameters as they were followed last: a group frozen then and
-# unfrozen since traced as frozen, and its gradients silently never computed (issue #77). So they
-# are registered again wherever they are missing: when a root is made, at every eager root call,
-# and, for a model that is only ever called compiled, by the traced root itself, which then follows
-# every root before reading anything followed (`followed_for_this_trace`); the end callback
-# registered then runs at the end of that same compile.
-
-
-# [Note: Owner checks while compiling]
-# Each submodule holding a group's parameters has a forward pre-hook, the call check
-# (`_check_called_through_group`), which never fires inside a group's call. A module with hooks
-# makes torch's `_call_impl` take its slow path, which Dynamo traces instruction by instruction:
-# about one instruction in eight of a traced HF Llama layer went to running checks that return at
-# once. So the checks are lifted while Dynamo compiles and put back when it is done (Dynamo's
-# callbacks run once for the outermost compile, the end one even when it fails); a compiled step
-# never runs them, as before. Only a check that is its module's one hook is lifted: Dynamo guards
-# no empty hook dict (`skip_nnmodule_hook_guards`), so putting it back recompiles nothing, but it
-# guards the length of one that is not empty, and a module with other hooks (TP's input and
-# output hooks) takes the slow path anyway: there, lifting the check recompiled every step.
-
-
-def _live_contexts() -> list[RootContext]:
-    """The root contexts alive, each once (a context an outer root claimed since is not)."""
-    return [ctx for ctx in list(_roots) if ctx.root.ctx is ctx]
-
-
-def _lift_checks_for_compile(*_args) -> None:
-    for ctx in _live_contexts():
-        for state in ctx.states:
-            ctx.checks_lifted_for_compile += state.lift_owner_checks(sole_hooks_only=True)
-
-
-def _restore_checks_after_compile(*_args) -> None:
-    for ctx in _live_contexts():
-        lifted, ctx.checks_lifted_for_compile = ctx.checks_lifted_for_compile, []
-        for check in lifted:
-            check.restore()
-
-
-# [Note: Tracing reads what was followed]
-# Dynamo traces every Python instruction of our hooks, and at a whole step's depth each one per
-# parameter counts (issue #46: our hooks were half of a traced layer). What does not change within
-# a trace is therefore settled before it, by the compile-start callback, in eager Python: every
-# parameter followed and every group's layout refreshed (`follow_registered_params`), and what the
-# root's meta and replacement check finds (`problem_before_trace`). The trace then reads the result
-# as it is: the followed shards (`ShardedParam.sharded_param`), `group.layout`, and the check's
-# outcome, which Dynamo guards like any attribute it reads (it changes only when a compile start
-# computes it anew). What changes a trace's inputs between steps still recompiles: requires_grad
-# and dtype through Dynamo's guards on the shards, a parameter assigned anew through
-# `parameters_replaced`; all-gather extensions set on a shard after its first trace are taken at
-# the next recompile (FSDP2 takes them at its lazy init only).
-
-
-def _follow_all_roots(*_args) -> None:
-    """Before Dynamo traces a frame: every root takes the sharded parameters its modules hold now,
-    so the graph reads them and their gradients are watched ([Note: The sharded parameter is the
-    one its module holds] in runtime/param.py), and its groups' bucket layouts follow them. A
-    replacement that cannot be a shard is left for the traced root's check, which names every such
-    parameter, and all-gather extensions that break FSDP2's contract for the trace's own gather."""
-    for ctx in _live_contexts():
-        try:
-            ctx.root.follow_registered_params()
-        except (ValueError, TypeError):
-            pass
-        ctx.problem_before_trace = ctx.root.materialization_problem()
-
-
 class _InputGradsDone(torch.autograd.Function):
     """The identity on a forward call's inputs; its backward tells the group that the call's
     backward reached them. See [Note: Frozen parameters outlive the gradients]."""
@@ -318,7 +139,7 @@ def _in_backward() -> bool:
 # as always. A group that holds gradients of earlier backwards (accumulated without sync, or HSDP
 # sums kept without the all-reduce) reduces them as usual. Not covered: a backward whose explicit
 # inputs are unsharded parameters taken from inside forward, used on some ranks only.
-# The compiled path cannot skip: see [Note: Gradient flags in a graph] in runtime/traced.py.
+# A graph cannot skip: see [Note: Gradient flags in a graph] in traced/unshard.py.
 
 
 def _will_accumulate(param: torch.Tensor) -> bool:
@@ -331,6 +152,8 @@ def _will_accumulate(param: torch.Tensor) -> bool:
 
 class FSDPState:
     """Hooks and training state of one `fully_shard` call over one or more modules."""
+
+    root_context_type = RootContext  # what `claim_root` makes: a subclass may extend it
 
     def __init__(
         self,
@@ -353,35 +176,9 @@ class FSDPState:
         self.backward_prefetch: Optional[list[FSDPState]] = None  # None: implicit
         self._num_forwards_done = 0  # modules of this call whose forward finished this step
         self._modules_in_forward: set[nn.Module] = set()  # modules of this call that entered forward
-        self._traced_num_forwards = 0  # the same while Dynamo traces; owned by runtime/traced.py
-        # This step's eager forward ran inside a compiled call (a fallback): see
-        # [Note: Fallback groups keep the traced order].
+        # This step's forward on these hooks keeps the order another path issues (set by the
+        # layer above, traced/state.py): no prefetch, full reshard, reduce at the inputs.
         self._fell_back = False
-        # Set while a compiled call runs this module on the eager hooks by choice (the backend's
-        # `scope="block"`, [Note: Compile scope] in fsdp_graph/api/scope.py): not a fallback.
-        # The root's flag covers every module its call runs, those Dynamo never sees too (a block
-        # inside `torch.utils.checkpoint`, which Dynamo runs in Python once the break stops it).
-        self.calling_in_block_scope = False
-        # Set by fully_shard where a torch.compiler.nested_compile_region reads this group's
-        # parameters: compiled calls run the hooks eagerly around a body Dynamo compiles on its own.
-        # See [Note: Compile regions under fully_shard] in fsdp_graph/api/module.py.
-        self.hooks_around_compiled_body: Optional[str] = None
-        # The unwrapped forward, where the module's own forward is such a region: traced as one
-        # inside the step's graph when `traces_as_region()` ([Note: Blocks as compile regions]).
-        self.region_forward: Optional[Callable] = None
-        # For a traced region: each submodule of the module holding this group's parameters, by its
-        # path under the module, with (attribute, parameter index) pairs: plain constants, so that
-        # Dynamo can reuse one block's region for the next ([Note: Blocks as compile regions] in
-        # runtime/traced.py). And a number by which a traced call names this state to plain Python
-        # (`region_state`), which tells the block's kind ([Note: Every block a compile region]).
-        self.region_owners = _owners_by_path(modules[0], group) if group is not None and len(modules) == 1 else None
-        self.region_id = None
-        if self.region_owners is not None:
-            self.region_id = next(_region_ids)
-            _region_states[self.region_id] = self
-        # Set by `FSDPModule.compile`: the module's compiled call is its whole `__call__`.
-        self.compiled_in_place = False
-        traced.trace_hooks_inside_checkpoint()
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook)
@@ -406,7 +203,7 @@ class FSDPState:
                         states.append(state)
                         names[state] = []
                     names[state].append(fqn or "<root>")
-        self.ctx = RootContext(self, states, self.device)
+        self.ctx = self.root_context_type(self, states, self.device)
         for state in states:
             state.ctx = self.ctx
             state.is_root = state is self
@@ -425,64 +222,9 @@ class FSDPState:
                 state.group.set_reshard_after_forward(state_raf)
         logger.debug("fsdp_graph::claim_root (%s) states=%d", self.name, len(states))
 
-    def eager_only_reason(self) -> Optional[str]:
-        """Why this state's compiled calls must run on the eager hooks, or None. See [Note: Groups
-        that stay on the eager hooks] in runtime/traced.py.
-
-        The root answers for every group under it: its call's frame encloses theirs, so a reason
-        anywhere sends the whole call to the eager hooks. Any other state answers for its own group,
-        but while Dynamo traces inside a root call whose traced forward began, where the root has
-        asked for every group, with guards on what it read: there it answers None at once (in
-        eager code, a fallback's log among them, it always answers for its group). A block
-        compiled on its own holds only its group. (Asking every group at every module call made
-        tracing a step quadratic in the number of groups; asking a block's own group again cost
-        Dynamo as many steps per layer as the block's gather.)"""
-        if (torch.compiler.is_compiling() and self.ctx is not None and not self.is_root
-                and self.ctx.root._traced_num_forwards > 0):
-            return None
-        for state in self.ctx.states if self.ctx is not None and self.is_root else [self]:
-            reason = state.group.eager_only_reason() if state.group is not None else None
-            if reason is not None:
-                return reason
-        return None
-
-    def _within_block_scope(self) -> bool:
-        """Whether this module runs under a call in block scope: its own, or its root's."""
-        return self.calling_in_block_scope or (self.ctx is not None and self.ctx.root.calling_in_block_scope)
-
-    def region_body(self, every_block: bool) -> Optional[Callable]:
-        """The function a traced call of this state's module runs as a compile region, or None: the
-        forward the user marked as one, or with `every_block` the forward of any block
-        ([Note: Blocks as compile regions] in runtime/traced.py)."""
-        if self.region_forward is not None or not every_block or len(self.modules) != 1:
-            return self.region_forward
-        module = self.modules[0]
-        return None if "forward" in module.__dict__ else type(module).forward  # not a forward patched on the instance
-
-    def traces_as_region(self, every_block: bool = False) -> bool:
-        """Whether a traced call of this state's module runs its forward as a compile region: see
-        [Note: Blocks as compile regions] in runtime/traced.py."""
-        if self.region_body(every_block) is None or self.is_root or self.group is None or len(self.modules) != 1:
-            return False
-        module = self.modules[0]
-        if len(module._forward_pre_hooks) != 1 or len(module._forward_hooks) != 1:
-            return False  # hooks of the user's, which the region would skip
-        if nn.modules.module._global_forward_pre_hooks or nn.modules.module._global_forward_hooks:
-            return False
-        if self.group.layout.as_bytes or self.group.has_tp:
-            return False  # tensor-parallel DTensors and extension subclasses: no region inputs (Dynamo fails)
-        if self.region_owners is None:
-            return False  # a parameter held outside the module
-        return owns_its_submodules(self.region_id)
-
     # -- forward -------------------------------------------------------------------------------
 
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
-        if torch.compiler.is_compiling():
-            return traced.pre_forward(self, module, args, kwargs)
-        self._fell_back = traced.in_compiled_call() and not self._within_block_scope()
-        if self._fell_back:
-            traced.record_fallback(self)
         if _in_backward():
             # Recomputation under activation checkpointing: the group was gathered in pre-backward.
             if self.group is not None:
@@ -541,29 +283,15 @@ class FSDPState:
 
     def check_materialized(self) -> None:
         """Root only: raise once, naming every parameter under this root that is still on the meta
-        device, or that was replaced by a tensor that cannot be its shard.
-
-        Eager roots check until a forward passed. Traced roots raise what the check found before
-        the trace began ([Note: Tracing reads what was followed]): a check per parameter, traced,
-        cost every layer's share of tracing again.
-        """
-        if torch.compiler.is_compiling():
-            followed_for_this_trace()  # [Note: Compile callbacks outlive a Dynamo reset]
-            if self.ctx.parameters_replaced < 0:  # never; read so that the graph guards the count
-                raise ValueError("parameters_replaced went negative")
-            problem = self.ctx.problem_before_trace
-            if problem is not None and not self.ctx.capturing:
-                kind, detail = problem
-                raise MetaParameterError(list(detail)) if kind == "meta" else ValueError(detail)
-            return
+        device, or that was replaced by a tensor that cannot be its shard. Checked until a forward
+        passed."""
         if self.ctx.materialized:
             return
         problem = self.materialization_problem()
         if problem is None:
             self.ctx.materialized = True
             return
-        kind, detail = problem
-        raise MetaParameterError(list(detail)) if kind == "meta" else ValueError(detail)
+        raise_materialization_problem(problem)
 
     def materialization_problem(self) -> Optional[tuple[str, Any]]:
         """Root only: ("replaced", the message) where parameters were replaced by tensors that cannot
@@ -606,7 +334,6 @@ class FSDPState:
         return [names.get(id(p.replacement() if p.replacement() is not None else p.sharded_param), p.fqn) for p in params]
 
     def _root_pre_forward(self) -> None:
-        ensure_compile_callbacks()  # [Note: Compile callbacks outlive a Dynamo reset]
         self.check_materialized()
         self.follow_registered_params()  # FSDP2's lazy init takes replaced parameters here too
         # Gradients of the last step must be final before parameters are read again, and a
@@ -619,7 +346,7 @@ class FSDPState:
         self.ctx.forward_order.clear()
         self.ctx.final_callback_queued = False
         self.ctx._writes_param_grads = None
-        self.ctx.replay = self.ctx.replay_for_fallback() if self._fell_back else None
+        self.ctx.replay = None
 
     def _unshard(self) -> None:
         """Gather this group where the hooks need it: now, or where a replayed plan has it."""
@@ -658,8 +385,6 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any):
-        if torch.compiler.is_compiling():
-            return traced.post_forward(self, module, output)
         if _in_backward():
             return output
         with torch.profiler.record_function(f"fsdp_graph::post_forward ({self.name})"):
@@ -671,13 +396,11 @@ class FSDPState:
             if tensors:
                 register_multi_grad_hook(tensors, self._pre_backward, mode="any")
             if self._num_forwards_done >= len(self.modules):
-                if self.is_root:  # [Note: Groups whose forward ran partly in a graph] in runtime/traced.py
-                    traced.close_partly_run_groups(self)
                 if self.group is not None:
                     if tensors and self.ctx.replay is not None:
                         self.ctx.replay.after_forward(self.group)
                     elif tensors:
-                        # A traced graph re-gathers from the whole shard group: so does a fallback.
+                        # Keeping another path's order: backward re-gathers from the whole shard group.
                         self.group.post_forward_reshard(full=self._fell_back)
                     else:
                         # No backward will read these parameters (no_grad, eval): keep none of
@@ -709,7 +432,7 @@ class FSDPState:
 
     def _backward_prefetch_targets(self) -> list["FSDPState"]:
         if self._fell_back:
-            return []  # [Note: Fallback groups keep the traced order]
+            return []  # as the group that runs next: it prefetches nothing either
         if self.backward_prefetch is not None:
             return self.backward_prefetch
         order = self.ctx.forward_order
@@ -746,7 +469,7 @@ class FSDPState:
                 # whose forward did not run on the eager hooks and that was not gathered otherwise
                 # (`unshard()`) has nothing to reduce: in a compiled step its graph reduced it,
                 # and another rank may have run it on the eager hooks instead
-                # ([Note: Fallback groups keep the traced order] in runtime/traced.py).
+                # ([Note: Fallback groups keep the traced order] in traced/hooks.py).
                 if state.group is not None and (state in ctx.forward_order or state.group.state is not ShardedState.SHARDED):
                     state.group.post_backward()
                 elif state.group is not None and state.group.reduce_controls.zeros_for_unused:
@@ -822,31 +545,9 @@ class FSDPState:
                     owners.append(owner)
         return owners
 
-    @contextlib.contextmanager
-    def owner_checks_lifted(self) -> Iterator[None]:
-        """This group's submodules without their call check (`_check_called_through_group`) for
-        the duration: a call of the group runs them, where the check never fires anyway.
-
-        [Note: Owner checks in block scope]
-        Under `scope="block"` a group's call runs its hooks eagerly and Dynamo compiles its forward
-        frame. Dynamo also compiles, as a graph of its own, the forward of an inbuilt module
-        (`torch.nn.Embedding`, ...) that has a forward hook, where it meets that module running in
-        a frame it does not trace (torch/_dynamo/trace_rules.py: "inbuilt nn.Module.forward allowed
-        - module has hooks"): HF's LlamaModel.forward breaks in its loop over the layers, so its
-        embedding ran as a graph of its own under us and eagerly under FSDP2, each step (a graph
-        call per step and a compile at the cold start more than FSDP2; docs/benchmarks.md).
-        So the group's call lifts the checks for its duration, and puts them back after."""
-        lifted = self.lift_owner_checks()
-        try:
-            yield
-        finally:
-            for check in lifted:
-                check.restore()
-
     def lift_owner_checks(self, sole_hooks_only: bool = False) -> list["_OwnerCheck"]:
-        """Remove the call checks (`owner_checks_lifted`; while Dynamo compiles, only those that are
-        their module's one hook: [Note: Owner checks while compiling]) and return them, for the
-        caller to restore."""
+        """Remove the call checks (with `sole_hooks_only`, only those that are their module's one
+        hook) and return them, for the caller to restore."""
         lifted = [check for check in self._owner_checks if not sole_hooks_only or check.is_only_hook()]
         for check in lifted:
             check.lift()
@@ -867,57 +568,6 @@ class FSDPState:
             f"in the fully_shard group of '{self.name}'; call '{self.name}' instead, gather first with "
             f"unshard(), or give it a group of its own: fully_shard(submodule) before fully_shard(parent)"
         )
-
-
-def _owners_by_path(module: nn.Module, group: ParamGroup) -> Optional[tuple[tuple[str, tuple[tuple[str, int], ...]], ...]]:
-    """The owners of `group`'s parameters by their path under `module`, or None where one lies
-    outside it."""
-    paths = {id(m): path for path, m in module.named_modules()}
-    owners: dict[str, list[tuple[str, int]]] = {}
-    for owner, name, i in group.owner_slots:
-        if id(owner) not in paths:
-            return None
-        owners.setdefault(paths[id(owner)], []).append((name, i))
-    return tuple((path, tuple(slots)) for path, slots in owners.items())
-
-
-_region_ids = itertools.count()
-_region_states: "weakref.WeakValueDictionary[int, FSDPState]" = weakref.WeakValueDictionary()
-
-
-def region_state(region_id: int) -> Optional[FSDPState]:
-    """The state whose `region_id` this is, while it lives."""
-    return _region_states.get(region_id)
-
-
-@torch._dynamo.assume_constant_result
-def owns_its_submodules(region_id: int) -> bool:
-    """Whether no submodule of the module of the state `region_id` names belongs to another state.
-    Plain Python while Dynamo traces: stepping through the walk over every block's submodules
-    was the largest part of Dynamo's trace of a layer. No guard keeps the answer: `fully_shard`
-    refuses a submodule whose parameters a parent's group holds, so only a submodule without
-    parameters, sharded after a graph was compiled, goes unseen by that graph."""
-    state = region_state(region_id)
-    return state is not None and all(getattr(m, "_fsdp_state", state) is state for m in state.modules[0].modules())
-
-
-_FLAG_TYPES = (bool, str, type(None), Enum)
-
-
-def kind_of(module: nn.Module) -> str:
-    """What blocks of one kind share, as they are now: the classes of their submodules, the Python
-    flags those hold (each bool, string, None or enum attribute, which code branches on; of a number
-    only its type, as a layer index differs from block to block), and the parameters' shapes and
-    dtypes ([Note: Every block a compile region] in fsdp_graph/api/module.py)."""
-    parts = []
-    for path, m in module.named_modules():
-        flags = [
-            f"{name}={value!r}" if isinstance(value, _FLAG_TYPES) else f"{name}:{type(value).__name__}"
-            for name, value in vars(m).items()
-            if isinstance(value, _FLAG_TYPES + (int, float))
-        ]
-        parts.append(f"{path}:{type(m).__module__}.{type(m).__qualname__}({','.join(flags)})")
-    return f"{';'.join(parts)};{[(tuple(p.shape), p.dtype) for p in module.parameters()]}"
 
 
 class _OwnerCheck:
@@ -947,20 +597,7 @@ class _OwnerCheck:
             self.handle = self.owner.register_forward_pre_hook(self.check)
 
 
-# Dynamo inlines these hooks when it traces a module call, and runs them eagerly (the fallback) when
-# it runs the call itself. See [Note: Fallback to the eager hooks].
-traced.skip_when_not_inlined(
-    FSDPState._pre_forward_hook, FSDPState._post_forward_hook, FSDPState._check_called_through_group
-)
-
-
-@contextlib.contextmanager
-def capturing_graphs(module: nn.Module) -> Iterator[None]:
-    """While tracing `module` (a `fully_shard` root) only to capture its graphs, as
-    fsdp_graph.predict does on the meta device: no check for parameters left on meta."""
-    ctx = module._fsdp_state.ctx
-    ctx.capturing = True
-    try:
-        yield
-    finally:
-        ctx.capturing = False
+def raise_materialization_problem(problem: tuple[str, Any]) -> None:
+    """Raise what `FSDPState.materialization_problem` found."""
+    kind, detail = problem
+    raise MetaParameterError(list(detail)) if kind == 'meta' else ValueError(detail)

@@ -1,6 +1,6 @@
 """Walking what users pass to and return from a sharded module's forward.
 
-The eager hooks (runtime/state.py) and the traced hooks (runtime/traced.py) both cast and inspect
+The eager hooks (runtime/state.py) and the traced hooks (traced/unshard.py) both cast and inspect
 forward inputs and outputs; they share these helpers so the two modes see the same tensors.
 
 [Note: Containers users return]
@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """A copy of `tree`'s containers with `fn` applied to every tensor in them; leaves stay as they are.
 
-    Containers are always rebuilt, never compared by identity: Dynamo traces this too (runtime/traced.py).
+    Containers are always rebuilt, never compared by identity: Dynamo traces this too (traced/unshard.py).
     """
     if isinstance(tree, torch.Tensor):
         return fn(tree)

@@ -15,7 +15,7 @@ import fsdp_graph
 from _harness import fake_process_group, run_ranks
 from _models import MLPStack
 from fsdp_graph import fully_shard
-from fsdp_graph.runtime import traced
+from fsdp_graph.traced import hooks as traced
 from fsdp_graph.runtime.bucket_layout import FLAGS
 
 LAYOUT_OPS = {"fsdp_graph::copy_in", "fsdp_graph::copy_out", "fsdp_graph::pack_grads"}

@@ -497,7 +497,7 @@ def _every_block_traced_once(rank, world_size):
 
 def test_every_block_region_traced_once_by_dynamo():
     """With regions="blocks" Dynamo traces a block kind's region once and reuses it for the blocks
-    after it ([Note: Blocks as compile regions] in runtime/traced.py): of 6 blocks, the first goes
+    after it ([Note: Blocks as compile regions] in traced/regions.py): of 6 blocks, the first goes
     inline, the second is traced as a region, four reuse it. Blocks whose forward reads a number of
     their own are kinds apart ([Note: Numbers a block's trace guarded on]): of two alike, the first
     goes inline and the second is traced as a region, which reuses none of the others' (ten region

@@ -1,7 +1,7 @@
 """Ranks that take different paths for one group in a compiled step: traced on one, eager on another.
 
 Two gloo ranks. Dynamo decides per rank whether a module call is traced or runs on the eager hooks
-([Note: Fallback groups keep the traced order] in runtime/traced.py), so the two paths must put the
+([Note: Fallback groups keep the traced order] in traced/hooks.py), so the two paths must put the
 same collectives on the wire. Each test trains the unsharded model, the eager runtime and the
 compiled model on the same global batch and compares every loss, gradient and final parameter
 (`train_compiled_and_compare`), and checks that the ranks really did take different paths.

@@ -1,8 +1,9 @@
 """The layers the folders promise, checked by import-linter's contracts in pyproject.toml.
 
-`runtime/` and `passes/` are installed as `fsdp_graph.runtime` and `fsdp_graph.passes` through
+`runtime/`, `traced/` and `passes/` are installed as `fsdp_graph.runtime`, `fsdp_graph.traced` and `fsdp_graph.passes` through
 setuptools' package-dir mapping, which import-linter cannot see in an editable install. So the test
-lays the three folders out as a wheel would (`fsdp_graph/`, `fsdp_graph/runtime/`, `fsdp_graph/passes/`)
+lays the four folders out as a wheel would (`fsdp_graph/`, `fsdp_graph/runtime/`, `fsdp_graph/traced/`,
+`fsdp_graph/passes/`)
 and runs `lint-imports` over that copy.
 """
 
@@ -42,18 +43,19 @@ def _lint_imports(root: Path) -> subprocess.CompletedProcess:
 def test_contracts_kept(tmp_path):
     result = _lint_imports(_installed_layout(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "4 kept, 0 broken" in result.stdout, result.stdout
+    assert "6 kept, 0 broken" in result.stdout, result.stdout
 
 
 def test_contracts_name_an_import_across_the_layers(tmp_path):
     """The imports the layering forbids, added back one per layer, break the contracts by name."""
     root = _installed_layout(tmp_path)
     added = {
-        "runtime/traced.py": "from ..passes.nodes import is_collective",
+        "traced/unshard.py": "from ..passes.nodes import is_collective",
+        "runtime/state.py": "from ..traced import state",
         "runtime/param_group.py": "from .. import api",
         "passes/reshard.py": "from ..compile.backend import BackendConfig",
         "api/module.py": "from ..compile.backend import BackendConfig",
-        "runtime/traced_ops.py": "from .param_group import ParamGroup",
+        "traced/ops.py": "from .state import TracedGroup",
     }
     for path, line in added.items():
         with open(root / "fsdp_graph" / path, "a") as f:
@@ -61,11 +63,12 @@ def test_contracts_name_an_import_across_the_layers(tmp_path):
     result = _lint_imports(root)
     assert result.returncode != 0, result.stdout
     for importer, imported in [
-        ("fsdp_graph.runtime.traced", "fsdp_graph.passes.nodes"),
+        ("fsdp_graph.traced.unshard", "fsdp_graph.passes.nodes"),
+        ("fsdp_graph.runtime.state", "fsdp_graph.traced"),
         ("fsdp_graph.runtime.param_group", "fsdp_graph.api"),
         ("fsdp_graph.passes.reshard", "fsdp_graph.compile.backend"),
         ("fsdp_graph.api.module", "fsdp_graph.compile.backend"),
-        ("fsdp_graph.runtime.traced_ops", "fsdp_graph.runtime.param_group"),
+        ("fsdp_graph.traced.ops", "fsdp_graph.traced.state"),
     ]:
         assert f"{importer} -> {imported}" in result.stdout, result.stdout
 

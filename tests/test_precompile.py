@@ -150,7 +150,7 @@ def test_saved_step_with_blocks_as_regions(tmp_path):
 def test_saved_step_with_every_block_a_region(tmp_path):
     """`fsdp_graph.backend(regions="blocks")` ([Note: Every block a compile region]), no block
     marked: precompile captures the step with the regions its backend asks for (`capture_for` in
-    fsdp_graph/api/scope.py), saves it, and the next launch loads it without tracing."""
+    traced/regions.py), saves it, and the next launch loads it without tracing."""
     source = _MODEL.format(activation="tanh").replace("range(2)", "range(3)")  # a region used once is inlined
     assert "range(3)" in source
     (tmp_path / "precompiled_net.py").write_text(source)

@@ -2,7 +2,7 @@
 
 The reference is arithmetic on the unsharded model's parameter shapes: what each group's forward
 all-gather must carry at world size 64 (padded rows plus one gradient flag per trainable parameter
-per rank, see [Note: Gradient flags in a graph] in runtime/traced.py), and one reduce-scatter per
+per rank, see [Note: Gradient flags in a graph] in traced/unshard.py), and one reduce-scatter per
 group in backward.
 """
 

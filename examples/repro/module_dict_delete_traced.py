@@ -1,6 +1,6 @@
 """Which ways of removing a key from a module's `__dict__` Dynamo traces without a graph break.
 
-Torch alone (no fsdp_graph). The traced unshard (runtime/traced.py, [Note: Traced unshard]) shadows
+Torch alone (no fsdp_graph). The traced unshard (traced/unshard.py, [Note: Traced unshard]) shadows
 a module's parameter with `module.__dict__[name] = tensor` and removes the shadow after forward.
 Each way below runs inside `torch.compile(..., fullgraph=True, backend="eager")`:
 

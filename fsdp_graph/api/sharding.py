@@ -17,8 +17,7 @@ from torch.distributed.tensor import Shard
 from ..runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..runtime.mesh_info import MeshInfo
 from ..runtime.param import OWNER_ATTR, ShardedParam
-from ..runtime.param_group import ParamGroup
-from ..runtime.state import FSDPState
+from ..traced.state import TracedGroup, TracedState
 from .module import FSDPModule, _fsdp_class
 from .checks import (
     _check_devices,
@@ -105,7 +104,7 @@ def fully_shard(
                 mp_policy=mp_policy, spmd_axes=tuple(spmd_axes),
             )
         )
-    group = ParamGroup(params, mesh_info, device, mp_policy, reshard_after_forward) if params else None
+    group = TracedGroup(params, mesh_info, device, mp_policy, reshard_after_forward) if params else None
     if pin_memory and group is not None:
         group.pin_shards()
     for param, sharded in zip((o[0] for o in owners), params):
@@ -115,9 +114,7 @@ def fully_shard(
     for m in modules:
         _move_buffers(m, device)
 
-    state = FSDPState(modules, group, mp_policy, reshard_after_forward, device)
-    state.hooks_around_compiled_body = _compile_region_reading(modules, owners)
-    state.region_forward = _own_region_forward(modules)
+    state = TracedState(modules, group, mp_policy, reshard_after_forward, device)
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
@@ -139,41 +136,6 @@ def _ours(policy):
     if ours is None or isinstance(policy, ours) or not type(policy).__module__.startswith("torch.distributed."):
         return policy
     return ours(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(ours)})
-
-
-def _compile_region_reading(modules: tuple[nn.Module, ...], owners) -> Optional[str]:
-    """Why compiled calls must run the hooks around a body compiled on its own, or None: a module
-    whose forward is a `torch.compiler.nested_compile_region` reads parameters of this group
-    ([Note: Compile regions under fully_shard] in fsdp_graph/api/module.py)."""
-    owner_ids = {id(m) for _, param_owners, _ in owners for m, _ in param_owners}
-    for root in modules:
-        for name, sub in root.named_modules():
-            marked = _region_fn(getattr(sub, "forward", None))
-            if marked is not None and any(id(m) in owner_ids for m in sub.modules()):
-                where = f"{type(sub).__name__}.forward" + (f" (submodule '{name}')" if name else "")
-                return (
-                    f"{where} is a torch.compiler.nested_compile_region reading parameters this group "
-                    f"gathers: the module's hooks ran on the eager runtime around its forward, which "
-                    f"Dynamo compiled on its own (as under torch's fully_shard)"
-                )
-    return None
-
-
-def _own_region_forward(modules: tuple[nn.Module, ...]) -> Optional[Callable]:
-    """The function under a `torch.compiler.nested_compile_region` that is the forward of the one
-    module of this group, or None ([Note: Blocks as compile regions] in runtime/traced.py)."""
-    if len(modules) != 1 or "forward" in modules[0].__dict__:
-        return None
-    return _region_fn(type(modules[0]).forward)
-
-
-def _region_fn(forward) -> Optional[Callable]:
-    """The innermost function under `torch.compiler.nested_compile_region` wrappers of `forward`,
-    or None where `forward` is not such a region."""
-    fn = getattr(forward, "__marked_compile_region_fn__", None)
-    while hasattr(fn, "__marked_compile_region_fn__"):
-        fn = fn.__marked_compile_region_fn__
-    return fn
 
 
 def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:

@@ -7,7 +7,7 @@ where another runs some of those groups on the eager hooks. The scheduling passe
 collectives of different groups, which the eager hooks cannot match: the two ranks would put
 different collectives on the wire (gloo aborts, NCCL hangs or mixes their bytes). A graph that keeps
 every group's collectives on their own and in program order matches the eager hooks
-([Note: Fallback groups keep the traced order] in runtime/traced.py); that is what
+([Note: Fallback groups keep the traced order] in traced/hooks.py); that is what
 `rank_divergent_graphs=True` asks for, for every graph.
 
 Without it, each rank tells the other ranks of its mesh (runtime/peer_log.py, through the process

@@ -3,7 +3,7 @@
     torch.compile(model, backend="fsdp_graph")                           # Inductor, defaults
     torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", dump_dir="dump"))
 
-Dynamo traces each group's unshard into the graph (runtime/traced.py). This backend runs the joint
+Dynamo traces each group's unshard into the graph (traced/unshard.py). This backend runs the joint
 forward-backward graph through the pass pipeline (passes/), partitions it with the min-cut
 partitioner (fsdp_graph/compile/partition.py), and hands forward and backward to Inductor or to plain eager execution (`aot_eager`).
 """
@@ -43,7 +43,7 @@ from ..passes.async_tp import async_tp_on_cuda
 from ..passes import table as pass_table
 from ..passes.table import OPTIONS, PASS_NAMES, Stage
 from ..passes.unshard_selection import FIRST_BACKWARD_GATHERS_META
-from ..api.scope import REGIONS, REGIONS_ATTR, SCOPE_ATTR, SCOPES, Regions, Scope
+from ..traced.scope import REGIONS, REGIONS_ATTR, SCOPE_ATTR, SCOPES, Regions, Scope
 from ..runtime.meta import GROUP_KEY
 from ..runtime.param import OWNER_ATTR
 from ..runtime.param_group import ParamGroup
@@ -111,12 +111,12 @@ class BackendConfig:
     passes that merge or reorder collectives of several groups or leave a re-gather out
     ("auto_bucket", "reorder_for_overlap", "unshard_selection"), so that a group traced on one rank
     and run on the eager hooks on another puts the same collectives on the wire ([Note: Fallback
-    groups keep the traced order] in runtime/traced.py). False: the ranks compare their graphs
+    groups keep the traced order] in traced/unshard.py). False: the ranks compare their graphs
     while compiling, and a graph of several groups that differs between them gets the same
     treatment ([Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py)."""
 
     scope: Scope = "step"
-    """What one compiled graph spans ([Note: Compile scope] in fsdp_graph/api/scope.py). "step": a
+    """What one compiled graph spans ([Note: Compile scope] in traced/scope.py). "step": a
     sharded module's hooks are traced into the graph of the code that calls it, so the whole step
     is one graph and its collectives are the passes' to bucket, reorder and reshard. "block":
     FSDP2's way: every sharded module's hooks run on the eager runtime (one bucket per group,
@@ -277,7 +277,7 @@ class FSDPGraphBackend:
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
         self.__name__ = self.compiler_name = BACKEND_NAME  # [Note: Parameters swapped after a compile]
-        setattr(self, SCOPE_ATTR, config.scope)  # read while Dynamo traces: fsdp_graph/api/scope.py
+        setattr(self, SCOPE_ATTR, config.scope)  # read while Dynamo traces: traced/scope.py
         setattr(self, REGIONS_ATTR, config.regions)
 
     def __repr__(self) -> str:

@@ -8,7 +8,7 @@ this rank (`_rank`, `_coordinate_on_dim`), the creating thread's id and a lazily
 of strings, which Python salts per process. So every rank and every restart computed a different
 key for the same graph and compiled it again: a relaunch compiled its first step instead of
 loading it. And AOTAutogradCache refused our graphs outright, since the traced
-all-gather is a custom autograd.Function (`runtime/traced_ops.py: AllGatherShards`).
+all-gather is a custom autograd.Function (`traced/ops.py: AllGatherShards`).
 
 While our backend compiles (`stable_cache_keys()`), a DeviceMesh pickles without those fields, and
 AOTAutogradCache accepts custom autograd.Functions. Both are sound for our graphs: the mesh's

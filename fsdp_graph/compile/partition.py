@@ -45,7 +45,7 @@ _RUN_AND_SAVE_RNG_STATE = torch._prims.rng_prims.run_and_save_rng_state
 def partition(joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> tuple[GraphModule, GraphModule]:
     """`min_cut_rematerialization_partition`, with `put_rng_states_with_tensors` applied. A compile
     region's body saves its inputs rather than views of them, and an outer graph reads such an
-    input where the region hands it back ([Note: Blocks as compile regions] in runtime/traced.py)."""
+    input where the region hands it back ([Note: Blocks as compile regions] in traced/regions.py)."""
     num_fwd_outputs = kwargs["num_fwd_outputs"]
     if not joint_inputs:  # a compile region's body, which AOTAutograd partitions on its own first
         joint = save_inputs_not_their_views(joint)

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from .backend import BACKEND_NAME, BackendConfig
 from .cache_key import own_sources_digest
 from ..api.module import _fsdp_states as _states
-from ..api.scope import capture_for
+from ..traced.scope import capture_for
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A hook is `hook(state, grad, output, group)`: `grad` is the group's packed gradi
 slots, flat, in the reduce dtype), `output` this rank's slot to fill with the SUM over `group`.
 fsdp_graph then all-reduces across replicas (HSDP) and divides by the data-parallel size, as it
 does without a hook. Under `torch.compile(backend="fsdp_graph")` a group with a hook runs on the
-eager runtime's hooks, logged as a fallback (runtime/traced.py, [Note: Groups that stay on the
+eager runtime's hooks, logged as a fallback (traced/unshard.py, [Note: Groups that stay on the
 eager hooks]).
 """
 

@@ -6,7 +6,7 @@ of the package, and never needed on the tested torch (each stand-in checks for w
    a symbolic size's hint, else the fallback.
 2. `torch.compiler.nested_compile_region(max_reuse_entries=...)`: 2.11 has no such argument; it is
    dropped.
-3. The traced unshard's un-shadowing (runtime/traced.py, `install`): 2.11's Dynamo traces no way of
+3. The traced unshard's un-shadowing (traced/unshard.py, `install`): 2.11's Dynamo traces no way of
    removing a key from a module's `__dict__` (examples/repro/module_dict_delete_traced.py), so the
    shadow is pointed back at the registered (sharded) parameter, which the module's forward and
    users then read as before. A module that ran compiled keeps that entry: the eager hooks, which
@@ -48,9 +48,9 @@ try:
 except ImportError:
     _has_inline_pass = False
 
-from fsdp_graph.api.scope import REGIONS_ATTR  # noqa: E402  (after the stand-ins the import needs)
+from fsdp_graph.traced.scope import REGIONS_ATTR  # noqa: E402  (after the stand-ins the import needs)
 from fsdp_graph.compile.backend import fsdp_graph_backend  # noqa: E402
-from fsdp_graph.runtime import traced  # noqa: E402
+from fsdp_graph.traced import hooks as traced  # noqa: E402  (the traced hooks call `install` by this name)
 
 _install = traced.install
 

@@ -1,6 +1,6 @@
 """The unshard and reshard a group does while Dynamo traces its module: collectives as graph nodes.
 
-When `torch.compiler.is_compiling()`, `FSDPState`'s forward hooks delegate here. Nothing here touches
+While Dynamo traces, the traced state's forward hooks (traced/hooks.py) call `unshard` and `install`. Nothing here touches
 the eager runtime's buffers or states: the group stays `ShardedState.SHARDED` the whole step, the
 sharded DTensor parameters are the graph's inputs, and autograd writes their `.grad` directly.
 
@@ -17,7 +17,7 @@ runtime/bucket_layout.py):
 Where the group's shards are views of its persistent shard buffer, `flat` is that buffer, a graph
 input, and no copy-in is traced ([Note: Traced gathers read the shard buffer]). Dynamo sees all of
 this as one op, `fsdp_graph::gather_group`, and AOTAutograd traces what it calls ([Note: A group's
-gather is one op to Dynamo] in runtime/traced_ops.py).
+gather is one op to Dynamo] in traced/ops.py).
 `copy_in`, `copy_out` and its gradient, `pack_grads` (each parameter's gradient into its columns of
 the reduce-scatter input, zeros in the padding), are custom ops, so Inductor runs each as one ATen
 call. Written as slices and cats, every parameter's copy became a kernel of its own (or was fused
@@ -43,71 +43,20 @@ reshards after forward (see passes/nodes.py); `passes/reshard.py` uses that to m
 gather again instead of saving the unsharded parameters.
 """
 
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Protocol, Union
+from typing import Optional
 
 import torch
 from torch.fx.traceback import annotate
 
-from .bucket_layout import BucketLayout
-from .collectives import ReduceControls, divide_factors
-from .meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
-from .mesh_info import MeshInfo
-from . import peer_log
-from .param import ShardedParam
-from .policies import MixedPrecisionPolicy
-from .shard_buffer import ShardBuffer
-from .traced_ops import C10D, GradientBucket, route_gradients, to_param_layout
-from .trees import cast_floats
-
-
-# [Note: The traced path sits below the group and the state]
-# `ParamGroup` (param_group.py) and `FSDPState` (state.py) call into this module while Dynamo
-# traces, so this module may not import them: the runtime's imports run one way, state ->
-# param_group -> traced -> traced_ops -> bucket_layout (the runtime-layers contract in
-# pyproject.toml). What it reads and writes of them is written down here instead, as protocols; a
-# change to either class that breaks one of these names shows in this list.
-
-
-class TracedGroup(Protocol):
-    """What the traced path uses of a `ParamGroup`."""
-
-    name: str
-    params: list[ShardedParam]
-    mesh_info: MeshInfo
-    mp_policy: MixedPrecisionPolicy
-    reshard_after_forward: Optional[Union[bool, int]]
-    gradient_divide_factor: Optional[float]
-    reduce_controls: ReduceControls
-    grad_flags: Optional[torch.Tensor]  # written by `new_flags_leaf`
-    shard_buffer: Optional[ShardBuffer]
-    has_tp: bool
-    owner_slots: tuple[tuple[torch.nn.Module, str, int], ...]  # (module, attribute, parameter index)
-
-    @property
-    def world(self) -> int: ...
-
-    def follow_registered_params(self) -> None: ...
-
-    layout: BucketLayout
-
-
-class TracedState(Protocol):
-    """What the traced path uses of an `FSDPState`."""
-
-    name: str
-    modules: tuple[torch.nn.Module, ...]
-    group: Optional[TracedGroup]
-    mp_policy: MixedPrecisionPolicy
-    is_root: bool
-    ctx: Any  # its `fallbacks` dict (state name -> why it ran on the eager hooks) and `states`
-    _traced_num_forwards: int  # owned by this module: see `pre_forward`
-
-    def check_materialized(self) -> None: ...
-
-    def eager_only_reason(self) -> Optional[str]: ...
+from ..runtime.bucket_layout import BucketLayout
+from ..runtime.collectives import divide_factors
+from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
+from ..runtime.param_group import ParamGroup
+from .ops import C10D, GradientBucket, route_gradients, to_param_layout
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +82,7 @@ logger = logging.getLogger(__name__)
 # can launch anything (docs/benchmarks.md, One H200). A step needs them only where
 # a trainable parameter had no gradient on this rank: where every rank gave each one a gradient, no
 # `.grad` goes back to None. Which parameters the forward used is fixed when the step is traced, so
-# `AllGatherRow`'s backward (runtime/traced_ops.py) knows it, from the gradients autograd hands it
+# `AllGatherRow`'s backward (traced/ops.py) knows it, from the gradients autograd hands it
 # (None for an unused output), and returns no gradient for the flags where every trainable one was
 # used. Then autograd accumulates nothing into the flags leaf and `.grad` is None there, which the
 # host sees without a sync. The numbers come from the row's gradient instead (`row_flags`, its flags'
@@ -145,12 +94,12 @@ logger = logging.getLogger(__name__)
 # path (`AllGatherShards`: a shard not on dim 0, no buffer) and byte buckets (`RouteGradients`).
 
 
-def finish_at_backward_end(group: TracedGroup) -> None:
+def finish_at_backward_end(group: ParamGroup) -> None:
     """Queue `_restore_none_grads` for the end of the running backward."""
     torch.autograd.Variable._execution_engine.queue_callback(lambda: _restore_none_grads(group))
 
 
-def track_gradient_flags(group: TracedGroup) -> None:
+def track_gradient_flags(group: ParamGroup) -> None:
     """Give `group` its flags leaf and the hooks that restore None gradients after compiled steps.
 
     Every parameter is watched and has a flag slot, frozen ones too, since `requires_grad_` may
@@ -161,7 +110,7 @@ def track_gradient_flags(group: TracedGroup) -> None:
     new_flags_leaf(group)
 
 
-def new_flags_leaf(group: TracedGroup) -> None:
+def new_flags_leaf(group: ParamGroup) -> None:
     """(Re)make `group.grad_flags`, one slot per parameter of the group, where the shards are now:
     `shard_device`, meta for a model that was never materialised, and again after `to_empty()` or
     `.to()` moved them. A traced step gathers the slots of the parameters trainable then."""
@@ -176,7 +125,7 @@ def _trainable_flags(leaf: torch.Tensor, trainable: tuple[int, ...]) -> torch.Te
     return leaf if len(trainable) == leaf.numel() else leaf[list(trainable)]
 
 
-def _restore_none_grads(group: TracedGroup) -> None:
+def _restore_none_grads(group: ParamGroup) -> None:
     """The end of a compiled backward for `group`; may run twice in one (queued by the row's
     hand-out and by the flags), the second time with nothing left to do."""
     flags, group.grad_flags.grad = group.grad_flags.grad, None
@@ -206,7 +155,7 @@ def _restore_none_grads(group: TracedGroup) -> None:
     group.follow_registered_params()  # for the next step, should anything have replaced a shard
 
 
-def _flag_per_param(group: TracedGroup, flags: torch.Tensor, row_flags: Optional[torch.Tensor]) -> list[float]:
+def _flag_per_param(group: ParamGroup, flags: torch.Tensor, row_flags: Optional[torch.Tensor]) -> list[float]:
     """Per parameter of `group`, how many ranks gave it a gradient: from the row's gradient where
     the group had one, in `layout.reduced` order, else from the flags leaf's (a slot per parameter)."""
     if row_flags is None:
@@ -217,13 +166,13 @@ def _flag_per_param(group: TracedGroup, flags: torch.Tensor, row_flags: Optional
     return per_param
 
 
-def _reshards_after_forward(group: TracedGroup) -> bool:
+def _reshards_after_forward(group: ParamGroup) -> bool:
     # An int `reshard_after_forward` reshards to a smaller group in eager; in a graph the backward
     # gathers from the full shard group instead, which gives the same numbers.
     return group.reshard_after_forward is not False
 
 
-def unshard(group: TracedGroup) -> list[torch.Tensor]:
+def unshard(group: ParamGroup) -> list[torch.Tensor]:
     """Trace the all-gather of `group`; returns one unsharded tensor per `group.params` entry, as
     the module computes with it. See [Note: Traced tensor-parallel parameters]."""
     layout = group.layout  # refreshed before this trace began: see [Note: Tracing reads what was followed]
@@ -245,9 +194,9 @@ def unshard(group: TracedGroup) -> list[torch.Tensor]:
 # as fixed (passes/nodes.py, `is_fsdp_collective`).
 
 
-def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tensor]:
+def _unshard_plain(group: ParamGroup, layout: BucketLayout) -> list[torch.Tensor]:
     """`unshard` for a group without all-gather extensions: tp-local tensors, from one
-    `fsdp_graph::gather_group` ([Note: A group's gather is one op to Dynamo] in runtime/traced_ops.py).
+    `fsdp_graph::gather_group` ([Note: A group's gather is one op to Dynamo] in traced/ops.py).
 
     The row in the group's layout ([Note: One bucket layout for eager and traced steps]): the
     trainable parameters and the flags ([Note: Gradient flags in a graph]) are the blocks the
@@ -322,7 +271,7 @@ def _unshard_plain(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
 # the post-hook again, as the eager runtime does.
 
 
-def _unshard_bytes(group: TracedGroup, layout: BucketLayout) -> list[torch.Tensor]:
+def _unshard_bytes(group: ParamGroup, layout: BucketLayout) -> list[torch.Tensor]:
     """`unshard` for a group gathered as bytes (all-gather extensions, or parameters of several
     dtypes): one uint8 all-gather of what the pre-hooks return and the other shards, the post-hooks,
     and the gradients routed to the shards. See [Note: Traced all-gather extensions] and
@@ -399,7 +348,7 @@ def _unshard_bytes(group: TracedGroup, layout: BucketLayout) -> list[torch.Tenso
 # row is the same bytes either way.
 
 
-def _shard_buffer_row(group: TracedGroup, layout: BucketLayout) -> Optional[torch.Tensor]:
+def _shard_buffer_row(group: ParamGroup, layout: BucketLayout) -> Optional[torch.Tensor]:
     """The group's shard buffer (its gradient leaf, with trainable parameters), if every parameter
     is a view of it in `layout`; else None."""
     shard_buffer = group.shard_buffer
@@ -413,13 +362,13 @@ def _replicate_group_name(mesh_info) -> Optional[str]:
     return mesh_info.replicate_group_name if mesh_info.replicate_size > 1 else None
 
 
-def _reduce_group_name(group: TracedGroup) -> str:
+def _reduce_group_name(group: ParamGroup) -> str:
     """The group the gradients are reduce-scattered on: the shard group, or its own copy."""
     separate = group.reduce_controls.reduce_scatter_group
     return group.mesh_info.shard_group_name if separate is None else separate.group_name
 
 
-def install(group: TracedGroup, unsharded: Optional[list[torch.Tensor]]) -> None:
+def install(group: ParamGroup, unsharded: Optional[list[torch.Tensor]]) -> None:
     """Shadow (or un-shadow, with None) every owner's parameter attribute. See [Note: Traced unshard]."""
     # One flat loop over the group's owner slots: Dynamo traces every loop step in every layer.
     if unsharded is None:
@@ -428,233 +377,3 @@ def install(group: TracedGroup, unsharded: Optional[list[torch.Tensor]]) -> None
     else:
         for module, name, i in group.owner_slots:
             module.__dict__[name] = unsharded[i]
-
-
-def pre_forward(state: TracedState, module: torch.nn.Module, args: tuple, kwargs: dict):
-    """Traced pre-forward: gather the group (once for `fully_shard([a, b])`), cast the inputs.
-
-    `state._traced_num_forwards` counts the modules of the call whose forward began. It is 0 whenever
-    a graph is entered (the last post-forward resets it), so Dynamo's guard on it always holds.
-    """
-    num_forwards = state._traced_num_forwards
-    if state.is_root and num_forwards == 0:
-        state.check_materialized()
-    if state.group is not None and num_forwards == 0:
-        install(state.group, unshard(state.group))
-    state._traced_num_forwards = num_forwards + 1
-    return _cast_inputs(state, (args, kwargs))
-
-
-def _cast_inputs(state: TracedState, inputs: Any) -> Any:
-    """A call's inputs (any structure of them), cast as the mixed precision policy says."""
-    if state.mp_policy.param_dtype is not None and state.mp_policy.cast_forward_inputs:
-        inputs = cast_floats(inputs, state.mp_policy.param_dtype)
-    return inputs
-
-
-def _cast_output(state: TracedState, output: Any) -> Any:
-    if state.mp_policy.output_dtype is not None:
-        output = cast_floats(output, state.mp_policy.output_dtype)
-    return output
-
-
-# [Note: Blocks as compile regions]
-# A block whose forward the user marked `torch.compiler.nested_compile_region` (torch's way to say
-# "the same code, compile it once") is traced as such a region inside the whole-step graph: Dynamo,
-# AOTAutograd's partitioner and Inductor then handle its body once for all blocks of the same code
-# and shapes, so compiling a deep model no longer costs every layer again (docs/compiler.md, Compile
-# cost). The group's collectives stay outside the region, in the step's graph, where the passes
-# bucket, reorder and reshard them as for any other block:
-#
-#     params = unshard(group)                      # traced as usual: copy-in, all-gather, copy-out
-#     out    = region(module, params, args, kwargs)   # invoke_subgraph; swaps `params` in itself
-#
-# Dynamo cannot trace a region that reads tensors with no source (parameters gathered in the graph),
-# so the gathered tensors go in as the region's arguments, and the region swaps them into the
-# owners' parameter slots for the forward's duration, with torch's own `_reparametrize_module` (what
-# `torch.func.functional_call` uses), once per owning submodule. Dynamo counts those swaps as no
-# side effect, so the region is reusable: having traced one block's region, Dynamo checks the next
-# block against that trace's guards, moved onto the next block's attributes, and where they hold it
-# emits the same body without tracing the block's code again (torch's "subgraph reuse"). A block
-# whose forward reads something of its own that differs (a Python number, a flag) fails them and is
-# traced anew; `_REGION_ENTRIES` in fsdp_graph/api/module.py lifts torch's limit of 8 such bodies.
-# Writing the gathered tensors into the owners' attributes ourselves, as the inline path does
-# (`install`), is a side effect, and Dynamo then traced every block's region again. The owners are
-# found by path (`FSDPState.region_owners`, constants Dynamo can compare between blocks), so every
-# owner must lie inside the module. The partitioner then saves a region's inputs
-# rather than views of them, and the outer graph reads such an input directly, so the backward
-# gathers again after a resharding forward (passes/reshard.py, `save_inputs_not_their_views`).
-# Only a block that is a group of its own, holds no other group, has no forward hooks besides ours,
-# and gathers plain tensors (no tensor-parallel DTensors or all-gather extension subclasses, which
-# Dynamo does not take as region inputs) is traced so; any other marked module keeps [Note: Compile
-# regions under fully_shard].
-# Dynamo refuses a graph break inside a region (torch raises): such a block must not be marked.
-# Compiled in pieces (the backend's default), the graph's regions are inlined once our passes have
-# scheduled it, and Inductor compiles each repeated piece once, as without regions ([Note: Pieces
-# between the collectives] in fsdp_graph/compile/pieces.py): what the regions save is Dynamo's and
-# AOTAutograd's tracing of every block.
-
-
-def region_pre_forward(state: TracedState, inputs: list) -> tuple[list[torch.Tensor], list]:
-    """Traced pre-forward of a block traced as a region: its gathered tensors (not installed) and
-    its inputs (the call's arguments, flat), cast. See [Note: Blocks as compile regions]."""
-    return unshard(state.group), _cast_inputs(state, inputs)
-
-
-def region_post_forward(state: TracedState, output: Any) -> Any:
-    """Traced post-forward of a block traced as a region: cast the outputs."""
-    return _cast_output(state, output)
-
-
-def post_forward(state: TracedState, module: torch.nn.Module, output: Any) -> Any:
-    """Traced post-forward: cast the outputs; after the group's last module, drop the shadows."""
-    output = _cast_output(state, output)
-    if state._traced_num_forwards >= len(state.modules):
-        state._traced_num_forwards = 0
-        if state.group is not None:
-            install(state.group, None)
-        if state.is_root:
-            close_partly_run_groups(state)
-    return output
-
-
-def close_partly_run_groups(root: TracedState) -> None:
-    """At the root's post-forward: drop the shadows of every `fully_shard([a, b])` group whose
-    forward ran only some of its modules (a chunked loss runs the head after the model's call).
-    The root's eager post-forward calls it too, for a body traced without the root's hooks.
-
-    [Note: Groups whose forward ran partly in a graph]
-    Such a group was gathered in the graph, but its last post-forward never came, so its shadows
-    would outlive the graph as the graph's outputs: a later eager call of the remaining module
-    would read them and backpropagate into the compiled backward (twice, for a second chunk). As
-    in eager mode, that call gathers the group again on the eager hooks, and the gradients of both
-    add up in the sharded `.grad`.
-    """
-    for state in root.ctx.states:
-        if state is not root and state._traced_num_forwards > 0:
-            state._traced_num_forwards = 0
-            if state.group is not None:
-                install(state.group, None)
-
-
-# [Note: Sharded modules inside activation checkpointing]
-# `checkpoint(block, h)` around a sharded module runs the module's hooks inside Dynamo's checkpoint
-# region, and the traced hooks write state that lives outside it (the parameter shadows, the
-# forward counter). By default Dynamo refuses such writes in a checkpoint region, since eager
-# checkpointing would run them again in the recompute, and breaks the graph there: the whole root
-# would fall back. Our writes undo themselves within the module's call and only steer tracing;
-# the recompute needs the graph's ops, not them. So the first `fully_shard` turns on Dynamo's
-# `skip_fwd_side_effects_in_bwd_under_checkpoint`: side effects in a checkpointed function run once,
-# in forward. (A user's own side effect in a checkpointed function is then also not run again in
-# backward; see docs/compiler.md, Compiled training.) The recomputed region gathers its group once, like the
-# reshard_after_forward re-gather: tests/test_compile_features.py counts them.
-
-
-def trace_hooks_inside_checkpoint() -> None:
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-
-
-# -- fallback --------------------------------------------------------------------------------------
-
-# [Note: Fallback to the eager hooks]
-# Dynamo traces a module call as a whole or not at all: a graph break anywhere inside the call
-# (without nested graph breaks, which torch 2.13 leaves off) makes the enclosing traced frame stop
-# at the call and run it in Python, and a `torch.compiler.disable`d module or forward is always run
-# that way. Dynamo then treats every Python function the call reaches as a frame of its own, the
-# forward hooks included, and would compile each hook into a tiny graph whose gathered tensors leave
-# the graph. Instead the two forward hooks' code objects are marked "skip this frame and everything
-# it calls" (`FrameAction.SKIP` twice). That mark only concerns frames Dynamo is handed by CPython;
-# inlining ignores it, so a traced module call still traces the hooks. A module whose call Dynamo
-# ran in Python therefore goes through the eager runtime's hooks: bucketed, with the same numbers,
-# its gradients reduced by the eager post-backward. A module is on one path or the other for a whole
-# call, so no group is gathered by both or left unreduced:
-#   traced group: stays SHARDED in eager terms; autograd writes the DTensor gradients;
-#   eager group:  the usual unshard/reshard/reduce-scatter; the root's final callback finishes it.
-# The root falls back whenever any break propagates up to it, since its call encloses all others.
-
-
-# [Note: Fallback groups keep the traced order]
-# Whether a module call is traced or falls back is decided by Dynamo on each rank: one rank can reach
-# `recompile_limit` for an expert's frame, or break a graph on its data, while the other runs the
-# traced graph of the same group. The two paths then must issue the same collectives in the same
-# order. The bytes are the same ([Note: One bucket layout for eager and traced steps] in
-# runtime/bucket_layout.py); and a group whose forward fell back does what its graph would do, in the
-# same place: it prefetches nothing (the graph's gather of the next group is in that group's own
-# graph), and an int `reshard_after_forward` reshards fully, so backward re-gathers from the whole
-# shard group as the graph does. Its reduce-scatter runs when its gradients are ready, or when its
-# backward reaches its inputs where some never come on this rank (an expert without tokens):
-# where the graph's backward runs it ([Note: A fallback group's backward ends at its inputs] in
-# runtime/param_group.py). What this does not cover: a graph whose passes merged or reordered
-# collectives of several groups, when another rank runs one of those groups on the eager hooks
-# (README, Differences from FSDP2; docs/compiler.md), except where the whole call falls back:
-# [Note: A fallback keeps the frame's wire order] in runtime/wire_plan.py.
-
-
-# [Note: Groups that stay on the eager hooks]
-# Some controls change what a group's backward does in ways a graph does not express: a comm hook
-# (arbitrary Python replacing the reduce-scatter), gradient sync turned off (unsharded gradients
-# accumulate across backwards), and the first synced backward after that (it reduces what
-# accumulated). While `ParamGroup.eager_only_reason()` says so for any group under a root,
-# `FSDPModule.__call__` hands the root's whole call to `_call_on_eager_hooks`, disabled for its own
-# frame only: a graph break in the compiled frame itself, which Dynamo resumes after, so the call
-# runs on the eager hooks and nothing is marked to be skipped for good. A break inside the hooks
-# would not do: Dynamo cannot resume inside inlined code and would give up on the frame. The frames
-# the call reaches are still Dynamo's: the forwards between the hooks compile, each sharded module
-# call in them whose group has such a reason breaking out the same way (one without is traced into
-# that frame's graph), which is what torch's fully_shard gives under
-# torch.compile (its hooks are disabled); a call disabled with everything below it would compile
-# nothing, and gradient accumulation would run uncompiled. The break is taken in
-# `FSDPModule.__call__` itself, not in a helper it calls: a helper's frame, resumed after the
-# break, would be compiled again for every kind of module and arguments until Dynamo's recompile
-# limit. Dynamo guards on the flags it read, so once they clear the next step runs the full graph
-# again. `record_fallback` says it once per reason at WARNING, with what to do where there is
-# something (gradient accumulation: sync in every micro-batch); tests/test_frameworks.py checks
-# accumulation through Accelerate against torch's fully_shard.
-
-
-def skip_when_not_inlined(*hooks) -> None:
-    """Make Dynamo run `hooks` (and what they call) eagerly when it meets them as frames."""
-    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-
-    for hook in hooks:
-        set_code_exec_strategy(hook.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
-
-
-def skip_own_frame(*fns) -> None:
-    """For functions wrapped in `torch._dynamo.disable(recursive=False)`: mark the function's own
-    code as skipped once, so that Dynamo does not look at its frame again on every call (a
-    bytecode scan each time), while the frames it calls are still Dynamo's to compile."""
-    for fn in fns:
-        torch._dynamo.eval_frame.skip_code(fn.__wrapped__.__code__)
-
-
-def in_compiled_call() -> bool:
-    """True inside a call of a `torch.compile`d module (whose frames Dynamo may or may not trace)."""
-    return torch._dynamo.eval_frame._is_in_optimized_module()
-
-
-_FALLBACK_REASON = (
-    "Dynamo ran the module's call in Python instead of tracing it: a graph break inside or around "
-    "the call, or torch.compiler.disable on the module or its forward (TORCH_LOGS=graph_breaks shows "
-    "the break); its group used the eager runtime's hooks"
-)
-
-
-def record_fallback(state: TracedState) -> None:
-    """Note (once per state and root) that `state`'s hooks ran eagerly inside a compiled call."""
-    fallbacks = state.ctx.fallbacks
-    if state.name not in fallbacks:
-        reason = state.eager_only_reason()
-        if reason is not None:  # a setting of the user's, the same in every group that has it: said once
-            reason = f"its group stays on the eager runtime's hooks: {reason}"
-            said = reason in fallbacks.values()
-        else:
-            reason = state.hooks_around_compiled_body or _FALLBACK_REASON
-            said = False
-        fallbacks[state.name] = reason
-        if said:
-            logger.debug("fsdp_graph::fallback (%s): %s", state.name, reason)
-        else:
-            logger.warning("fsdp_graph::fallback (%s): %s", state.name, reason)
-        if state.group is not None:  # where another rank may have traced it ([Note: Ranks that compile different graphs])
-            peer_log.tell(state.group.mesh_info.ranks, f"eager:{state.name}")

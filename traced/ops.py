@@ -1,9 +1,9 @@
 """The autograd functions a traced unshard is made of: their forward gathers, their backward
 reduce-scatters; and `fsdp_graph::gather_group`, the op that calls them for a plain bucket. They
-know tensors, sizes and process group names, not groups or states: runtime/traced.py hands them a
+know tensors, sizes and process group names, not groups or states: traced/unshard.py hands them a
 group's parameters and its layout's fields. The copy-in, copy-out and gradient packing around them
 are the registered ops of runtime/bucket_layout.py, which the eager runtime calls too. See [Note:
-Traced unshard] in runtime/traced.py.
+Traced unshard] in traced/unshard.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from .bucket_layout import FLAGS  # and the fsdp_graph:: ops used below
-from .param import shard_dim_first
+from ..runtime.bucket_layout import FLAGS  # and the fsdp_graph:: ops used below
+from ..runtime.param import shard_dim_first
 
 C10D = torch.ops._c10d_functional
 
@@ -81,12 +81,12 @@ class CopyOut(NamedTuple):
 
 class AllGatherRow(torch.autograd.Function):
     """Forward: all-gather a group's shard buffer, the row its shards are views of ([Note: Traced
-    gathers read the shard buffer] in runtime/traced.py), and copy each parameter out of it.
+    gathers read the shard buffer] in traced/unshard.py), and copy each parameter out of it.
     Backward: pack the parameters' gradients and do what `AllGatherShards` does with the columns it
     reduces; the reduced row is the row's gradient (its frozen columns zeros), its flags' columns
     the flags' ([Note: Compiled gradients arrive as the row's] in runtime/shard_buffer.py). Where
     the forward used every trainable parameter, the flags get no gradient: [Note: Flags that need
-    no reading] in runtime/traced.py.
+    no reading] in traced/unshard.py.
 
     Arguments: the row (the buffer's gradient leaf, or the buffer itself where no parameter is
     trainable), the `RowGradients`, the all-gather's dtype and group name, the flags (None without
@@ -239,14 +239,14 @@ def gather_group(
     """A plain bucket's traced gather: one unsharded tensor per parameter, as the module computes
     with it (tp-local), from its `BucketLayout`'s fields of the same names and either `row`, the
     group's shard buffer (or its gradient leaf), which the parameters are views of ([Note: Traced
-    gathers read the shard buffer] in runtime/traced.py), with `params` empty; or, with `row` None,
+    gathers read the shard buffer] in traced/unshard.py), with `params` empty; or, with `row` None,
     the group's sharded parameters (`params`, DTensors, in group order), copied in. `flags`: the
     flags leaf, None without trainable parameters. See [Note: A group's gather is one op to Dynamo]."""
     flags_at = blocks.index(FLAGS) if FLAGS in blocks else -1
     reduced = blocks[:flags_at] if flags_at >= 0 else []
     dtypes = {p.dtype for p in params} if row is None else {row.dtype}
     flat_dtype = dtypes.pop() if len(dtypes) == 1 else dtype
-    if flags is not None:  # [Note: Gradient flags in a graph] in runtime/traced.py
+    if flags is not None:  # [Note: Gradient flags in a graph] in traced/unshard.py
         flags = (flags if len(reduced) == flags.numel() else flags[reduced]).to(flat_dtype)
     copy = CopyOut(world, list(widths), list(numels), flags_at)
     sizes = _split_sizes(moved_sizes)
