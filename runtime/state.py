@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from enum import Enum, auto
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map
 
 from .collectives import CommContext
 from .param import MetaParameterError
+from .owner_check import OwnerCheck
 from .param_group import ParamGroup, ShardedState
 from .policies import MixedPrecisionPolicy
 from .trees import cast_floats, map_tensors, tensors_in
@@ -187,7 +188,7 @@ class FSDPState:
             module.register_load_state_dict_post_hook(self._follow_loaded_params)
         # Each submodule holding this group's parameters, with its call check's handle: see
         # `_check_called_through_group` and `owner_checks_lifted`.
-        self._owner_checks = [_OwnerCheck(owner, self._check_called_through_group) for owner in self._owners_inside_group()]
+        self._owner_checks = [OwnerCheck(owner, self._check_called_through_group) for owner in self._owners_inside_group()]
 
     # -- root --------------------------------------------------------------------------------
 
@@ -545,7 +546,7 @@ class FSDPState:
                     owners.append(owner)
         return owners
 
-    def lift_owner_checks(self, sole_hooks_only: bool = False) -> list["_OwnerCheck"]:
+    def lift_owner_checks(self, sole_hooks_only: bool = False) -> list[OwnerCheck]:
         """Remove the call checks (with `sole_hooks_only`, only those that are their module's one
         hook) and return them, for the caller to restore."""
         lifted = [check for check in self._owner_checks if not sole_hooks_only or check.is_only_hook()]
@@ -568,33 +569,6 @@ class FSDPState:
             f"in the fully_shard group of '{self.name}'; call '{self.name}' instead, gather first with "
             f"unshard(), or give it a group of its own: fully_shard(submodule) before fully_shard(parent)"
         )
-
-
-class _OwnerCheck:
-    """The call check (`FSDPState._check_called_through_group`) on one submodule, which callers
-    may lift for a while; lifts are counted, so nested ones put the check back once, at the last."""
-
-    _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-    def __init__(self, owner: nn.Module, check: Callable) -> None:
-        self.owner, self.check = owner, check
-        self.handle = owner.register_forward_pre_hook(check)
-        self.lifts = 0
-
-    def is_only_hook(self) -> bool:
-        """Whether the module has no hook but this check (which may be lifted already)."""
-        hooks = sum(len(getattr(self.owner, name)) for name in self._HOOK_DICTS)
-        return hooks == (1 if self.lifts == 0 else 0)
-
-    def lift(self) -> None:
-        self.lifts += 1
-        if self.lifts == 1:
-            self.handle.remove()
-
-    def restore(self) -> None:
-        self.lifts -= 1
-        if self.lifts == 0:
-            self.handle = self.owner.register_forward_pre_hook(self.check)
 
 
 def raise_materialization_problem(problem: tuple[str, Any]) -> None:

@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 
 from ..runtime.param_group import ParamGroup, ShardedState
-from ..runtime.state import FSDPState, RootContext, _in_backward, _OwnerCheck, raise_materialization_problem
+from ..runtime.owner_check import OwnerCheck
+from ..runtime.state import FSDPState, RootContext, _in_backward, raise_materialization_problem
 from ..runtime.wire_plan import Replay, WirePlan
 from . import callbacks, hooks
 from .regions import own_region_forward, region_reading_reason
@@ -45,7 +46,7 @@ class TracedRootContext(RootContext):
         # State name -> why its hooks ran eagerly inside a compiled call; see traced/hooks.py.
         self.fallbacks: dict[str, str] = {}
         # The call checks lifted while Dynamo compiles: [Note: Owner checks while compiling].
-        self.checks_lifted_for_compile: list["_OwnerCheck"] = []
+        self.checks_lifted_for_compile: list[OwnerCheck] = []
         # What `check_materialized` found before the latest trace began, raised by the traced root:
         # [Note: Tracing reads what was followed].
         self.problem_before_trace: Optional[tuple[str, Any]] = None
