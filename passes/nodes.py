@@ -101,7 +101,7 @@ def region_body(node: Node) -> Optional[GraphModule]:
 
 def inline_regions(gm: GraphModule) -> GraphModule:
     """`gm`, changed in place, with the bodies of its compile regions in place of their calls ([Note:
-    Blocks as compile regions] in traced/unshard.py). The backend inlines them once our passes have
+    Blocks as compile regions] in traced/regions.py). The backend inlines them once our passes have
     scheduled a step, so that what runs is plain ops, which a user's TorchDispatchMode sees as it
     sees any step, where the region call itself is an operator such modes refuse; and before it
     compiles a graph whose regions do not compile ([Note: Regions that do not compile] in

@@ -138,7 +138,7 @@ def save_checkpointed_values_regions_read(gm: GraphModule) -> GraphModule:
     it, so that a backward recomputes each block on its own, just before that block's gradient.
     A region is such a next block, but its call carries no checkpoint tag, so the rule does not see
     it. Where a checkpointed block traced inline precedes a region (the first block of a kind is
-    traced inline: [Note: Every block a compile region] in fsdp_graph/api/module.py), the block's
+    traced inline: [Note: Every block a compile region] in traced/regions.py), the block's
     output was left to recompute, and the region's backward, which reads its input, needed it: the
     backward gathered the inline block's parameters and recomputed that block, attention included,
     before the region's gradient, and held it until the block's own gradient (torchtitan's layer 0

@@ -175,7 +175,7 @@ class ParamGroup:
         all-gather extensions changed since it was built ([Note: Parameters changed after
         fully_shard] in runtime/param.py). Called where an eager gather of a sharded group begins,
         and by `follow_registered_params` before every trace, which then reads `layout` as it is
-        ([Note: Tracing reads what was followed] in runtime/state.py)."""
+        ([Note: Tracing reads what was followed] in traced/callbacks.py)."""
         if BucketLayout.inputs_of(self.params) != self.layout.built_from:
             self.layout = BucketLayout.build(self.params, self.world)
         return self.layout

@@ -192,7 +192,7 @@ class ShardBuffer:
         """`flat` if every parameter's local tensor was its view at the last `follow`, else None.
 
         A trace reads this without checking the views again: every trace begins by following the
-        parameters ([Note: Tracing reads what was followed] in runtime/state.py), which runs
+        parameters ([Note: Tracing reads what was followed] in traced/callbacks.py), which runs
         `follow`, and a parameter replaced between compiled steps recompiles the step, which
         follows it first. Dynamo guards the flag, not the views: a guard on an attribute of the
         DTensor parameter would not survive `fsdp_graph.precompile`'s save and load (a pickled

@@ -435,7 +435,7 @@ def test_plain_torch_compile_keeps_fsdp2s_structure():
     torch.testing.assert_close(losses, t_losses, rtol=1e-6, atol=0)
     # The same graphs as under torch's fully_shard: the root's loop over its blocks breaks, so Dynamo
     # runs the root's forward itself, and its embedding and output layer run eagerly, not as
-    # graphs of their own ([Note: Owner checks in block scope] in runtime/state.py).
+    # graphs of their own ([Note: Owner checks in block scope] in traced/state.py).
     assert graphs == t_graphs, (len(graphs), len(t_graphs))
 
 

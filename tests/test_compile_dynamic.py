@@ -84,7 +84,7 @@ def test_submodules_with_hooks_of_their_own_compile_once():
     """The group's call checks on submodules were lifted while Dynamo compiled: on a submodule with
     a hook of its own, Dynamo guarded the hook dict's length without the check, and every step
     recompiled, until the recompile limit sent the step to the eager hooks ([Note: Owner checks
-    while compiling] in runtime/state.py)."""
+    while compiling] in traced/callbacks.py)."""
     lengths = [8, 8, 8, 8]
     graphs, losses, grads = run_ranks(_train, 2, lengths, "ours", None, False, None, True)
     _, reference, reference_grads = run_ranks(_train, 2, lengths, "torch-eager", None, False, None, True)

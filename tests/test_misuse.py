@@ -62,7 +62,7 @@ def test_submodule_of_a_group_called_on_its_own():
 
 def test_submodule_called_on_its_own_after_a_compiled_step():
     # `torch.compile` with a backend not ours runs every group block by block, which lifts the check
-    # only while the group's call runs ([Note: Owner checks in block scope] in runtime/state.py).
+    # only while the group's call runs ([Note: Owner checks in block scope] in traced/state.py).
     model = _sharded_mlp()
     torch._dynamo.reset()
     torch.compile(model, backend="aot_eager")(torch.randn(4, 13)).sum().backward()

@@ -4,7 +4,7 @@ unfrozen later, a parameter replaced, `.to(dtype)`), through every compile mode,
 each trains as if alone, against its own unsharded reference on the global batch. A sweep, a
 notebook re-run, a train and an eval copy, a reward model beside a policy and a test suite all build
 several models in one process, and reset Dynamo between them. See [Note: Process-wide state] in
-runtime/state.py.
+traced/callbacks.py.
 """
 
 import copy

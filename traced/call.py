@@ -63,7 +63,7 @@ def call_on_eager_hooks(module: nn.Module, args: tuple, kwargs: dict):
 # runs on the eager hooks too. tests/test_compile_blocks.py compares with torch's fully_shard.
 # Where the region is the forward of the group's one module, the region can take the gathered
 # tensors as its arguments instead, and the block stays in the step's graph: [Note: Blocks as
-# compile regions] in traced/hooks.py (`FSDPState.traces_as_region`).
+# compile regions] in traced/regions.py (`FSDPState.traces_as_region`).
 @functools.partial(torch._dynamo.disable, recursive=False)
 def _call_around_compiled_body(module: nn.Module, args: tuple, kwargs: dict):
     call = nn.Module._call_impl if module._fsdp_state.compiled_in_place else nn.Module.__call__

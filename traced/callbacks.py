@@ -20,9 +20,9 @@ import torch
 #   `torch._dynamo.reset()` clears; registered again wherever missing ([Note: Compile callbacks
 #   outlive a Dynamo reset]). Registered once per process, they left every compile after a reset
 #   tracing parameters as followed before it: a group unfrozen since got no gradient.
-# - `_region_ids`/`_region_states` (region ids for Dynamo's constant calls): a counter that never
+# - `_region_ids`/`_region_states` (traced/state.py; region ids for Dynamo's constant calls): a counter that never
 #   hands out an id twice, and states held weakly, so a dead model's id names nothing.
-# - The block kinds a trace traced inline (`_kinds_traced`, fsdp_graph/api/module.py): owned by the
+# - The block kinds a trace traced inline (`_kinds_traced`, traced/kinds.py): owned by the
 #   trace under way (its TracingContext, weakly), not by its compile id, which starts again at 0
 #   after a reset.
 # - Frames' wire orders (fsdp_graph/compile/agreement.py): per root context, weakly. What the

@@ -148,7 +148,7 @@ def trace_hooks_inside_checkpoint() -> None:
 # (arbitrary Python replacing the reduce-scatter), gradient sync turned off (unsharded gradients
 # accumulate across backwards), and the first synced backward after that (it reduces what
 # accumulated). While `ParamGroup.eager_only_reason()` says so for any group under a root,
-# `FSDPModule.__call__` hands the root's whole call to `_call_on_eager_hooks`, disabled for its own
+# `FSDPModule.__call__` hands the root's whole call to `call_on_eager_hooks` (traced/call.py), disabled for its own
 # frame only: a graph break in the compiled frame itself, which Dynamo resumes after, so the call
 # runs on the eager hooks and nothing is marked to be skipped for good. A break inside the hooks
 # would not do: Dynamo cannot resume inside inlined code and would give up on the frame. The frames

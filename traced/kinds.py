@@ -64,7 +64,7 @@ _kinds_traced: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionar
 @torch._dynamo.assume_constant_result
 def seen(region_id: int, layout: str) -> bool:
     """Whether the trace under way already traced a block of this kind (`kind_of` of the block of
-    the state `region_id` names), called with arguments of this layout (`_flat_call`), inline,
+    the state `region_id` names), called with arguments of this layout (`flat_call`), inline,
     with the values of the attributes that block's trace guarded on; if not, it will now. Dynamo
     runs it as plain Python while it traces ([Note: Every block a compile region]). It takes
     constants, not the module: a module argument would leave a guard on the block's identity, which

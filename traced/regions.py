@@ -34,7 +34,7 @@ from . import hooks
 # block against that trace's guards, moved onto the next block's attributes, and where they hold it
 # emits the same body without tracing the block's code again (torch's "subgraph reuse"). A block
 # whose forward reads something of its own that differs (a Python number, a flag) fails them and is
-# traced anew; `_REGION_ENTRIES` in fsdp_graph/api/module.py lifts torch's limit of 8 such bodies.
+# traced anew; `_REGION_ENTRIES` below lifts torch's limit of 8 such bodies.
 # Writing the gathered tensors into the owners' attributes ourselves, as the inline path does
 # (`install`), is a side effect, and Dynamo then traced every block's region again. The owners are
 # found by path (`FSDPState.region_owners`, constants Dynamo can compare between blocks), so every
@@ -60,7 +60,7 @@ _REGION_ENTRIES = 4096
 @torch.compiler.nested_compile_region(max_reuse_entries=_REGION_ENTRIES)
 def _forward_region(module: nn.Module, every_block: bool, layout: str, *leaves):
     """A block's forward as one compile region over its gathered parameters ([Note: Blocks as
-    compile regions] in traced/hooks.py): one function for every block, so that Dynamo compares
+    compile regions] in traced/regions.py): one function for every block, so that Dynamo compares
     each block's body with those it traced before and keeps one copy of each distinct body. The
     arguments come flat, `layout` telling how to rebuild them (`flat_call`)."""
     state = module._fsdp_state
@@ -89,7 +89,7 @@ def _not_an_input(output, inputs: tuple):
 def _with_owners(module: nn.Module, owners: tuple, at: int, unsharded: list, body: Callable, args, kwargs):
     """`body(module, *args, **kwargs)` with the gathered tensors swapped into the owners from
     `owners[at]` on, one owner per nested swap, which Dynamo takes as no side effect ([Note: Blocks
-    as compile regions] in traced/hooks.py)."""
+    as compile regions] in traced/regions.py)."""
     if at == len(owners):
         return body(module, *args, **kwargs)
     path, names = owners[at]
@@ -107,7 +107,7 @@ def call_as_region(module: nn.Module, layout: str, leaves: list, every_block: bo
 
 # [Note: Every block a compile region]
 # `fsdp_graph.backend(regions="blocks")` traces sharded blocks as if their forward were marked
-# `torch.compiler.nested_compile_region` ([Note: Blocks as compile regions] in traced/hooks.py),
+# `torch.compiler.nested_compile_region` ([Note: Blocks as compile regions] in traced/regions.py),
 # with no change to the model's classes: a block that is a group of its own and qualifies there
 # (no forward hooks of the user's, no forward set on the instance, plain tensors gathered) runs its
 # class's forward as a region, the collectives outside it, once the trace has traced one block of
@@ -117,7 +117,7 @@ def call_as_region(module: nn.Module, layout: str, leaves: list, every_block: bo
 # (torch raises): a block that breaks the graph breaks it inline first, and then runs on the eager
 # hooks as it would without regions (the trace that continues after the break is a new one, whose
 # first block of that kind again goes inline). So the kind holds what a block's code may branch on:
-# `kind_of` in runtime/state.py (classes, the Python flags of every submodule: bools, strings, None,
+# `kind_of` in traced/kinds.py (classes, the Python flags of every submodule: bools, strings, None,
 # enums; parameter shapes), read from the block at the call, and the layout of the call's
 # arguments. Blocks that differ there (Gemma's sliding and global layers) are kinds apart, each
 # with its first block inline. Numbers join the kind only where the kind's first block's trace
@@ -130,7 +130,7 @@ def call_as_region(module: nn.Module, layout: str, leaves: list, every_block: bo
 # compiles inline instead: [Note: Regions that do not compile] in fsdp_graph/compile/backend.py.
 # Region blocks reshard after forward, stay unsharded, or are kept by a memory budget's selective
 # unsharding as inline blocks are (tests/test_compile_blocks.py).
-# `_seen` keeps its record per trace: Dynamo runs it as plain Python while tracing
+# `seen` (traced/kinds.py) keeps its record per trace: Dynamo runs it as plain Python while tracing
 # (`assume_constant_result`), and a restarted trace (a graph break found) starts a new record.
 
 

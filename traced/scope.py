@@ -66,7 +66,7 @@ def traced_scope() -> str:
 @torch._dynamo.assume_constant_result
 def traced_regions() -> str:
     """Which blocks the step Dynamo is tracing takes as compile regions: the backend's `regions`
-    ([Note: Every block a compile region] in fsdp_graph/api/module.py); "marked" for a backend
+    ([Note: Every block a compile region] in traced/regions.py); "marked" for a backend
     without one."""
     if _captures:
         return _captures[-1][REGIONS_ATTR]

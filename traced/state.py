@@ -121,7 +121,7 @@ class TracedState(FSDPState):
         # For a traced region: each submodule of the module holding this group's parameters, by its
         # path under the module, with (attribute, parameter index) pairs: plain constants, so that
         # Dynamo can reuse one block's region for the next ([Note: Blocks as compile regions] in
-        # traced/hooks.py). And a number by which a traced call names this state to plain Python
+        # traced/regions.py). And a number by which a traced call names this state to plain Python
         # (`region_state`), which tells the block's kind ([Note: Every block a compile region]).
         self.region_owners = owners_by_path(modules[0], group) if group is not None and len(modules) == 1 else None
         self.region_id = None
@@ -218,7 +218,7 @@ class TracedState(FSDPState):
     def region_body(self, every_block: bool) -> Optional[Callable]:
         """The function a traced call of this state's module runs as a compile region, or None: the
         forward the user marked as one, or with `every_block` the forward of any block
-        ([Note: Blocks as compile regions] in traced/hooks.py)."""
+        ([Note: Blocks as compile regions] in traced/regions.py)."""
         if self.region_forward is not None or not every_block or len(self.modules) != 1:
             return self.region_forward
         module = self.modules[0]
@@ -226,7 +226,7 @@ class TracedState(FSDPState):
 
     def traces_as_region(self, every_block: bool = False) -> bool:
         """Whether a traced call of this state's module runs its forward as a compile region: see
-        [Note: Blocks as compile regions] in traced/hooks.py."""
+        [Note: Blocks as compile regions] in traced/regions.py."""
         if self.region_body(every_block) is None or self.is_root or self.group is None or len(self.modules) != 1:
             return False
         module = self.modules[0]

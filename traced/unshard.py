@@ -339,7 +339,7 @@ def _unshard_bytes(group: ParamGroup, layout: BucketLayout) -> list[torch.Tensor
 # gradient: the sharded parameters are no graph inputs at all ([Note: Compiled gradients arrive as
 # the row's] in runtime/shard_buffer.py). The graph cannot
 # check at run time that the shards still are views of the buffer. It need not: every trace begins
-# by following the parameters ([Note: Tracing reads what was followed] in runtime/state.py), which
+# by following the parameters ([Note: Tracing reads what was followed] in traced/callbacks.py), which
 # puts each replaced or swapped shard back into the buffer and views it again, and the trace reads
 # the buffer's `all_viewed` as that left it (Dynamo guards the flag). A parameter assigned between
 # compiled steps recompiles the step (`parameters_replaced`), which follows it first; `swap_tensors`

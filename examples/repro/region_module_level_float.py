@@ -6,7 +6,7 @@ region function called with the module as an argument after the first block ran 
 fsdp_graph's `regions="blocks"` calls blocks), "lift_tracked_freevar_to_input should not be called
 on root SubgraphTracer" for a marked `forward`. Without the region (`--no-region`) every step
 trains. This is why fsdp_graph traces such blocks inline ([Note: Numbers a region cannot take from
-outside] in fsdp_graph/api/module.py).
+outside] in traced/kinds.py).
 
     python examples/repro/region_module_level_float.py                  # region function: AssertionError
     python examples/repro/region_module_level_float.py --marked-forward # marked forward: AssertionError

@@ -111,7 +111,7 @@ class BackendConfig:
     passes that merge or reorder collectives of several groups or leave a re-gather out
     ("auto_bucket", "reorder_for_overlap", "unshard_selection"), so that a group traced on one rank
     and run on the eager hooks on another puts the same collectives on the wire ([Note: Fallback
-    groups keep the traced order] in traced/unshard.py). False: the ranks compare their graphs
+    groups keep the traced order] in traced/hooks.py). False: the ranks compare their graphs
     while compiling, and a graph of several groups that differs between them gets the same
     treatment ([Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py)."""
 
@@ -130,7 +130,7 @@ class BackendConfig:
     every sharded block that is a group of its own, after the first of each kind (its classes,
     flags, parameter shapes, call layout and the numbers its trace guarded on), which is traced
     inline so that a block that breaks the graph falls back as without regions ([Note: Every block
-    a compile region] in fsdp_graph/api/module.py); a graph break inside a later region is torch's
+    a compile region] in traced/regions.py); a graph break inside a later region is torch's
     error. "marked": only blocks whose forward is a `torch.compiler.nested_compile_region`."""
 
     pieces: bool = True
