@@ -57,6 +57,53 @@ class _Block:
         return [n for run in self.runs.values() for n in run]
 
 
+@dataclass
+class _DeepModel:
+    """The deep model's blocks as the stamped graph holds them, each at its slot: traced blocks
+    0..template at their own, the copies at template + 1..template + copies, and the traced blocks
+    after the template `copies` further on.
+
+    Attributes:
+        blocks: the traced blocks, by their index in the trace.
+        template: the traced block the copies are made of (a middle one, `k - 2`).
+        copies: how many copies stand for the blocks the trace left out.
+        where: a traced block's node or input -> (block, run kind or "inputs", index in it).
+        made: a copy's slot -> its runs and inputs, filled as they are made.
+    """
+
+    blocks: dict[int, _Block]
+    template: int
+    copies: int
+    where: dict[Node, tuple[int, str, int]]
+    made: dict[int, dict[str, list[Node]]] = field(default_factory=dict)
+
+    def node_at(self, slot: int, kind: str, j: int) -> Node:
+        """The node at `j` of `kind`'s run of the deep model's block `slot`."""
+        if slot in self.made:
+            return self.made[slot][kind][j]
+        block = self.blocks[slot if slot <= self.template else slot - self.copies]
+        return block.inputs[j] if kind == "inputs" else block.runs[kind][j]
+
+    def reads(self, slot: int, traced: int) -> Callable[[Node], Node]:
+        """How a node of traced block `traced` reads, standing as block `slot` of the deep model:
+        what it read of block `traced + d`, it reads of block `slot + d`."""
+        def remap(arg: Node) -> Node:
+            if arg not in self.where:
+                return arg  # of no block: shared by all
+            i, kind, j = self.where[arg]
+            return self.node_at(slot + i - traced, kind, j)
+
+        return remap
+
+    def rewire_traced_blocks(self) -> None:
+        """The traced blocks read their neighbours as they stand now: the last block reads the last copy."""
+        for i, block in self.blocks.items():
+            remap = self.reads(i if i <= self.template else i + self.copies, i)
+            for run in block.runs.values():
+                for node in run:
+                    node.args, node.kwargs = torch.fx.map_arg((node.args, node.kwargs), remap)
+
+
 def stamp_blocks(
     joint: GraphModule,
     blocks_path: str,
@@ -75,7 +122,26 @@ def stamp_blocks(
     if len(grads) != len(primals):
         raise ValueError(f"the joint graph has {len(grads)} gradients for {len(primals)} primal inputs")
     blocks = _find_blocks(graph, blocks_path, primals, grads)
-    k, num_blocks = len(blocks), len(group_names)
+    deep = _plan_deep_model(graph, blocks, blocks_path, len(group_names), num_fwd_outputs)
+    static = list(static_input_indices or [])
+    if deep.copies == 0:
+        return static
+    if not blocks[deep.template].inputs:
+        raise ValueError(f"block {blocks_path}.{deep.template} has no inputs of its own: a block to stamp must be a "
+                         f"fully_shard group of its own")
+    _copy_template(graph, deep, group_names)
+    deep.rewire_traced_blocks()
+    first, end = _add_copies_gradients(output, deep, primals, grads, num_fwd_outputs)
+    graph.lint()
+    joint.recompile()
+    return _stamped_static_indices(static, first, end, deep.copies)
+
+
+def _plan_deep_model(graph: Graph, blocks: dict[int, _Block], blocks_path: str, num_blocks: int,
+                     num_fwd_outputs: int) -> _DeepModel:
+    """Where the traced blocks and the copies of the template stand in a model of `num_blocks`
+    blocks, after checking that the trace can be stamped out to it."""
+    k = len(blocks)
     if k < 4:
         raise ValueError(f"stamping needs a trace of at least 4 blocks under {blocks_path!r} (the first, two "
                          f"middle ones and the last), found {k}")
@@ -89,37 +155,18 @@ def stamp_blocks(
     template = k - 2
     _check_alike(blocks, template, blocks_path, where)
     _check_no_outside_reads(graph, blocks[template], where, num_fwd_outputs)
-    copies = num_blocks - k
-    static = list(static_input_indices or [])
-    if copies == 0:
-        return static
-    made: dict[int, dict[str, list[Node]]] = {}  # a copy's slot in the deep model -> its runs and inputs
+    return _DeepModel(blocks, template, num_blocks - k, where)
 
-    def node_at(slot: int, kind: str, j: int) -> Node:
-        """The node at `j` of `kind`'s run of the deep model's block `slot`."""
-        if slot in made:
-            return made[slot][kind][j]
-        block = blocks[slot if slot <= template else slot - copies]
-        return block.inputs[j] if kind == "inputs" else block.runs[kind][j]
 
-    def reads(slot: int, traced: int) -> Callable[[Node], Node]:
-        """How a node of traced block `traced` reads, standing as block `slot` of the deep model:
-        what it read of block `traced + d`, it reads of block `slot + d`."""
-        def remap(arg: Node) -> Node:
-            if arg not in where:
-                return arg  # of no block: shared by all
-            i, kind, j = where[arg]
-            return node_at(slot + i - traced, kind, j)
-
-        return remap
-
-    mine = blocks[template]
-    if not mine.inputs:
-        raise ValueError(f"block {blocks_path}.{template} has no inputs of its own: a block to stamp must be a "
-                         f"fully_shard group of its own")
+def _copy_template(graph: Graph, deep: _DeepModel, group_names: list[str]) -> None:
+    """Make the copies of the template: their inputs, then their forward and backward runs, each
+    reading its neighbours among the deep model's blocks."""
+    template, copies = deep.template, deep.copies
+    mine = deep.blocks[template]
     regions = _make_room_for_regions(graph, mine, copies)
     shared = _shared_storages(graph, mine)
     storages = {c: dict.fromkeys(shared) for c in range(1, copies + 1)}  # the template's storage -> copy c's
+    made = deep.made
     for c in range(1, copies + 1):
         made[template + c] = {"inputs": _copy_inputs(graph, mine.inputs, made.get(template + c - 1, {}).get("inputs"),
                                                      c, storages[c]),
@@ -129,31 +176,36 @@ def stamp_blocks(
     anchor = mine.runs[_FORWARD][-1]
     for c in range(1, copies + 1):
         anchor = _copy_run(graph, mine.runs[_FORWARD], made[template + c][_FORWARD], anchor, True,
-                           reads(template + c, template), storages[c], group_names[template + c], regions * c)
+                           deep.reads(template + c, template), storages[c], group_names[template + c], regions * c)
     for c in range(copies, 0, -1):
         _copy_run(graph, mine.runs[_BACKWARD], made[template + c][_BACKWARD], mine.runs[_BACKWARD][0], False,
-                  reads(template + c, template), storages[c], group_names[template + c], regions * c)
-    # The traced blocks read their neighbours as they stand now: the last block reads the last copy.
-    for i, block in blocks.items():
-        remap = reads(i if i <= template else i + copies, i)
-        for run in block.runs.values():
-            for node in run:
-                node.args, node.kwargs = torch.fx.map_arg((node.args, node.kwargs), remap)
+                  deep.reads(template + c, template), storages[c], group_names[template + c], regions * c)
 
-    # The outputs: the forward's, then a gradient per primal input; the copies' inputs come after
-    # the template's, so their gradients do too, read as the template's are.
+
+def _add_copies_gradients(output: Node, deep: _DeepModel, primals: list[Node], grads: list,
+                          num_fwd_outputs: int) -> tuple[int, int]:
+    """The outputs: the forward's, then a gradient per primal input; the copies' inputs come after
+    the template's, so their gradients do too, read as the template's are. Returns where the
+    template's inputs are among the primal inputs, `first:end`."""
+    template, copies = deep.template, deep.copies
+    mine = deep.blocks[template]
     index = {p: i for i, p in enumerate(primals)}
-    end = index[mine.inputs[-1]] + 1
-    added = [torch.fx.map_arg(grads[index[p]], reads(template + c, template)) for c in range(1, copies + 1)
+    first, end = index[mine.inputs[0]], index[mine.inputs[-1]] + 1
+    added = [torch.fx.map_arg(grads[index[p]], deep.reads(template + c, template)) for c in range(1, copies + 1)
              for p in mine.inputs]
-    output.args = (tuple(_stamped_outputs(list(output.args[0]), num_fwd_outputs, index[mine.inputs[0]], end, added)),)
+    output.args = (tuple(_stamped_outputs(list(output.args[0]), num_fwd_outputs, first, end, added)),)
     if "desc" in output.meta:  # AOTAutograd's description of each output, which its partitioner zips with them
         descs = list(output.meta["desc"])
-        output.meta["desc"] = _stamped_outputs(descs, num_fwd_outputs, index[mine.inputs[0]], end,
-                                               descs[num_fwd_outputs + index[mine.inputs[0]]:num_fwd_outputs + end] * copies)
-    graph.lint()
-    joint.recompile()
-    first, width = index[mine.inputs[0]], len(mine.inputs)
+        output.meta["desc"] = _stamped_outputs(descs, num_fwd_outputs, first, end,
+                                               descs[num_fwd_outputs + first:num_fwd_outputs + end] * copies)
+    return first, end
+
+
+def _stamped_static_indices(static: list[int], first: int, end: int, copies: int) -> list[int]:
+    """AOTAutograd's static input indices `static` of the traced graph, after each copy's inputs
+    went in after the template's (`first:end`): later inputs move up, and a copy's input is static
+    where the template's is."""
+    width = end - first
     return sorted([i if i < end else i + copies * width for i in static]
                   + [end + (c - 1) * width + (i - first) for c in range(1, copies + 1) for i in range(first, end)
                      if i in static])

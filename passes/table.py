@@ -29,7 +29,8 @@ from .check_collectives import CHECK_COLLECTIVES_ENV, check_collectives
 from .cost_model import CostModel, HardwareProfile, Profile
 from .gloo import plain_all_gathers_on_gloo, reduce_scatters_in_place_on_gloo
 from .pipeline import GraphPass
-from .reorder import pin_order, reorder_for_overlap
+from .pin_order import pin_order
+from .reorder import reorder_for_overlap
 from .reshard import tag_reshard_after_forward
 from .tp_overlap import overlap_tp_all_reduces
 from .unshard_selection import select_unsharded
@@ -279,7 +280,7 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec(
         "pin_order", pin_order, Stage.LOWER,
         "`control_deps` edges so that Inductor's scheduler keeps the planned order of collectives, waits and "
-        "compute (passes/reorder.py)",
+        "compute (passes/pin_order.py)",
         inductor_only=True,
     ),
 )

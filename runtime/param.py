@@ -19,8 +19,9 @@ layout as the unsharded model; gradients are packed from `grad.movedim(k, 0)` (`
 The DTensor shard is `Shard(k)`: rank r's slice of dim k, which is the same chunking moved back.
 
 Beside it: the mesh it is sharded over (runtime/mesh_info.py), a tensor-parallel parameter's layout
-(runtime/tp_layout.py), the all-gather extensions a shard may bring (runtime/all_gather_extensions.py,
-which `ShardedParam` inherits), and freeing and refilling storage (runtime/storage.py).
+and its tp DTensor (runtime/tp_layout.py), the all-gather extensions a shard may bring
+(runtime/all_gather_extensions.py, which `ShardedParam` inherits), and freeing and refilling storage
+(runtime/storage.py).
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from .all_gather_extensions import AllGatherExtensions
 from .mesh_info import MeshInfo
 from .policies import MixedPrecisionPolicy
 from .storage import contiguous_stride, refill
-from .tp_layout import TensorParallelLayout, sharded_layout
+from .tp_layout import sharded_layout, tensor_parallel_layout
 
 
 # Set on every sharded parameter, and on each original parameter `fully_shard` took, naming its
@@ -94,35 +95,7 @@ class ShardedParam(AllGatherExtensions):
         self.orig_size = param.size()  # the global shape, for a tensor-parallel parameter too
         # The dtype the module computes with when it is not the shard's: see `unsharded_dtype`.
         self.param_dtype = param_dtype
-
-        # See [Note: Sharding a tensor-parallel parameter] in runtime/tp_layout.py: below, `param` is the
-        # tp-local tensor. `spmd_axes`: the shard and replicate axes of `dp_mesh_dims` on the
-        # parameter's own mesh ([Note: Parameters on the whole SPMD mesh]).
-        self.tp = (
-            TensorParallelLayout(param.device_mesh, tuple(param.placements), *spmd_axes)
-            if isinstance(param, DTensor) else None
-        )
-        if self.tp is not None:
-            param = param.to_local()
-        self.local_size = param.size()  # the shape the module computes with on this rank
-        self.shard_dim = shard_dim
-        self.sharded_mesh, self.placements = sharded_layout(mesh_info, shard_dim, self.tp)
-        # The shape of the parameter with the shard dim first, the layout the collectives move.
-        self.moved_size = param.movedim(shard_dim, 0).size()
-
-        world, rank = mesh_info.shard_size, mesh_info.shard_rank
-        dim0 = self.moved_size[0]
-        self.row_numel = math.prod(self.moved_size[1:])
-        self.padded_dim0 = math.ceil(dim0 / world)
-        self.shard_numel = self.padded_dim0 * self.row_numel
-        self.row_start = min(rank * self.padded_dim0, dim0)  # this rank's first row of the full tensor
-        self.num_valid_rows = min(self.padded_dim0, dim0 - self.row_start)
-
-        local = self.own_rows(param.detach())
-        local = local.clone() if local.is_meta else local.to(shard_device, copy=True)
-        local = local.contiguous()
-        # The sharded parameter as last followed; `sharded_param` is the one the module holds now.
-        self.followed_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
+        local = self._init_sharded_param(param, shard_dim, spmd_axes)
         self._installed = False  # until `install` first registers it on the owners
         # (id, TensorImpl) of the sharded parameter when it was last followed: a new object, or
         # the same one after `torch.utils.swap_tensors`, has lost our hooks and attribute.
@@ -157,6 +130,38 @@ class ShardedParam(AllGatherExtensions):
         self.host_copy_pending = False
 
     # -- sharded side --------------------------------------------------------------------------
+
+    def _init_sharded_param(
+        self, param: nn.Parameter, shard_dim: int, spmd_axes: tuple[tuple[int, ...], tuple[int, ...]]
+    ) -> torch.Tensor:
+        """Lay out this rank's rows of `param` (the module docstring's layout) and make the sharded
+        parameter of them; returns its local tensor."""
+        # See [Note: Sharding a tensor-parallel parameter] in runtime/tp_layout.py: below, `param` is the
+        # tp-local tensor. `spmd_axes`: the shard and replicate axes of `dp_mesh_dims` on the
+        # parameter's own mesh ([Note: Parameters on the whole SPMD mesh]).
+        self.tp = tensor_parallel_layout(param, spmd_axes)
+        if self.tp is not None:
+            param = param.to_local()
+        self.local_size = param.size()  # the shape the module computes with on this rank
+        self.shard_dim = shard_dim
+        self.sharded_mesh, self.placements = sharded_layout(self.mesh_info, shard_dim, self.tp)
+        # The shape of the parameter with the shard dim first, the layout the collectives move.
+        self.moved_size = param.movedim(shard_dim, 0).size()
+
+        world, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
+        dim0 = self.moved_size[0]
+        self.row_numel = math.prod(self.moved_size[1:])
+        self.padded_dim0 = math.ceil(dim0 / world)
+        self.shard_numel = self.padded_dim0 * self.row_numel
+        self.row_start = min(rank * self.padded_dim0, dim0)  # this rank's first row of the full tensor
+        self.num_valid_rows = min(self.padded_dim0, dim0 - self.row_start)
+
+        local = self.own_rows(param.detach())
+        local = local.clone() if local.is_meta else local.to(self.shard_device, copy=True)
+        local = local.contiguous()
+        # The sharded parameter as last followed; `sharded_param` is the one the module holds now.
+        self.followed_param = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
+        return local
 
     def pin_shard(self) -> None:
         """Pin the (CPU-offloaded) shard in page-locked memory: its copies to the GPU can overlap.
@@ -369,14 +374,7 @@ class ShardedParam(AllGatherExtensions):
     def tp_local(self, full: torch.Tensor) -> torch.Tensor:
         """This tp rank's piece of a global tensor of this parameter's shape (the tensor itself
         without tensor parallelism): DTensor's chunking, as `distribute_tensor` cuts it."""
-        if self.tp is None:
-            return full
-        for axis, placement in enumerate(self.tp.placements):
-            if isinstance(placement, Shard):
-                pieces = torch.chunk(full, self.tp.mesh.size(axis), dim=placement.dim)
-                rank = self.tp.mesh.get_local_rank(axis)
-                full = pieces[rank] if rank < len(pieces) else full.narrow(placement.dim, 0, 0)
-        return full
+        return full if self.tp is None else self.tp.local_piece(full)
 
     def install(self, sharded: bool) -> None:
         """Register the sharded or the unsharded parameter on every owner module."""
@@ -444,15 +442,7 @@ class ShardedParam(AllGatherExtensions):
     def tp_dtensor(self, local: torch.Tensor) -> DTensor:
         """The tp-local unsharded tensor `local` as the tp DTensor `parallelize_module` made. Its
         backward hands `local` the gradient on the tp placements (e.g. Partial summed to Replicate)."""
-        if self.tp.dp_axes:  # [Note: Parameters on the whole SPMD mesh]
-            return _OnWholeMesh.apply(
-                local, self.tp.mesh, self.tp.placements, tuple(sorted(self.tp.dp_axes)),
-                self.orig_size, contiguous_stride(self.orig_size),
-            )
-        return DTensor.from_local(
-            local, self.tp.mesh, self.tp.placements, run_check=False,
-            shape=self.orig_size, stride=contiguous_stride(self.orig_size),
-        )
+        return self.tp.dtensor(local, self.orig_size)
 
     def unsharded_tensors(self) -> tuple[torch.Tensor, ...]:
         """The unsharded parameter and, for a tp DTensor, its local tensor (whose versions copy-out keeps)."""
@@ -462,12 +452,7 @@ class ShardedParam(AllGatherExtensions):
 
     def _local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient of the unsharded parameter as the local tensor the reduce-scatter packs."""
-        if not isinstance(grad, DTensor):
-            return grad
-        placements = self.tp.grad_placements(tuple(grad.placements))
-        if tuple(grad.placements) != placements:  # e.g. Partial where the parameter is Replicate
-            grad = grad.redistribute(placements=placements)
-        return grad.to_local()
+        return self.tp.local_grad(grad) if isinstance(grad, DTensor) else grad
 
     def finish_copy_out(self) -> None:
         """Shard dim k > 0: move the gathered rows into the parameter's layout, free the staging."""
@@ -588,33 +573,6 @@ def _note_parameter_registered(module: nn.Module, name: str, param: nn.Parameter
     owner = getattr(old, OWNER_ATTR, None) if old is not None and old is not param else None
     if owner is not None:
         owner.on_replaced()
-
-
-class _OnWholeMesh(torch.autograd.Function):
-    """The unsharded local tensor as a DTensor on the whole SPMD mesh; its backward hands the
-    local tensor the gradient as FSDP2 takes it: moved to the parameter's placements on every axis
-    but the data-parallel ones, where it stays as it is ([Note: Parameters on the whole SPMD mesh]
-    in runtime/tp_layout.py). `DTensor.from_local` would move those too: a gradient labelled
-    `Replicate()` there (a `local_map` output, e.g. torchtitan's embedding) made `Partial()` is
-    divided by the axis size.
-
-    In the graph as one call (`allow_in_graph`): Dynamo would trace the backward once, for a
-    gradient placed as the forward's output, and keep that plan for the real gradient."""
-
-    @staticmethod
-    def forward(ctx, local, mesh, placements, dp_axes, size, stride):
-        ctx.placements, ctx.dp_axes = placements, dp_axes
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=size, stride=stride)
-
-    @staticmethod
-    def backward(ctx, grad):
-        placements = tuple(g if axis in ctx.dp_axes else p for axis, (g, p) in enumerate(zip(grad.placements, ctx.placements)))
-        if tuple(grad.placements) != placements:
-            grad = grad.redistribute(placements=placements)
-        return grad.to_local(), None, None, None, None, None
-
-
-torch._dynamo.allow_in_graph(_OnWholeMesh)
 
 
 def hook_even_if_frozen(param: torch.Tensor, register) -> None:

@@ -1,4 +1,5 @@
-"""How tensor parallelism laid a parameter out before `fully_shard`, and where its shard lives then.
+"""How tensor parallelism laid a parameter out before `fully_shard`, and where its shard lives then;
+the tp DTensor the module computes with, and the tp-local pieces of global tensors and gradients.
 
 [Note: Sharding a tensor-parallel parameter]
 A parameter that tensor parallelism already made a DTensor (`parallelize_module` on a `tp` mesh) is
@@ -31,10 +32,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torch.distributed.tensor import DeviceMesh, Replicate, Shard
+import torch
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .mesh_info import MeshInfo
+from .storage import contiguous_stride
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,46 @@ class TensorParallelLayout:
         return math.prod(
             self.mesh.size(axis) for axis, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim
         )
+
+    def local_piece(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a global tensor of the parameter's shape: DTensor's chunking, as
+        `distribute_tensor` cuts it."""
+        for axis, placement in enumerate(self.placements):
+            if isinstance(placement, Shard):
+                pieces = torch.chunk(full, self.mesh.size(axis), dim=placement.dim)
+                rank = self.mesh.get_local_rank(axis)
+                full = pieces[rank] if rank < len(pieces) else full.narrow(placement.dim, 0, 0)
+        return full
+
+    def dtensor(self, local: torch.Tensor, size: torch.Size) -> DTensor:
+        """The tp-local unsharded tensor `local` as the DTensor `parallelize_module` made, of global
+        shape `size`. Its backward hands `local` the gradient on the tp placements (e.g. Partial
+        summed to Replicate)."""
+        if self.dp_axes:  # [Note: Parameters on the whole SPMD mesh]
+            return _OnWholeMesh.apply(
+                local, self.mesh, self.placements, tuple(sorted(self.dp_axes)), size, contiguous_stride(size),
+            )
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=size, stride=contiguous_stride(size),
+        )
+
+    def local_grad(self, grad: DTensor) -> torch.Tensor:
+        """A gradient of the unsharded parameter as the local tensor the reduce-scatter packs."""
+        placements = self.grad_placements(tuple(grad.placements))
+        if tuple(grad.placements) != placements:  # e.g. Partial where the parameter is Replicate
+            grad = grad.redistribute(placements=placements)
+        return grad.to_local()
+
+
+def tensor_parallel_layout(
+    param: torch.Tensor, spmd_axes: tuple[tuple[int, ...], tuple[int, ...]]
+) -> TensorParallelLayout | None:
+    """How tensor parallelism laid `param` out, or None for a plain tensor. `spmd_axes`: the shard
+    and replicate axes of `dp_mesh_dims` on the parameter's own mesh ([Note: Parameters on the
+    whole SPMD mesh])."""
+    if not isinstance(param, DTensor):
+        return None
+    return TensorParallelLayout(param.device_mesh, tuple(param.placements), *spmd_axes)
 
 
 def sharded_layout(
@@ -108,3 +151,29 @@ def _spmd_sharded_layout(mesh_info: MeshInfo, shard_dim: int, tp: TensorParallel
             meshes.append(tp.mesh[names[axis]])
             placements.append(placement)
     return DeviceMesh._concatenate(meshes), tuple(placements)
+
+
+class _OnWholeMesh(torch.autograd.Function):
+    """The unsharded local tensor as a DTensor on the whole SPMD mesh; its backward hands the
+    local tensor the gradient as FSDP2 takes it: moved to the parameter's placements on every axis
+    but the data-parallel ones, where it stays as it is ([Note: Parameters on the whole SPMD mesh]).
+    `DTensor.from_local` would move those too: a gradient labelled `Replicate()` there (a
+    `local_map` output, e.g. torchtitan's embedding) made `Partial()` is divided by the axis size.
+
+    In the graph as one call (`allow_in_graph`): Dynamo would trace the backward once, for a
+    gradient placed as the forward's output, and keep that plan for the real gradient."""
+
+    @staticmethod
+    def forward(ctx, local, mesh, placements, dp_axes, size, stride):
+        ctx.placements, ctx.dp_axes = placements, dp_axes
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=size, stride=stride)
+
+    @staticmethod
+    def backward(ctx, grad):
+        placements = tuple(g if axis in ctx.dp_axes else p for axis, (g, p) in enumerate(zip(grad.placements, ctx.placements)))
+        if tuple(grad.placements) != placements:
+            grad = grad.redistribute(placements=placements)
+        return grad.to_local(), None, None, None, None, None
+
+
+torch._dynamo.allow_in_graph(_OnWholeMesh)
