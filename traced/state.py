@@ -240,6 +240,7 @@ class TracedState(FSDPState):
             return False  # a parameter held outside the module
         return owns_its_submodules(self.region_id)
 
+
 # Dynamo inlines these hooks when it traces a module call, and runs them eagerly (the fallback) when
 # it runs the call itself. See [Note: Fallback to the eager hooks] in traced/hooks.py.
 hooks.skip_when_not_inlined(
