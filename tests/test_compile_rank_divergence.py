@@ -432,8 +432,8 @@ def test_a_rank_falling_back_keeps_hsdps_all_reduces_in_the_graphs_order(buckets
 
 def _one_process_group_after_another(rank, world_size, store_path):
     """The graph break on rank 0 in one process group, then ranks that compile the same graphs in a
-    second one: whether the first saw the ranks diverge, and the second's decisions and whether it
-    saw them diverge. Each group has a store of its own: torch's gloo rendezvous on a store that
+    second one: whether the first saw the ranks diverge, and every rank's decisions in the second
+    and whether it saw them diverge. Each group has a store of its own: torch's gloo rendezvous on a store that
     kept the last group's keys hangs when one rank leaves that group later than the other (torch
     alone)."""
     stores = [dist.PrefixStore(f"group{k}", dist.FileStore(store_path, world_size)) for k in range(2)]
@@ -442,7 +442,9 @@ def _one_process_group_after_another(rank, world_size, store_path):
     _, detected_on_rank1 = _graph_break_on_one_rank(rank, world_size, "aot_eager", False, True)[1]
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=stores[1], rank=rank, world_size=world_size)
-    return detected_on_rank1, _batches_of_other_sizes(rank, world_size)
+    every_rank = [None] * world_size
+    dist.all_gather_object(every_rank, _batches_of_other_sizes(rank, world_size))
+    return detected_on_rank1, every_rank
 
 
 def test_a_new_process_group_starts_a_fresh_log():
@@ -454,7 +456,7 @@ def test_a_new_process_group_starts_a_fresh_log():
     import tempfile
 
     with tempfile.TemporaryDirectory() as directory:
-        (detected, on_rank0), (_, on_rank1) = run_ranks(_one_process_group_after_another, 2, f"{directory}/store")
+        detected, (on_rank0, on_rank1) = run_ranks(_one_process_group_after_another, 2, f"{directory}/store")
     assert detected, "the first process group's ranks did not diverge"
     assert on_rank0 == on_rank1 == ([False], False), (on_rank0, on_rank1)
 
