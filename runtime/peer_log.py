@@ -38,13 +38,8 @@ _PREFIX = "fsdp_graph/peer_log"
 
 class PeerLog:
     """One default process group's log: this rank's sequences, one per set of ranks, and the sets
-    whose sequences no longer line up.
-
-    Attributes:
-        out_of_step: sets of ranks (sorted tuples) seen to compile different graphs; their later
-            entries are still written, in order, but no longer compared
-            ([Note: Ranks that compile different graphs]).
-    """
+    of ranks marked out of step (seen to compile different graphs: their later entries are still
+    written, in order, but no longer compared; [Note: Ranks that compile different graphs])."""
 
     def __init__(self, store: dist.Store, rank: int) -> None:
         self._store = store
@@ -52,7 +47,7 @@ class PeerLog:
         # Which of this rank's logs in this store this one is: [Note: One log per process group].
         self._generation = store.add(f"{_PREFIX}/begun/{rank}", 1)
         self._next_index: dict[tuple[int, ...], int] = {}
-        self.out_of_step: set[tuple[int, ...]] = set()
+        self._out_of_step: set[tuple[int, ...]] = set()  # marked by this rank or seen marked by another
 
     @staticmethod
     def of_default_group(begin: bool = True) -> Optional["PeerLog"]:
@@ -69,6 +64,28 @@ class PeerLog:
 
     def _key(self, ranks: tuple[int, ...], index: int, rank: object) -> str:
         return f"{_PREFIX}/{self._generation}/{','.join(map(str, ranks))}/{index}/{rank}"
+
+    def _mark_key(self, ranks: tuple[int, ...]) -> str:
+        return f"{_PREFIX}/{self._generation}/{','.join(map(str, ranks))}/out_of_step"
+
+    def mark_out_of_step(self, ranks: Sequence[int]) -> None:
+        """Mark `ranks` out of step, for every rank of them to see (`out_of_step`)."""
+        ranks = tuple(sorted(ranks))
+        if ranks not in self._out_of_step:
+            self._out_of_step.add(ranks)
+            self._store.set(self._mark_key(ranks), "1")
+
+    def out_of_step(self, ranks: Sequence[int]) -> bool:
+        """Whether any rank has marked `ranks` out of step by now. A mark is written before the
+        marking rank's next entry, so a rank that has read that entry sees the mark."""
+        ranks = tuple(sorted(ranks))
+        if ranks not in self._out_of_step and self._store.check([self._mark_key(ranks)]):
+            self._out_of_step.add(ranks)
+        return ranks in self._out_of_step
+
+    def marked_out_of_step(self) -> frozenset[tuple[int, ...]]:
+        """The sets of ranks this rank has marked, or seen marked, out of step."""
+        return frozenset(self._out_of_step)
 
     def tell(self, ranks: Sequence[int], entry: str) -> Optional[int]:
         """Append `entry` to this rank's sequence for `ranks`; its index, or None if this rank is

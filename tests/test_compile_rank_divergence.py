@@ -430,6 +430,25 @@ def test_a_rank_falling_back_keeps_hsdps_all_reduces_in_the_graphs_order(buckets
     assert {"<root>", "layers.0", "layers.7"} <= fallbacks[1], fallbacks
 
 
+def _another_model_after_a_divergence(rank, world_size):
+    """The graph break on rank 0, then, in the same process group, ranks that compile the same
+    graphs: every rank's decisions for the second model and whether it saw the ranks diverge."""
+    _graph_break_on_one_rank(rank, world_size, "aot_eager", False, True)
+    every_rank = [None] * world_size
+    dist.all_gather_object(every_rank, _batches_of_other_sizes(rank, world_size))
+    return every_rank
+
+
+def test_a_divergence_one_rank_saw_binds_every_rank():
+    """Rank 1 alone compared a graph of several groups with rank 0's entry (rank 0 ran them on the
+    eager hooks) and found the ranks diverged. A second model, the same graphs on both ranks, then
+    kept program order on rank 1 and the full schedule on rank 0, which had never compared: gloo
+    aborted ("760 vs 232"). The mark is in the log, and both keep program order, with the unsharded
+    model's gradients."""
+    on_rank0, on_rank1 = run_ranks(_another_model_after_a_divergence, 2)
+    assert on_rank0 == on_rank1 == ([True], True), (on_rank0, on_rank1)
+
+
 def _one_process_group_after_another(rank, world_size, store_path):
     """The graph break on rank 0 in one process group, then ranks that compile the same graphs in a
     second one: whether the first saw the ranks diverge, and every rank's decisions in the second

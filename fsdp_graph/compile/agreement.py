@@ -6,7 +6,7 @@ asks for before it schedules a graph (`frame_order`). Each other file keeps one 
 
 - runtime/peer_log.py: each rank's append-only sequence of entries per set of ranks, in the default
   process group's store, one log per process group ([Note: One log per process group]); it also
-  holds which sets of ranks diverged in that process group.
+  holds the marks of the sets of ranks that diverged in that process group, for every rank to see.
 - passes/wire_order.py: computes a scheduled graph's wire order, and makes a graph issue a given one
   (`order_collectives_as`).
 - runtime/wire_plan.py: a call that falls back to the eager hooks replays the frame's recorded wire
@@ -25,7 +25,7 @@ grad mode) go through the others.
     ---------  ---------------------------------------------  ---------------------------------------
     agree      the process group's log begins                 a graph of several groups is told and
                                                               compared with the others' entry
-    diverged   a comparison found different graphs            a graph of several groups is told, not
+    diverged   a rank found different graphs, and marked it   a graph of several groups is told, not
                                                               compared, and keeps program order
     first      Dynamo compiles a frame's first graph          asks (agree or diverged), is scheduled
                                                               as told, records its wire orders
@@ -48,9 +48,10 @@ Transitions.
     agree      a rank told nothing in time (it runs a graph it compiled       agree
                before): the graph keeps the full schedule
     agree      different graphs, or a group eager on one rank where another   diverged
-               traced it
+               traced it (the rank that sees it marks the log); or the lowest
+               rank finds the set marked after reading the others' entries
     diverged   any graph of several groups                                    diverged
-    any        `destroy_process_group` and `init_process_group`               agree (a fresh log)
+    diverged   the process group destroyed and another initialised            agree (a fresh log)
     first      both of its orders recorded (and written beside the caches)    recorded
     recorded   Dynamo compiles the frame again on one rank                    recompile
     recompile  its graphs issue the recorded order                            recorded
@@ -79,7 +80,11 @@ of several groups waits for the others' entry at the same place in that sequence
 lowest rank compares every rank's entry with its own and writes the verdict; the others compare
 theirs with the lowest rank's and read the verdict. The first time the graphs differ, the set of
 ranks is diverged: that graph, and every later one of several groups, keeps program order, as
-`rank_divergent_graphs` does, and a warning says why. Ranks that compile the same graphs wait only
+`rank_divergent_graphs` does, and a warning says why. The rank that finds the difference may be the
+only one to compare (the lowest rank ran those groups on the eager hooks, and told no graph to
+compare), so it marks the set in the log before its next entry; every rank checks the mark before it
+compares, and the lowest rank again after it read the others' entries, so a later graph cannot keep
+the full schedule on one rank and program order on another. Ranks that compile the same graphs wait only
 for each other's tracing; a rank that runs the groups eagerly, or traces them one by one, is seen at
 once. The same graph on inputs of other shapes (each rank's own sequence length, or its own value of
 a dynamic size) is scheduled with other costs, which may order its collectives differently: such a
@@ -210,7 +215,7 @@ def diverged(gm: GraphModule, example_inputs: Sequence, ranks: Sequence[int],
     index = log.tell(ranks, entry)
     if index is None or len(groups) < 2:  # one group's order needs no agreement
         return False
-    if ranks in log.out_of_step:
+    if log.out_of_step(ranks):  # this rank or another saw them diverge
         if dist.get_rank() == ranks[0]:
             log.decide(ranks, index, _GRAPHS + "the ranks diverged before")
         return True
@@ -219,7 +224,7 @@ def diverged(gm: GraphModule, example_inputs: Sequence, ranks: Sequence[int],
         return False
     kind, why = verdict[:1], verdict[1:]
     if kind == _GRAPHS:  # the sequences may no longer line up: never ask again
-        log.out_of_step.add(ranks)
+        log.mark_out_of_step(ranks)
         logger.warning(
             "fsdp_graph: the ranks compiled different graphs (%s); from here on, graphs of several groups "
             "keep each group's collectives in program order, as with fsdp_graph.backend(rank_divergent_graphs="
@@ -233,7 +238,7 @@ def diverged(gm: GraphModule, example_inputs: Sequence, ranks: Sequence[int],
 def diverged_ranks() -> frozenset[tuple[int, ...]]:
     """The sets of ranks seen to compile different graphs in the default process group's log."""
     log = PeerLog.of_default_group(begin=False)
-    return frozenset() if log is None else frozenset(log.out_of_step)
+    return frozenset() if log is None else log.marked_out_of_step()
 
 
 def _verdict(log: PeerLog, ranks: tuple[int, ...], index: int, entry: str, timeout_s: float) -> str:
@@ -251,6 +256,8 @@ def _verdict(log: PeerLog, ranks: tuple[int, ...], index: int, entry: str, timeo
             if why.startswith(_GRAPHS):
                 verdict = why
                 break
+        if not verdict.startswith(_GRAPHS) and log.out_of_step(ranks):  # read after their entries
+            verdict = _GRAPHS + "another rank saw the ranks diverge before"
         log.decide(ranks, index, verdict)
         return verdict
     verdict = _compare(log, ranks, index, leader, entry, deadline)
@@ -271,7 +278,9 @@ def _input_shapes(example_inputs: Sequence) -> str:
     return ",".join(shapes)
 
 
-def _compare(log: PeerLog, ranks: tuple[int, ...], index: int, other: int, entry: str, deadline: float) -> Optional[str]:
+def _compare(
+    log: PeerLog, ranks: tuple[int, ...], index: int, other: int, entry: str, deadline: float
+) -> Optional[str]:
     """"" if rank `other`'s entry `index` is `entry`, else a verdict (its kind, then why); None if
     that rank told nothing by `deadline` (`time.monotonic()`)."""
     theirs = log.read(ranks, index, other, max(0.0, deadline - time.monotonic()))
