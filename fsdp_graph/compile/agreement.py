@@ -84,11 +84,11 @@ ranks is diverged: that graph, and every later one of several groups, keeps prog
 only one to compare (the lowest rank ran those groups on the eager hooks, and told no graph to
 compare), so it marks the set in the log before its next entry; every rank checks the mark before it
 compares, and the lowest rank again after it read the others' entries, so a later graph cannot keep
-the full schedule on one rank and program order on another. Ranks that compile the same graphs wait only
-for each other's tracing; a rank that runs the groups eagerly, or traces them one by one, is seen at
-once. The same graph on inputs of other shapes (each rank's own sequence length, or its own value of
-a dynamic size) is scheduled with other costs, which may order its collectives differently: such a
-graph alone keeps program order, and later graphs are compared again.
+the full schedule on one rank and program order on another. Ranks that compile the same graphs wait
+only for each other's tracing; a rank that runs the groups eagerly, or traces them one by one, is
+seen at once. The same graph on inputs of other shapes (each rank's own sequence length, or its own
+value of a dynamic size) is scheduled with other costs, which may order its collectives
+differently: such a graph alone keeps program order, and later graphs are compared again.
 
 A graph Dynamo compiles again for a frame it compiled before asks nobody: [Note: One wire order per
 frame]. A rank whose whole call first falls back to the eager hooks in a later step asks nobody
