@@ -96,7 +96,7 @@ def _shard_blocks(model: MLPStack, break_on_rank0: bool = True) -> MLPStack:
 
 
 def _graph_break_on_one_rank(rank, world_size, compiler, flag, break_on_rank0):
-    from fsdp_graph.compile.agreement import AGREEMENT
+    from fsdp_graph.compile.agreement import diverged_ranks
 
     torch.manual_seed(0)
     backend = fsdp_graph.backend(compiler=compiler, rank_divergent_graphs=flag)
@@ -105,7 +105,7 @@ def _graph_break_on_one_rank(rank, world_size, compiler, flag, break_on_rank0):
         bitwise=compiler == "aot_eager",
     )
     detected = [None] * world_size
-    dist.all_gather_object(detected, bool(AGREEMENT._diverged))
+    dist.all_gather_object(detected, bool(diverged_ranks()))
     return list(zip(_fallbacks_per_rank(result["fallbacks"]), detected))
 
 
@@ -136,8 +136,8 @@ def _batches_of_other_sizes(rank, world_size):
     reference = MLPStack(num_blocks=3)
     model = _shard_blocks(copy.deepcopy(reference), break_on_rank0=False)
     decisions = []
-    diverged = agreement.AGREEMENT.diverged
-    agreement.AGREEMENT.diverged = lambda *a, **k: decisions.append(diverged(*a, **k)) or decisions[-1]
+    diverged = agreement.diverged
+    agreement.diverged = lambda *a, **k: decisions.append(diverged(*a, **k)) or decisions[-1]
     compiled = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager"))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -154,7 +154,7 @@ def _batches_of_other_sizes(rank, world_size):
         for o in (ref_opt, opt):
             o.step()
             o.zero_grad()
-    return decisions, bool(agreement.AGREEMENT._diverged)
+    return decisions, bool(agreement.diverged_ranks())
 
 
 def test_same_graphs_keep_the_schedule_and_a_recompile_keeps_the_wire_order():
@@ -180,8 +180,8 @@ def _per_rank_padding(rank, world_size, impl, layers=2, regions="marked"):
     from fsdp_graph.compile import agreement
 
     asked = []
-    diverged = agreement.AGREEMENT.diverged
-    agreement.AGREEMENT.diverged = lambda *a, **k: asked.append(1) or diverged(*a, **k)
+    diverged = agreement.diverged
+    agreement.diverged = lambda *a, **k: asked.append(1) or diverged(*a, **k)
     torch.manual_seed(0)
     model = shard_llama(tiny_llama(layers), fully_shard if impl == "ours" else torch_fully_shard)
     run = torch.compile(model, backend=fsdp_graph.backend(compiler="aot_eager", regions=regions)) if impl == "ours" else model
@@ -242,8 +242,8 @@ def _per_rank_padding_inductor(rank, world_size, cache_dir, autograd_cache=True,
     from fsdp_graph.compile import agreement
 
     asked = []
-    diverged = agreement.AGREEMENT.diverged
-    agreement.AGREEMENT.diverged = lambda *a, **k: asked.append(1) or diverged(*a, **k)
+    diverged = agreement.diverged
+    agreement.diverged = lambda *a, **k: asked.append(1) or diverged(*a, **k)
     torch.manual_seed(0)
     reference = tiny_llama(2)
     model = shard_llama(copy.deepcopy(reference), fully_shard)
@@ -428,3 +428,71 @@ def test_a_rank_falling_back_keeps_hsdps_all_reduces_in_the_graphs_order(buckets
     fallbacks = run_ranks(_falls_back_at_the_recompile_limit, 4, buckets, (2, 2), timeout_s=240)
     assert [f == set() for f in fallbacks] == [True, False, True, True], fallbacks
     assert {"<root>", "layers.0", "layers.7"} <= fallbacks[1], fallbacks
+
+
+def _another_model_after_a_divergence(rank, world_size):
+    """The graph break on rank 0, then, in the same process group, ranks that compile the same
+    graphs: every rank's decisions for the second model and whether it saw the ranks diverge."""
+    _graph_break_on_one_rank(rank, world_size, "aot_eager", False, True)
+    every_rank = [None] * world_size
+    dist.all_gather_object(every_rank, _batches_of_other_sizes(rank, world_size))
+    return every_rank
+
+
+def test_a_divergence_one_rank_saw_binds_every_rank():
+    """Rank 1 alone compared a graph of several groups with rank 0's entry (rank 0 ran them on the
+    eager hooks) and found the ranks diverged. A second model, the same graphs on both ranks, then
+    kept program order on rank 1 and the full schedule on rank 0, which had never compared: gloo
+    aborted ("760 vs 232"). The mark is in the log, and both keep program order, with the unsharded
+    model's gradients."""
+    on_rank0, on_rank1 = run_ranks(_another_model_after_a_divergence, 2)
+    assert on_rank0 == on_rank1 == ([True], True), (on_rank0, on_rank1)
+
+
+def _one_process_group_after_another(rank, world_size, store_path):
+    """The graph break on rank 0 in one process group, then ranks that compile the same graphs in a
+    second one: whether the first saw the ranks diverge, and every rank's decisions in the second
+    and whether it saw them diverge. Each group has a store of its own: torch's gloo rendezvous on a store that
+    kept the last group's keys hangs when one rank leaves that group later than the other (torch
+    alone)."""
+    stores = [dist.PrefixStore(f"group{k}", dist.FileStore(store_path, world_size)) for k in range(2)]
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=stores[0], rank=rank, world_size=world_size)
+    _, detected_on_rank1 = _graph_break_on_one_rank(rank, world_size, "aot_eager", False, True)[1]
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=stores[1], rank=rank, world_size=world_size)
+    every_rank = [None] * world_size
+    dist.all_gather_object(every_rank, _batches_of_other_sizes(rank, world_size))
+    return detected_on_rank1, every_rank
+
+
+def test_a_new_process_group_starts_a_fresh_log():
+    """The peer log, and which ranks it saw diverge, are the default process group's ([Note: One
+    log per process group] in runtime/peer_log.py): after the ranks diverged in one process group,
+    a new one compares its first graph again and keeps the full schedule where the ranks compile
+    the same graphs. Before, the divergence outlived the group, and every graph of several groups
+    in the next one kept program order without asking."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        detected, (on_rank0, on_rank1) = run_ranks(_one_process_group_after_another, 2, f"{directory}/store")
+    assert detected, "the first process group's ranks did not diverge"
+    assert on_rank0 == on_rank1 == ([False], False), (on_rank0, on_rank1)
+
+
+def test_a_log_on_a_store_that_kept_an_earlier_log_reads_none_of_its_entries():
+    """A store may outlive its process group and keep the old log's keys (a FileStore on the same
+    path, torchrun's store): each rank's k-th log is the same group's, and a new log reads only its
+    own entries. One process, two ranks' logs on one store."""
+    from fsdp_graph.runtime.peer_log import PeerLog
+
+    store, ranks = dist.HashStore(), (0, 1)
+    old = [PeerLog(store, rank) for rank in ranks]
+    for rank, log in enumerate(old):
+        assert log.tell(ranks, f"old entry of rank {rank}") == 0
+    old[0].decide(ranks, 0, "old verdict")
+    new = [PeerLog(store, rank) for rank in ranks]
+    assert new[0].tell(ranks, "new entry of rank 0") == 0
+    assert new[1].read(ranks, 0, 0, timeout_s=1.0) == "new entry of rank 0"
+    assert new[0].read(ranks, 0, 1, timeout_s=0.01) is None  # rank 1 told nothing in the new log
+    assert new[1].read(ranks, 0, "verdict", timeout_s=0.01) is None

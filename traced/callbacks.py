@@ -25,11 +25,12 @@ import torch
 # - The block kinds a trace traced inline (`_kinds_traced`, traced/kinds.py): owned by the
 #   trace under way (its TracingContext, weakly), not by its compile id, which starts again at 0
 #   after a reset.
-# - Frames' wire orders (fsdp_graph/compile/agreement.py): per root context, weakly. What the
-#   agreement keeps per set of ranks (whether they diverged) and the peer log's next index
-#   (runtime/peer_log.py) describe the ranks' shared log in the process group's store, one sequence
-#   every model's graphs count in: they belong to the log, not to a model; a divergence seen with
-#   one model keeps later graphs of several groups in program order (the same numbers, unmerged).
+# - Frames' wire orders (fsdp_graph/compile/agreement.py): per root context, weakly. The peer log
+#   (runtime/peer_log.py: each rank's next index per set of ranks, and the sets marked diverged)
+#   belongs to the default process group it is kept in (weakly, per group object): a new process
+#   group starts a fresh log ([Note: One log per process group]). Within one process group it is
+#   one sequence every model's graphs count in: a divergence seen with one model keeps later graphs
+#   of several groups in program order (the same numbers, unmerged).
 # - The default mesh per device type (fsdp_graph/api/mesh.py): tied to the default process group
 #   it was made for; a new group gets a new mesh.
 # - One `FSDP<Cls>` class per user class, with a `__call__` code object of its own

@@ -28,14 +28,14 @@ from torch._dynamo.backends.debugging import AOTEagerOutputCode, boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule
 
-from .agreement import AGREEMENT, FrameWireOrder, graph_groups
-from .cache_key import (
-    KeyOnly, hash_checkpoint_policies, local_shapes, own_sources_digest, stable_cache_keys, wire_orders_file,
-)
+from . import agreement
+from .agreement import FrameWireOrder
+from .cache_key import KeyOnly, hash_checkpoint_policies, local_shapes, own_sources_digest, stable_cache_keys
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, partition
 from .pieces import compile_in_pieces, inline_regions
 from .option_docs import field_docs
+from .owners import RecordFallbacks, owners_of
 from .region_schema import region_schemas_once
 from ..passes.nodes import fsdp_meta, is_backward_graph, is_region_call
 from ..passes.pipeline import GraphPass, PassPipeline
@@ -45,8 +45,6 @@ from ..passes.table import OPTIONS, PASS_NAMES, Stage
 from ..passes.unshard_selection import FIRST_BACKWARD_GATHERS_META
 from ..traced.scope import REGIONS, REGIONS_ATTR, SCOPE_ATTR, SCOPES, Regions, Scope
 from ..runtime.meta import GROUP_KEY
-from ..runtime.param import OWNER_ATTR
-from ..runtime.param_group import ParamGroup
 
 logger = logging.getLogger(__name__)
 
@@ -220,32 +218,9 @@ def _graph_id() -> str:
     return f"frame_{compile_id.frame_id}_{compile_id.frame_compile_id}"
 
 
-def _ranks_of(owners: list) -> list[int]:
-    """The ranks of the meshes the graph's sharded parameters live on."""
-    return sorted({r for o in owners for r in o.mesh_info.ranks})
-
-
-def _sharded_param_of(t: Any):
-    """The `ShardedParam` a graph input belongs to: a sharded parameter, or an unsharded one that
-    the eager runtime reduces (a group that fell back); None for anything else."""
-    owner = getattr(t, OWNER_ATTR, None)
-    if owner is not None:
-        return owner
-    for hook in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).values():
-        group = getattr(hook, "__self__", None)
-        if isinstance(group, ParamGroup):
-            return group.params[0]
-    return None
-
-
-def _root_of(owner) -> Any:
-    """The root context of a sharded parameter (`_sharded_param_of`'s answer)."""
-    return owner.group_modules[0]._fsdp_state.ctx
-
-
 def _check_sharded(gm: GraphModule, example_inputs: list) -> list:
     """Raise if the graph reads parameters but none of them is fsdp_graph's; return the owners."""
-    owners = [o for o in map(_sharded_param_of, example_inputs) if o is not None]
+    owners = owners_of(example_inputs)
     traced_groups = any(fsdp_meta(n, GROUP_KEY) for n in gm.graph.nodes)
     has_params = any(isinstance(t, torch.nn.Parameter) for t in example_inputs)
     if has_params and not owners and not traced_groups:
@@ -294,14 +269,11 @@ class FSDPGraphBackend:
         owners = _check_sharded(gm, example_inputs)
         if self.config.rank_divergent_graphs:
             return self._compile(gm, example_inputs, owners, None)
-        # [Note: Ranks that compile different graphs] in fsdp_graph/compile/agreement.py
-        root = _root_of(owners[0]) if owners else None
+        # Ask before scheduling: the protocol's states are in fsdp_graph/compile/agreement.py.
         resolved = self.config.resolved_options()
         options = f"{self.config.compiler.value}:{self.config.cache_key((Stage.SCHEDULE,), resolved)}"
-        order, program_order = AGREEMENT.frame_order(gm, example_inputs, _ranks_of(owners), root, options)
-        if self.config.compiler is not Compiler.AOT_EAGER and not order.orders:
-            # the graph may come from Inductor's caches: [Note: Wire orders beside the compile caches]
-            order.keep_beside_caches(wire_orders_file(gm, example_inputs, options, graph_groups(gm)))
+        order, program_order = agreement.frame_order(
+            gm, example_inputs, owners, options, beside_caches=self.config.compiler is not Compiler.AOT_EAGER)
         backend = FSDPGraphBackend(replace(self.config, rank_divergent_graphs=True)) if program_order else self
         return backend._compile(gm, example_inputs, owners, order)
 
@@ -334,7 +306,7 @@ class FSDPGraphBackend:
             compiled = self._compile_with(gm, example_inputs, graph_id, dump, order, False)
         if dump is None:
             return compiled
-        return _RecordFallbacks(compiled, owners, dump)
+        return RecordFallbacks(compiled, owners, dump)
 
     def _compile_with(
         self, gm: GraphModule, example_inputs: list, graph_id: str, dump: Optional[GraphDump],
@@ -464,7 +436,7 @@ def _gloo_rank(example_inputs: list) -> str:
     backward reads this rank's row of each reduce-scatter ([Note: Reduce-scatters on gloo] in
     passes/gloo.py), so it is this rank's own and no other rank may load it from the caches
     ([Note: Rank-independent cache keys])."""
-    groups = {o.mesh_info.shard_group for o in map(_sharded_param_of, example_inputs) if o is not None}
+    groups = {o.mesh_info.shard_group for o in owners_of(example_inputs)}
     if any("gloo" in str(torch.distributed.get_backend(group)) for group in groups):
         return f":rank{torch.distributed.get_rank()}"
     return ""
@@ -587,33 +559,6 @@ def _schedule(
     if dump is not None and dump.directory is not None:
         write_program(dump.directory, f"{graph_id}.{kind}", gm)
     return lower(gm, f"{graph_id}.{kind}")
-
-
-class _RecordFallbacks:
-    """Wraps a compiled graph while dumping: after each call, writes new fallbacks of its roots."""
-
-    def __init__(self, compiled: Callable, owners: list, dump: GraphDump) -> None:
-        self.compiled = compiled
-        self.dump = dump
-        self.roots = []
-        for owner in owners:
-            ctx = _root_of(owner)
-            if all(ctx is not r for r in self.roots):
-                self.roots.append(ctx)
-        self._num_written = -1
-        # Dynamo calls a compiled graph with boxed inputs when the callable says so.
-        self._boxed_call = getattr(compiled, "_boxed_call", False)
-        # `aot_compile` (fsdp_graph.precompile) saves a graph through its `serialize`: it saves the
-        # graph this wraps, which a later launch loads without the dump.
-        self.serialize = getattr(compiled, "serialize", None)
-
-    def __call__(self, *args):
-        out = self.compiled(*args)
-        fallbacks = {name: reason for ctx in self.roots for name, reason in ctx.fallbacks.items()}
-        if len(fallbacks) != self._num_written:
-            self.dump.record_fallbacks(fallbacks)
-            self._num_written = len(fallbacks)
-        return out
 
 
 def backend(config: Optional[BackendConfig] = None, **options: Any) -> FSDPGraphBackend:
