@@ -1,6 +1,7 @@
 """Against torchtitan's graph_trainer on its own model, with the loss inside every compiled graph.
 
-torchtitan 0.3.0's llama3 debug model (its SDPA attention: FlexAttention has no backward on the CPU),
+torchtitan 0.3.0's llama3 debug model with SDPA attention (FlexAttention, its default, has no backward
+on the CPU; graph_trainer builds SDPA language models for its own tests, `build_decoder_config_for_backend`),
 2 gloo ranks, `--seq` tokens per rank, fp32, the same initial weights (built once from one seed and
 loaded into every row), the same batches, AdamW (foreach) at one learning rate, and the same steps
 for every row. Each row is its own pair of `torchrun --nproc-per-node 2` launches of this script: the
@@ -26,15 +27,15 @@ two processes', each of which trains on its own half: only its first step is com
 the FSDP2 row's.
 
 What graph_trainer needs on the CPU, applied at run time in its rows only (printed in the output):
-  1. `--compile.disable_passes cudagraph_pass`, its own option: CUDA graphs have no CPU counterpart, and
-     after full Inductor the pass raises (it wants an FX GraphModule).
-  2. `torch.utils._runtime_estimation.get_device_tflops` and `get_gpu_dram_gbps` return constants
-     (`--cpu-tflops`, `--cpu-gbps`): the manual overlap scheduler of its bucketing pass estimates each
-     node's runtime with them, and they import triton (a GPU package).
-  3. The CPU SDPA kernel (`aten._scaled_dot_product_flash_attention_for_cpu`) joins the save list of
+  1. `torch.utils._runtime_estimation.get_gpu_dram_gbps` returns a constant: the overlap scheduler under
+     its bucketing pass estimates every node's runtime when it is built, and this function imports
+     triton (a GPU package). The value is never used: the manual scheduler it runs ignores estimates.
+     (`get_device_tflops`, the other estimate, already returns 0 on a machine without CUDA.)
+  2. The CPU SDPA kernel (`aten._scaled_dot_product_flash_attention_for_cpu`) joins the save list of
      its graph-level checkpoint policy (graph_trainer's `memory_policy._get_default_save_ops`), as
-     the CUDA SDPA kernels are: else attention is recomputed in backward and its rematerialisation
-     pass refuses the graph (the kernel counts as a random op).
+     the CUDA SDPA kernels are: else attention is recomputed in backward, and its rematerialisation
+     pass refuses the graph (the kernel is tagged `nondeterministic_seeded`, for its dropout).
+Its CUDA-graph pass needs no patch: on the CPU it finds the graph incompatible and skips itself.
 Besides those, every row gets examples/torchtitan_on_cpu.py's `prepare()` (CPU as torchtitan's device,
 placeholder expert-parallel kernels), as examples/benchmark_torchtitan.py's rows do.
 
@@ -65,9 +66,8 @@ NAMES = {"gt-full": "graph_trainer, full Inductor",
          "floor": "no-communication floor (2 processes, each its half)"}
 REFERENCES = {"gt-full": "graph_trainer full", "gt-regional": "graph_trainer regional",
               "fsdp2-compile": "FSDP2 + compile", "floor": "floor"}
-PATCHES = ("graph_trainer: compile.disable_passes=['cudagraph_pass'] (its own option; no CUDA graphs on CPU)",
-           "torch.utils._runtime_estimation.get_device_tflops / get_gpu_dram_gbps -> constants "
-           "(its overlap scheduler's estimates import triton)",
+PATCHES = ("torch.utils._runtime_estimation.get_gpu_dram_gbps -> a constant (it imports triton; graph_trainer's "
+           "manual overlap scheduler computes estimates and never uses them)",
            "graph_trainer memory_policy._get_default_save_ops + aten._scaled_dot_product_flash_attention_for_cpu "
            "(the CPU SDPA kernel saved, as the CUDA ones are)")
 
@@ -82,8 +82,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate, every row")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches")
     parser.add_argument("--budget-mib", type=int, default=1024, help="ours-budget's memory_budget_bytes, in MiB")
-    parser.add_argument("--cpu-tflops", type=float, default=0.1, help="graph_trainer's compute estimate (patch 2)")
-    parser.add_argument("--cpu-gbps", type=float, default=10.0, help="graph_trainer's memory-bandwidth estimate (patch 2)")
     parser.add_argument("--no-priming", action="store_true",
                         help="skip the untimed launch made first (it pays what outlives an Inductor cache folder)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown, with date, machine and command")
@@ -155,14 +153,13 @@ def loss_model(model):
     return LossModel(model)
 
 
-def patch_graph_trainer_for_cpu(args) -> None:
-    """Patches 2 and 3 of the docstring (patch 1 is graph_trainer's own option, set in `graph_trainer_row`)."""
+def patch_graph_trainer_for_cpu() -> None:
+    """The two patches of the docstring."""
     import torch
     import torch.utils._runtime_estimation as runtime_estimation
     from torchtitan.experiments.graph_trainer import memory_policy
 
-    runtime_estimation.get_device_tflops = lambda dtype: args.cpu_tflops
-    runtime_estimation.get_gpu_dram_gbps = lambda: args.cpu_gbps
+    runtime_estimation.get_gpu_dram_gbps = lambda: 100
     save_ops = memory_policy._get_default_save_ops
     memory_policy._get_default_save_ops = lambda: save_ops() | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 
@@ -173,8 +170,8 @@ def graph_trainer_row(args, config, initial: dict, inductor: str):
     from torch.distributed.tensor import distribute_tensor
     from torchtitan.experiments.graph_trainer.configs import GraphTrainerCompileConfig
 
-    patch_graph_trainer_for_cpu(args)
-    config.compile = GraphTrainerCompileConfig(enable=True, inductor_compilation=inductor, disable_passes=["cudagraph_pass"])
+    patch_graph_trainer_for_cpu()
+    config.compile = GraphTrainerCompileConfig(enable=True, inductor_compilation=inductor)
     trainer = config.build()
     model = trainer.model_parts[0]
     with torch.no_grad():
@@ -282,7 +279,7 @@ def launch(args, row: str, cache_dir: str) -> dict:
     """One 2-rank launch of this script's worker with one row; its JSON figures."""
     out = os.path.join(cache_dir, f"{row}.json")
     arguments = ["--worker", row, "--json", out]
-    for flag in ("seq", "layers", "steps", "warmup", "lr", "seed", "budget_mib", "cpu_tflops", "cpu_gbps"):
+    for flag in ("seq", "layers", "steps", "warmup", "lr", "seed", "budget_mib"):
         arguments += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return run_two_ranks(HERE, arguments, out, os.path.join(cache_dir, "inductor"), row)
 
