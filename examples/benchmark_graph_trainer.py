@@ -15,6 +15,9 @@ first with an empty Inductor cache (the cold first step), the second with the ca
     (each block a group of its own) and is what `torch.compile(root, backend="fsdp_graph")` compiles;
   - `ours-budget`: the same with `fsdp_graph.backend(memory_budget_bytes=...)`, which keeps the groups
     that fit unsharded from forward to backward (selective unsharding, docs/compiler.md);
+  - `ours-fast`: the same with `fsdp_graph.backend(compiler="aot_eager")`: our passes schedule the
+    step's graph, which then runs op by op (no kernels compiled), as graph_trainer's regional mode runs
+    everything outside its regions;
   - `fsdp2-compile`: the same module with torch's `fully_shard` and `torch.compile(root)`;
   - `floor`: no communication: 2 processes at once, each its half batch, unsharded, `torch.compile(root)`.
 Each row runs as its users get it by default: graph_trainer with its graph-level activation
@@ -62,6 +65,7 @@ NAMES = {"gt-full": "graph_trainer, full Inductor",
          "gt-regional": "graph_trainer, regional Inductor (its default)",
          "ours-budget": "fsdp_graph whole step, selective unsharding",
          "ours": "fsdp_graph whole step",
+         "ours-fast": "fsdp_graph whole step, fast compile (compiler=\"aot_eager\")",
          "fsdp2-compile": "FSDP2 + torch.compile",
          "floor": "no-communication floor (2 processes, each its half)"}
 REFERENCES = {"gt-full": "graph_trainer full", "gt-regional": "graph_trainer regional",
@@ -205,7 +209,8 @@ def compiled_row(row: str, args, config, initial: dict):
             import fsdp_graph
             from fsdp_graph import fully_shard
 
-            backend = "fsdp_graph" if row == "ours" else fsdp_graph.backend(memory_budget_bytes=args.budget_mib << 20)
+            backend = {"ours": "fsdp_graph", "ours-fast": fsdp_graph.backend(compiler="aot_eager"),
+                       "ours-budget": fsdp_graph.backend(memory_budget_bytes=args.budget_mib << 20)}[row]
         for block in model.layers.values():
             fully_shard(block)
         fully_shard(root)
