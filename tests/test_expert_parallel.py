@@ -188,3 +188,122 @@ def test_expert_parallel_trains_as_torch(world_size):
         assert torch.equal(our_params[n], p), n
     assert our_state_layout == state_layout
     assert reloaded and our_reloaded
+
+
+def _checkpoint_interop(rank, world_size, path):
+    """torch's model trained 2 steps and saved through DCP (model and AdamW state); ours, built with
+    other weights, loads it and steps on with torch's bit for bit. Then the full state dict: ours
+    equals torch's, and a third model takes it with `broadcast_from_rank0`."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+    )
+    import torch.distributed.checkpoint as dcp
+
+    dp, efsdp, ep = _meshes(world_size)
+    theirs = _sharded_model(torch_fully_shard, dp, efsdp, ep)
+    their_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    for step in range(2):
+        _step(theirs, their_opt, step, rank, clip=False)
+    model_state, optim_state = get_state_dict(theirs, their_opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+    torch.manual_seed(1)  # other weights: everything must come from the checkpoint
+    ours = _sharded_model(fully_shard, dp, efsdp, ep)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_()
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    model_state, optim_state = get_state_dict(ours, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(ours, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    steps = [(_step(ours, opt, step, rank, clip=False), _step(theirs, their_opt, step, rank, clip=False)) for step in (2, 3)]
+    same_steps = all(a[0] == b[0] and all(torch.equal(a[1][n], b[1][n]) for n in b[1]) for a, b in steps)
+    same_params = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(ours.parameters(), theirs.parameters()))
+
+    full = StateDictOptions(full_state_dict=True)
+    our_full, their_full = get_model_state_dict(ours, options=full), get_model_state_dict(theirs, options=full)
+    same_full = our_full.keys() == their_full.keys() and all(torch.equal(our_full[k], their_full[k]) for k in their_full)
+    fresh = _sharded_model(fully_shard, dp, efsdp, ep)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(fresh, our_full if rank == 0 else {}, options=options)
+    broadcast = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(fresh.parameters(), ours.parameters()))
+    return [step[0][0] for step in steps], same_steps, same_params, same_full, broadcast
+
+
+@pytest.mark.parametrize("world_size", [4, 2], ids=["efsdp2-ep2", "ep2"])
+def test_expert_parallel_checkpoint_interop_with_torch(world_size, tmp_path):
+    losses, same_steps, same_params, same_full, broadcast = run_ranks(
+        _checkpoint_interop, world_size, str(tmp_path / "checkpoint")
+    )
+    assert losses[0] != losses[1]
+    assert same_steps and same_params  # resumed from torch's checkpoint: bit for bit with torch
+    assert same_full  # full state dicts: the same tensors
+    assert broadcast  # and they load back with broadcast_from_rank0
+
+
+class _TwoMeshLinear(nn.Module):
+    """Torch's per-parameter mesh tests' module: two plain weights, the second one given the
+    efsdp mesh by `shard_placement_fn`, not being an expert-parallel DTensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight_a = nn.Parameter(torch.randn(DIM, DIM) / DIM**0.5)
+        self.weight_b = nn.Parameter(torch.randn(DIM, DIM) / DIM**0.5)
+
+    def forward(self, x):
+        return torch.relu(x @ (self.weight_a + self.weight_b))
+
+
+class _Chain(nn.Sequential):
+    """Residual blocks; `detach_inputs`: each block's input needs no gradient (torch's test of
+    that path), the residual carrying the gradient to the earlier blocks."""
+
+    def __init__(self, detach_inputs: bool) -> None:
+        super().__init__(*(_TwoMeshLinear() for _ in range(3)))
+        self.detach_inputs = detach_inputs
+
+    def forward(self, x):
+        for module in self:
+            x = x + module(x.detach() if self.detach_inputs else x)
+        return x
+
+
+def _two_mesh_train(rank, world_size, detach_inputs):
+    dp, efsdp, _ = _meshes(world_size)
+    dp_info, efsdp_info = FSDPMeshInfo(mesh=dp, shard_mesh_dim=0), FSDPMeshInfo(mesh=efsdp, shard_mesh_dim=0)
+    results = []
+    for shard in (torch_fully_shard, fully_shard):
+        torch.manual_seed(0)
+        model = _Chain(detach_inputs)
+        for module in model:
+            def placement(param, module=module):
+                info = efsdp_info if param is module.weight_b else dp_info
+                return ShardPlacementResult(placement=Shard(0), mesh_info=info)
+
+            shard(module, mesh=dp, reshard_after_forward=True, shard_placement_fn=placement)
+        shard(model, mesh=dp, reshard_after_forward=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        record = []
+        for step in range(3):
+            x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(100 * step + rank))
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            record.append((loss.item(), {n: p.grad.to_local().clone() for n, p in model.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        record.append({n: (p.device_mesh.mesh_dim_names, p.to_local().clone()) for n, p in model.named_parameters()})
+        results.append(record)
+    return results
+
+
+@pytest.mark.parametrize("detach_inputs", [False, True], ids=["inputs-need-grad", "inputs-detached"])
+def test_plain_parameters_on_another_mesh_train_as_torch(detach_inputs):
+    theirs, ours = run_ranks(_two_mesh_train, 4, detach_inputs)
+    assert theirs[-1]["0.weight_b"][0] == ("efsdp",)
+    for step, (a, b) in enumerate(zip(theirs[:-1], ours[:-1])):
+        assert a[0] == b[0], f"step {step}: loss {b[0]} vs torch's {a[0]}"
+        for n, grad in a[1].items():
+            assert torch.equal(b[1][n], grad), f"step {step} {n}"
+    for n, (mesh, param) in theirs[-1].items():
+        assert ours[-1][n][0] == mesh and torch.equal(ours[-1][n][1], param), n
