@@ -100,7 +100,7 @@ def _meshes(world_size):
     return dp, sparse["efsdp"], sparse["ep"]
 
 
-def _sharded_model(shard, dp, efsdp, ep):
+def _sharded_model(shard, dp, efsdp, ep, **kwargs):
     torch.manual_seed(0)
     model = _Model()
     dp_info, efsdp_info = FSDPMeshInfo(mesh=dp, shard_mesh_dim=0), FSDPMeshInfo(mesh=efsdp, shard_mesh_dim=0)
@@ -118,7 +118,7 @@ def _sharded_model(shard, dp, efsdp, ep):
                 return ShardPlacementResult(placement=Shard(0), mesh_info=efsdp_info)
             return None if dense is None else ShardPlacementResult(placement=Shard(0), mesh_info=dense)
 
-        shard(block, mesh=dp, shard_placement_fn=placement)
+        shard(block, mesh=dp, shard_placement_fn=placement, **kwargs)
     shard(model, mesh=dp)
     return model
 
@@ -136,10 +136,13 @@ def _clip(model):
     return mixed, [nn.utils.clip_grad_norm_(ps, max_norm=0.05).full_tensor().item() for ps in (dense, expert)]
 
 
-def _step(model, opt, step, rank, clip):
-    x = torch.randn(NUM_TOKENS, DIM, generator=torch.Generator().manual_seed(100 * step + rank))
-    loss = model(x).pow(2).mean()
-    loss.backward()
+def _step(model, opt, step, rank, clip, num_micro_batches=1):
+    """One optimizer step; with several micro-batches, gradient sync only in the last one."""
+    for micro in range(num_micro_batches):
+        model.set_requires_gradient_sync(micro == num_micro_batches - 1)
+        seed = 100 * step + 10 * micro + rank
+        loss = model(torch.randn(NUM_TOKENS, DIM, generator=torch.Generator().manual_seed(seed))).pow(2).mean()
+        loss.backward()
     grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
     norms = _clip(model) if clip else None
     opt.step()
@@ -147,14 +150,14 @@ def _step(model, opt, step, rank, clip):
     return loss.item(), grads, norms
 
 
-def _train(rank, world_size):
+def _train(rank, world_size, num_micro_batches=1, reshard_after_forward=None):
     dp, efsdp, ep = _meshes(world_size)
     results = {}
     for name, shard in (("torch", torch_fully_shard), ("ours", fully_shard)):
-        model = _sharded_model(shard, dp, efsdp, ep)
+        model = _sharded_model(shard, dp, efsdp, ep, reshard_after_forward=reshard_after_forward)
         layout = {n: (p.device_mesh.mesh_dim_names, tuple(p.placements)) for n, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        steps = [_step(model, opt, step, rank, clip=True) for step in range(3)]
+        steps = [_step(model, opt, step, rank, True, num_micro_batches) for step in range(3)]
         params = {n: p.to_local().clone() for n, p in model.named_parameters()}
         # The state dict round trip: saved, parameters overwritten, loaded back, then a step more.
         saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -169,9 +172,13 @@ def _train(rank, world_size):
     return results
 
 
-@pytest.mark.parametrize("world_size", [4, 2], ids=["efsdp2-ep2", "ep2"])
-def test_expert_parallel_trains_as_torch(world_size):
-    results = run_ranks(_train, world_size)
+@pytest.mark.parametrize(
+    "world_size, num_micro_batches, reshard_after_forward",
+    [(4, 1, None), (2, 1, None), (4, 2, None), (4, 1, False)],
+    ids=["efsdp2-ep2", "ep2", "efsdp2-ep2-accumulate-without-sync", "efsdp2-ep2-no-reshard-after-forward"],
+)
+def test_expert_parallel_trains_as_torch(world_size, num_micro_batches, reshard_after_forward):
+    results = run_ranks(_train, world_size, num_micro_batches, reshard_after_forward)
     (layout, steps, params, state_layout, reloaded) = results["torch"]
     (our_layout, our_steps, our_params, our_state_layout, our_reloaded) = results["ours"]
     assert layout["blocks.0.moe.experts.w1"][0] == ("efsdp", "ep")  # the expert mesh, as torch shards it
@@ -307,3 +314,27 @@ def test_plain_parameters_on_another_mesh_train_as_torch(detach_inputs):
             assert torch.equal(b[1][n], grad), f"step {step} {n}"
     for n, (mesh, param) in theirs[-1].items():
         assert ours[-1][n][0] == mesh and torch.equal(ours[-1][n][1], param), n
+
+
+def _refusals(rank, world_size):
+    from types import SimpleNamespace
+
+    dp, efsdp, ep = _meshes(world_size)
+    square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    results = []
+    for mesh_info in (
+        SimpleNamespace(mesh=square, shard_mesh_dim=0, replicate_mesh_dim=None),  # 2-D without a replicate axis
+        SimpleNamespace(mesh="efsdp"),  # not a mesh
+    ):
+        try:
+            fully_shard(nn.Linear(DIM, DIM), mesh=dp, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), mesh_info))
+            results.append("no error")
+        except (TypeError, ValueError) as error:
+            results.append((type(error).__name__, str(error)))
+    return results
+
+
+def test_placement_result_refusals_name_the_fix():
+    two_d, not_a_mesh = run_ranks(_refusals, 4)
+    assert two_d[0] == "ValueError" and "'weight'" in two_d[1] and "replicate_mesh_dim=0, shard_mesh_dim=1" in two_d[1]
+    assert not_a_mesh[0] == "TypeError" and "FSDPMeshInfo(mesh=..., shard_mesh_dim=0)" in not_a_mesh[1]
