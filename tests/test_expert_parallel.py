@@ -21,6 +21,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+import fsdp_graph
 from _harness import run_ranks
 from fsdp_graph import fully_shard
 
@@ -136,12 +137,13 @@ def _clip(model):
     return mixed, [nn.utils.clip_grad_norm_(ps, max_norm=0.05).full_tensor().item() for ps in (dense, expert)]
 
 
-def _step(model, opt, step, rank, clip, num_micro_batches=1):
-    """One optimizer step; with several micro-batches, gradient sync only in the last one."""
+def _step(model, opt, step, rank, clip, num_micro_batches=1, run=None):
+    """One optimizer step; with several micro-batches, gradient sync only in the last one. `run`:
+    what calls the model (a compiled model), the model itself by default."""
     for micro in range(num_micro_batches):
         model.set_requires_gradient_sync(micro == num_micro_batches - 1)
         seed = 100 * step + 10 * micro + rank
-        loss = model(torch.randn(NUM_TOKENS, DIM, generator=torch.Generator().manual_seed(seed))).pow(2).mean()
+        loss = (model if run is None else run)(torch.randn(NUM_TOKENS, DIM, generator=torch.Generator().manual_seed(seed))).pow(2).mean()
         loss.backward()
     grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
     norms = _clip(model) if clip else None
@@ -150,14 +152,15 @@ def _step(model, opt, step, rank, clip, num_micro_batches=1):
     return loss.item(), grads, norms
 
 
-def _train(rank, world_size, num_micro_batches=1, reshard_after_forward=None):
+def _train(rank, world_size, num_micro_batches=1, reshard_after_forward=None, compiler=None):
     dp, efsdp, ep = _meshes(world_size)
     results = {}
     for name, shard in (("torch", torch_fully_shard), ("ours", fully_shard)):
         model = _sharded_model(shard, dp, efsdp, ep, reshard_after_forward=reshard_after_forward)
         layout = {n: (p.device_mesh.mesh_dim_names, tuple(p.placements)) for n, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        steps = [_step(model, opt, step, rank, True, num_micro_batches) for step in range(3)]
+        run = model if name == "torch" or compiler is None else torch.compile(model, backend=fsdp_graph.backend(compiler=compiler))
+        steps = [_step(model, opt, step, rank, True, num_micro_batches, run) for step in range(3)]
         params = {n: p.to_local().clone() for n, p in model.named_parameters()}
         # The state dict round trip: saved, parameters overwritten, loaded back, then a step more.
         saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -173,12 +176,15 @@ def _train(rank, world_size, num_micro_batches=1, reshard_after_forward=None):
 
 
 @pytest.mark.parametrize(
-    "world_size, num_micro_batches, reshard_after_forward",
-    [(4, 1, None), (2, 1, None), (4, 2, None), (4, 1, False)],
-    ids=["efsdp2-ep2", "ep2", "efsdp2-ep2-accumulate-without-sync", "efsdp2-ep2-no-reshard-after-forward"],
+    "world_size, num_micro_batches, reshard_after_forward, compiler",
+    [(4, 1, None, None), (2, 1, None, None), (4, 2, None, None), (4, 1, False, None), (4, 1, None, "aot_eager")],
+    ids=[
+        "efsdp2-ep2", "ep2", "efsdp2-ep2-accumulate-without-sync", "efsdp2-ep2-no-reshard-after-forward",
+        "efsdp2-ep2-aot_eager",  # ours compiled (its groups on several meshes stay on the eager hooks)
+    ],
 )
-def test_expert_parallel_trains_as_torch(world_size, num_micro_batches, reshard_after_forward):
-    results = run_ranks(_train, world_size, num_micro_batches, reshard_after_forward)
+def test_expert_parallel_trains_as_torch(world_size, num_micro_batches, reshard_after_forward, compiler):
+    results = run_ranks(_train, world_size, num_micro_batches, reshard_after_forward, compiler)
     (layout, steps, params, state_layout, reloaded) = results["torch"]
     (our_layout, our_steps, our_params, our_state_layout, our_reloaded) = results["ours"]
     assert layout["blocks.0.moe.experts.w1"][0] == ("efsdp", "ep")  # the expert mesh, as torch shards it
