@@ -15,7 +15,15 @@ plain runtime at 4 data-parallel ranks), which would hide what this test is abou
 import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
@@ -142,8 +150,8 @@ def _step(model, opt, step, rank, clip, num_micro_batches=1, run=None):
     what calls the model (a compiled model), the model itself by default."""
     for micro in range(num_micro_batches):
         model.set_requires_gradient_sync(micro == num_micro_batches - 1)
-        seed = 100 * step + 10 * micro + rank
-        loss = (model if run is None else run)(torch.randn(NUM_TOKENS, DIM, generator=torch.Generator().manual_seed(seed))).pow(2).mean()
+        x = torch.randn(NUM_TOKENS, DIM, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+        loss = (model if run is None else run)(x).pow(2).mean()
         loss.backward()
     grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
     norms = _clip(model) if clip else None
@@ -177,9 +185,13 @@ def _train(rank, world_size, num_micro_batches=1, reshard_after_forward=None, co
 
 @pytest.mark.parametrize(
     "world_size, num_micro_batches, reshard_after_forward, compiler",
-    [(4, 1, None, None), (2, 1, None, None), (4, 2, None, None), (4, 1, False, None), (4, 1, None, "aot_eager")],
+    [
+        (4, 1, None, None), (2, 1, None, None), (4, 2, None, None), (4, 1, False, None), (4, 1, 2, None),
+        (4, 1, None, "aot_eager"),
+    ],
     ids=[
         "efsdp2-ep2", "ep2", "efsdp2-ep2-accumulate-without-sync", "efsdp2-ep2-no-reshard-after-forward",
+        "efsdp2-ep2-reshard-after-forward-to-2",
         "efsdp2-ep2-aot_eager",  # ours compiled (its groups on several meshes stay on the eager hooks)
     ],
 )
@@ -196,7 +208,7 @@ def test_expert_parallel_trains_as_torch(world_size, num_micro_batches, reshard_
         for n, grad in theirs[1].items():
             assert torch.equal(ours[1][n], grad), f"step {step} {n}: {(ours[1][n] - grad).abs().max()}"
         assert ours[2] == theirs[2], f"step {step}: clip_grad_norm_ {ours[2]} vs {theirs[2]}"
-    assert steps[0][2][0] == "RuntimeError"  # torch: clip over both meshes at once fails ...
+    assert steps[0][2][0] == "RuntimeError"  # clip over both meshes at once fails for torch (and ours, above)
     for n, p in params.items():
         assert torch.equal(our_params[n], p), n
     assert our_state_layout == state_layout
@@ -207,11 +219,6 @@ def _checkpoint_interop(rank, world_size, path):
     """torch's model trained 2 steps and saved through DCP (model and AdamW state); ours, built with
     other weights, loads it and steps on with torch's bit for bit. Then the full state dict: ours
     equals torch's, and a third model takes it with `broadcast_from_rank0`."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
-    )
-    import torch.distributed.checkpoint as dcp
-
     dp, efsdp, ep = _meshes(world_size)
     theirs = _sharded_model(torch_fully_shard, dp, efsdp, ep)
     their_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
