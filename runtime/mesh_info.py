@@ -65,5 +65,16 @@ class MeshInfo:
         groups = [self.shard_group] + ([self.replicate_group] if self.is_hsdp else [])
         return frozenset(parallelism_name(g) for g in groups)
 
+    def shard_rows_of_every_rank(self) -> list[list[int]]:
+        """The global ranks of every shard group like this one, this rank's among them, each in
+        shard-rank order. A mesh sliced from a larger one (`mesh["dp"]` beside "tp", the
+        data-parallel ranks left after expert parallelism) holds only the rows this rank is in,
+        yet a `new_group` over a part of a row is collective over every rank, which must all make
+        the same groups in the same order: the rows come from the root mesh's layout."""
+        mesh = self.mesh
+        layout, rank_map = getattr(mesh, "_layout", None), getattr(mesh, "_rank_map", None)
+        whole = mesh.mesh if layout is None or rank_map is None else layout.remap_to_tensor(rank_map)
+        return whole.reshape(-1, self.shard_size).tolist()
+
     def placements(self, shard_dim: int = 0) -> tuple:
         return (Replicate(), Shard(shard_dim)) if self.is_hsdp else (Shard(shard_dim),)

@@ -62,7 +62,7 @@ class PostForwardMesh:
     def __init__(self, mesh_info: MeshInfo, size: int) -> None:
         self.size = size
         self.position = mesh_info.shard_rank % size
-        mesh_ranks = mesh_info.mesh.mesh.reshape(-1, mesh_info.shard_size).tolist()
+        mesh_ranks = mesh_info.shard_rows_of_every_rank()
         my_block = mesh_info.shard_rank // size
         my_row = next(row for row in mesh_ranks if dist.get_rank() in row)
         self.group = None

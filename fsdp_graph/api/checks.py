@@ -105,11 +105,12 @@ def _check_devices(owners) -> None:
         )
 
 
-def _check_shardable(owners, mesh: DeviceMesh, spmd: bool = False) -> None:
-    """Every parameter can be sharded on dim 0 over `mesh`; raise once listing those that cannot.
-    `spmd`: the parameters are on a whole SPMD mesh, checked by `_check_spmd_params`."""
+def _check_shardable(owners, meshes: list[DeviceMesh], spmd: bool = False) -> None:
+    """Every parameter can be sharded on dim 0 over its mesh (`meshes`, one per owner); raise once
+    listing those that cannot. `spmd`: the parameters are on a whole SPMD mesh, checked by
+    `_check_spmd_params`."""
     problems = []
-    for param, _, fqn in owners:
+    for (param, _, fqn), mesh in zip(owners, meshes):
         if param.dim() == 0:
             problems.append(
                 f"'{fqn}' is a 0-dim (scalar) parameter and has no dim 0 to shard; keep it replicated "

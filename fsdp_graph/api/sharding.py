@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 
 from ..runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..runtime.mesh_info import MeshInfo
+from ..runtime.multi_mesh_group import group_by_mesh
 from ..runtime.param import OWNER_ATTR, ShardedParam
 from ..traced.state import TracedGroup, TracedState
 from .module import FSDPModule, _fsdp_class
@@ -30,6 +30,7 @@ from .checks import (
 )
 from .mesh import DataParallelMeshDims, _check_mesh, _dp_mesh, _mesh_device
 from .optimizer_check import _install_optimizer_check
+from .placement import resolve_placements, shard_dim
 
 
 def fully_shard(
@@ -37,7 +38,7 @@ def fully_shard(
     *,
     mesh: Optional[DeviceMesh] = None,
     reshard_after_forward: Optional[Union[bool, int]] = None,
-    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], object]] = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
@@ -50,7 +51,10 @@ def fully_shard(
     DTensors (on the tp axis of the same mesh) become DTensors over (dp, tp); see docs/composition.md,
     Tensor parallel. With `dp_mesh_dims`, `mesh` is a whole SPMD mesh on which every parameter is
     already a DTensor, `Replicate()` on the data-parallel axes `dp_mesh_dims` names (torchtitan's
-    `full_dtensor`). The module's class becomes `FSDP<Cls>`. Call it bottom-up: blocks first, then the root.
+    `full_dtensor`). `shard_placement_fn` returns, per parameter, None, `Shard(dim)`, or a `ShardPlacementResult`
+    (torch's, or any object with `placement` and `mesh_info`) sharding it over a mesh of its own, as expert
+    parallelism does (fsdp_graph/api/placement.py). The module's class becomes `FSDP<Cls>`. Call it
+    bottom-up: blocks first, then the root.
     """
     modules = _check_modules(module)
     spmd_axes = ((), ())
@@ -94,17 +98,19 @@ def fully_shard(
     _check_devices(owners)
     if dp_mesh_dims is not None:
         _check_spmd_params(owners, spmd_mesh, spmd_axes)
-    _check_shardable(owners, mesh, spmd=dp_mesh_dims is not None)
+    placements = resolve_placements(shard_placement_fn, owners, mesh_info, spmd=dp_mesh_dims is not None)
+    _check_shardable(owners, [info.mesh for _, info in placements], spmd=dp_mesh_dims is not None)
     params = []
-    for param, param_owners, fqn in owners:
-        shard_dim = _shard_dim(shard_placement_fn, param, fqn)
+    for (param, param_owners, fqn), (placement, param_mesh_info) in zip(owners, placements):
         params.append(
             ShardedParam(
-                param, param_owners, fqn, modules, mesh_info, device, shard_device, mp_policy.param_dtype, shard_dim,
-                mp_policy=mp_policy, spmd_axes=tuple(spmd_axes),
+                param, param_owners, fqn, modules, param_mesh_info, device, shard_device, mp_policy.param_dtype,
+                shard_dim(placement, param, fqn), mp_policy=mp_policy, spmd_axes=tuple(spmd_axes),
             )
         )
-    group = TracedGroup(params, mesh_info, device, mp_policy, reshard_after_forward) if params else None
+    group = group_by_mesh(
+        params, mesh_info, lambda members, info: TracedGroup(members, info, device, mp_policy, reshard_after_forward)
+    )
     if pin_memory and group is not None:
         group.pin_shards()
     for param, sharded in zip((o[0] for o in owners), params):
@@ -138,23 +144,6 @@ def _ours(policy):
     return ours(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(ours)})
 
 
-def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:
-    """The dim `shard_placement_fn` shards `param` on (negative dims count from the end); 0 without one."""
-    placement = None if shard_placement_fn is None else shard_placement_fn(param)
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
-        raise ValueError(
-            f"shard_placement_fn returned {placement!r} for '{fqn}'; fsdp_graph shards every parameter: "
-            f"return Shard(dim) for a dim of the parameter, or None for Shard(0)"
-        )
-    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
-    if not 0 <= dim < param.ndim:
-        raise ValueError(
-            f"shard_placement_fn returned {placement} for '{fqn}', which has {param.ndim} dims; return "
-            f"Shard(dim) with -{param.ndim} <= dim < {param.ndim}"
-        )
-    return dim
 
 
 # Method names `register_fsdp_forward_method` was given for a module not sharded yet, in the
