@@ -70,30 +70,13 @@ def fully_shard(
     _install_optimizer_check()
     mesh_info = MeshInfo(mesh)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh_info)
-    mp_policy, offload_policy = _ours(mp_policy), _ours(offload_policy)
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}; "
-            f"pass mp_policy=MixedPrecisionPolicy(param_dtype=...)"
-        )
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got "
-            f"{type(offload_policy).__name__}"
-        )
+    mp_policy, offload_policy = _check_policies(mp_policy, offload_policy)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"shard_placement_fn must be callable or None, got {shard_placement_fn!r}")
     ignored = _check_ignored_params(ignored_params, modules)
 
     device = _mesh_device(mesh)
-    shard_device = torch.device("cpu") if isinstance(offload_policy, CPUOffloadPolicy) else device
-    pin_memory = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
-    if pin_memory and not torch.cuda.is_available():
-        # FSDP2 fails here too (pinning needs an accelerator), with a RuntimeError deep in pin_memory().
-        raise ValueError(
-            "CPUOffloadPolicy(pin_memory=True) pins the CPU shards for fast copies to the GPU, but no "
-            "GPU is available; pass CPUOffloadPolicy(pin_memory=False)"
-        )
+    shard_device, pin_memory = _shard_device(offload_policy, device)
     owners = _collect_params(modules, ignored)
     _check_devices(owners)
     if dp_mesh_dims is not None:
@@ -120,7 +103,41 @@ def fully_shard(
     for m in modules:
         _move_buffers(m, device)
 
-    state = TracedState(modules, group, mp_policy, reshard_after_forward, device)
+    _become_sharded(modules, TracedState(modules, group, mp_policy, reshard_after_forward, device))
+    return module
+
+
+def _check_policies(mp_policy, offload_policy) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """The policies as ours (`_ours`), or a TypeError naming what to pass."""
+    mp_policy, offload_policy = _ours(mp_policy), _ours(offload_policy)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}; "
+            f"pass mp_policy=MixedPrecisionPolicy(param_dtype=...)"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got "
+            f"{type(offload_policy).__name__}"
+        )
+    return mp_policy, offload_policy
+
+
+def _shard_device(offload_policy: OffloadPolicy, device: torch.device) -> tuple[torch.device, bool]:
+    """Where the shards live (the CPU under `CPUOffloadPolicy`), and whether they are pinned."""
+    shard_device = torch.device("cpu") if isinstance(offload_policy, CPUOffloadPolicy) else device
+    pin_memory = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+    if pin_memory and not torch.cuda.is_available():
+        # FSDP2 fails here too (pinning needs an accelerator), with a RuntimeError deep in pin_memory().
+        raise ValueError(
+            "CPUOffloadPolicy(pin_memory=True) pins the CPU shards for fast copies to the GPU, but no "
+            "GPU is available; pass CPUOffloadPolicy(pin_memory=False)"
+        )
+    return shard_device, pin_memory
+
+
+def _become_sharded(modules: tuple[nn.Module, ...], state: TracedState) -> None:
+    """Each module takes `state`, becomes an `FSDP<Cls>`, and `state` claims every state below."""
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
@@ -129,7 +146,6 @@ def fully_shard(
     for m in modules:
         for method_name in m.__dict__.pop(_PENDING_FORWARD_METHODS, ()):
             register_fsdp_forward_method(m, method_name)
-    return module
 
 
 _POLICIES = {cls.__name__: cls for cls in (MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy)}
