@@ -170,7 +170,8 @@ class MultiMeshGroup:
 
     def post_backward(self, issue: bool = True, all_reduce_later: bool = False) -> None:
         """Reduce-scatter each group's gradients (eager: `issue` only, see `eager_only_reason`)."""
-        assert issue and not all_reduce_later, "a group on several meshes is never replayed in a graph"
+        if not issue or all_reduce_later:  # what a replayed graph order asks: never of this group
+            raise NotImplementedError("a group on several meshes runs on the eager hooks only: no graph order to replay")
         self._each("post_backward")
 
     def expect_input_grads(self, reduces_at_inputs: bool = False) -> None:
