@@ -4,8 +4,9 @@ fsdp_graph with `fsdp_graph.use_in_place_of_torch_fsdp()`, against the same fram
 `fully_shard`: the losses of every step, bit for bit (eager, and the whole step under aot_eager), and
 within a tolerance for torchtitan's whole step under Inductor.
 
-Each run is a script in tests/frameworks/ launched with torchrun on 2 gloo ranks, as a user runs it;
-a reference run is launched once per session and shared. Each launch costs 10-30 s, so the suite runs
+Each run is a script in tests/frameworks/ launched with torchrun on 2 gloo ranks (4 for expert
+parallelism over efsdp 2 x EP 2), as a user runs it; a reference run is launched once per session and
+shared. Each launch costs 10-30 s, so the suite runs
 the configurations that failed before and one more per framework; the scripts take the others
 (`eager`, Accelerate's `plain`, Lightning's `meta_init`, PEFT's `checkpointing`) from the command line.
 """
