@@ -7,7 +7,8 @@ within a tolerance for torchtitan's whole step under Inductor.
 Each run is a script in tests/frameworks/ launched with torchrun on 2 gloo ranks (4 for expert
 parallelism over efsdp 2 x EP 2), as a user runs it; a reference run is launched once per session and
 shared. Each launch costs 10-30 s (4 ranks about 60), so the suite runs the configurations that
-failed before and one more per framework; the scripts take the others (`eager`, Accelerate's `plain`, Lightning's `meta_init`, PEFT's `checkpointing`) from the command line.
+failed before and one more per framework; the scripts take the others (`eager`, Accelerate's
+`plain`, Lightning's `meta_init`, PEFT's `checkpointing`) from the command line.
 """
 
 from __future__ import annotations
