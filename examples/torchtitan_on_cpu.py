@@ -156,6 +156,34 @@ def debug_config(assets: str, *, layers: int, seq_len: int, batch: int, steps: i
     return config
 
 
+def moe_debug_config(name: str, assets: str, *, layers: int, seq_len: int, batch: int, steps: int,
+                     expert_parallel_degree: int, data_parallel_shard_degree: int):
+    """torchtitan's MoE debug model `name` (`qwen3_moe_debug` or `deepseek_v3_debugmodel`) with its first
+    `layers` layers, trained as `debug_config` trains, with expert parallelism of `expert_parallel_degree`
+    over a data-parallel mesh of `data_parallel_shard_degree`. Call after `prepare()`."""
+    import importlib
+
+    family = {"qwen3_moe_debug": "qwen3", "deepseek_v3_debugmodel": "deepseek_v3"}[name]
+    registry = importlib.import_module(f"torchtitan.models.{family}.config_registry")
+    tokenizer_dir, data_dir = write_assets(assets)
+    config = getattr(registry, name)()
+    config.model_spec.model.layers = config.model_spec.model.layers[:layers]
+    config.hf_assets_path = tokenizer_dir
+    config.dataloader.dataset_path = data_dir
+    config.training.steps = steps
+    config.training.seq_len = seq_len
+    config.training.local_batch_size = batch
+    config.training.mixed_precision_param = "float32"
+    config.parallelism.data_parallel_shard_degree = data_parallel_shard_degree
+    config.parallelism.expert_parallel_degree = expert_parallel_degree
+    config.parallelism.spmd_backend = "partial_dtensor"  # the default (spmd_types) does not train on a CPU, see docs
+    config.training.disable_cuda_graphs = True  # torchtitan refuses its all-to-all dispatcher under CUDA graphs
+    config.checkpoint.enable = False
+    config.debug.seed = 0
+    config.dump_folder = os.path.join(assets, "outputs")
+    return config
+
+
 def record_losses(trainer) -> list:
     """The list every step's loss (the global mean) is appended to as the trainer trains."""
     losses = []

@@ -4,10 +4,11 @@ fsdp_graph with `fsdp_graph.use_in_place_of_torch_fsdp()`, against the same fram
 `fully_shard`: the losses of every step, bit for bit (eager, and the whole step under aot_eager), and
 within a tolerance for torchtitan's whole step under Inductor.
 
-Each run is a script in tests/frameworks/ launched with torchrun on 2 gloo ranks, as a user runs it;
-a reference run is launched once per session and shared. Each launch costs 10-30 s, so the suite runs
-the configurations that failed before and one more per framework; the scripts take the others
-(`eager`, Accelerate's `plain`, Lightning's `meta_init`, PEFT's `checkpointing`) from the command line.
+Each run is a script in tests/frameworks/ launched with torchrun on 2 gloo ranks (4 for expert
+parallelism over efsdp 2 x EP 2), as a user runs it; a reference run is launched once per session and
+shared. Each launch costs 10-30 s (4 ranks about 60), so the suite runs the configurations that
+failed before and one more per framework; the scripts take the others (`eager`, Accelerate's
+`plain`, Lightning's `meta_init`, PEFT's `checkpointing`) from the command line.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from _harness import run_process
 
@@ -36,10 +38,10 @@ def _needs(package: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _torchrun(script: str, *args: str) -> dict:
-    """Run `script` on 2 ranks; its rank 0's RESULT line. Shared by every test that asks again."""
+def _torchrun(script: str, *args: str, ranks: int = 2) -> dict:
+    """Run `script` on `ranks` ranks; its rank 0's RESULT line. Shared by every test that asks again."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
         str(SCRIPTS / script), *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
@@ -86,6 +88,43 @@ def test_torchtitan_trainer_whole_step_under_inductor(tmp_path_factory):
     assert len(ours["losses"]) == len(theirs["losses"]) == 5, (ours["losses"], theirs["losses"])
     for step, (got, expected) in enumerate(zip(ours["losses"], theirs["losses"]), 1):
         assert abs(got - expected) <= 1e-5 * abs(expected), f"step {step}: {got} vs torch's {expected}"
+
+
+@_needs("torchtitan")
+@pytest.mark.parametrize("model", ["qwen3_moe_debug", "deepseek_v3_debugmodel"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_torchtitan_moe_expert_parallel(model, ranks, tmp_path_factory):
+    """torchtitan's MoE debug models with `expert_parallel_degree` 2, eager, against torch's
+    `fully_shard`: on 2 ranks (the routed experts split over EP, an efsdp axis of 1) and on 4
+    (`data_parallel_shard_degree` 4: routed experts sharded over the 2 data-parallel ranks left after
+    EP, the rest over all 4). `fully_shard` refused the routed experts, DTensors on the EP mesh,
+    before it took `shard_placement_fn`'s `ShardPlacementResult`.
+
+    Bit for bit: every loss, every buffer (the routers' expert bias, moved by torchtitan's load
+    balancing), the routed experts' final weights, and on 2 ranks every final parameter. On 4 ranks
+    the dense weights, reduce-scattered over 4, are held within a few ulps: gloo's reduce-scatter over
+    4 ranks adds the ranks' rows in an order that depends on each rank's chunk size, and ours carries
+    a gradient flag per parameter that torch's does not (see tests/test_expert_parallel.py); it moved
+    one element of qwen3's fused qkv weight by 2e-10."""
+    assets = str(tmp_path_factory.getbasetemp() / "torchtitan")
+    saved = tmp_path_factory.mktemp("moe")
+    runs = {
+        impl: _torchrun("torchtitan_moe_train.py", impl, model, "2", str(ranks), assets, str(saved / f"{impl}.pt"), ranks=ranks)
+        for impl in ("torch", "ours")
+    }
+    theirs, ours = runs["torch"], runs["ours"]
+    _check_same_losses(ours, theirs)
+    assert ours["buffers"] == theirs["buffers"], [k for k in theirs["buffers"] if ours["buffers"].get(k) != theirs["buffers"][k]]
+    assert any("expert_bias" in name for name in theirs["buffers"])
+    assert ours["experts"] == theirs["experts"] and all("'ep'" in mesh for mesh in theirs["experts"]), theirs["experts"]
+    assert ours["params"].keys() == theirs["params"].keys()
+    differ = [name for name in theirs["params"] if ours["params"][name] != theirs["params"][name]]
+    if ranks == 2:
+        assert not differ, differ
+    assert not [name for name in differ if "routed_experts" in name], differ
+    theirs_full, ours_full = torch.load(saved / "torch.pt"), torch.load(saved / "ours.pt")
+    for name in differ:
+        torch.testing.assert_close(ours_full[name], theirs_full[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 @_needs("accelerate")
