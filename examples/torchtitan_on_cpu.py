@@ -139,20 +139,9 @@ def debug_config(assets: str, *, layers: int, seq_len: int, batch: int, steps: i
     folder), fp32, sharded over 2 ranks, no checkpoints, seed 0. Call after `prepare()`."""
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-    tokenizer_dir, data_dir = write_assets(assets)
-    config = llama3_debugmodel()
-    config.model_spec.model.layers = config.model_spec.model.layers[:layers]
-    config.hf_assets_path = tokenizer_dir
-    config.dataloader.dataset_path = data_dir
-    config.training.steps = steps
-    config.training.seq_len = seq_len
-    config.training.local_batch_size = batch
-    config.training.mixed_precision_param = "float32"
+    config = _trained_on_cpu(llama3_debugmodel(), assets, layers=layers, seq_len=seq_len, batch=batch, steps=steps)
     config.parallelism.data_parallel_shard_degree = 2
     config.parallelism.spmd_backend = spmd_backend
-    config.checkpoint.enable = False
-    config.debug.seed = 0
-    config.dump_folder = os.path.join(assets, "outputs")
     return config
 
 
@@ -165,8 +154,18 @@ def moe_debug_config(name: str, assets: str, *, layers: int, seq_len: int, batch
 
     family = {"qwen3_moe_debug": "qwen3", "deepseek_v3_debugmodel": "deepseek_v3"}[name]
     registry = importlib.import_module(f"torchtitan.models.{family}.config_registry")
+    config = _trained_on_cpu(getattr(registry, name)(), assets, layers=layers, seq_len=seq_len, batch=batch, steps=steps)
+    config.parallelism.data_parallel_shard_degree = data_parallel_shard_degree
+    config.parallelism.expert_parallel_degree = expert_parallel_degree
+    config.parallelism.spmd_backend = "partial_dtensor"  # the default (spmd_types) does not train on a CPU, see docs
+    config.training.disable_cuda_graphs = True  # torchtitan refuses its all-to-all dispatcher under CUDA graphs
+    return config
+
+
+def _trained_on_cpu(config, assets: str, *, layers: int, seq_len: int, batch: int, steps: int):
+    """`config` with its first `layers` layers, trained `steps` steps of `batch` x `seq_len` tokens per
+    rank on the assets `write_assets` leaves in `assets`, fp32, no checkpoints, seed 0."""
     tokenizer_dir, data_dir = write_assets(assets)
-    config = getattr(registry, name)()
     config.model_spec.model.layers = config.model_spec.model.layers[:layers]
     config.hf_assets_path = tokenizer_dir
     config.dataloader.dataset_path = data_dir
@@ -174,10 +173,6 @@ def moe_debug_config(name: str, assets: str, *, layers: int, seq_len: int, batch
     config.training.seq_len = seq_len
     config.training.local_batch_size = batch
     config.training.mixed_precision_param = "float32"
-    config.parallelism.data_parallel_shard_degree = data_parallel_shard_degree
-    config.parallelism.expert_parallel_degree = expert_parallel_degree
-    config.parallelism.spmd_backend = "partial_dtensor"  # the default (spmd_types) does not train on a CPU, see docs
-    config.training.disable_cuda_graphs = True  # torchtitan refuses its all-to-all dispatcher under CUDA graphs
     config.checkpoint.enable = False
     config.debug.seed = 0
     config.dump_folder = os.path.join(assets, "outputs")
