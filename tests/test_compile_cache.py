@@ -136,3 +136,57 @@ def test_a_checkpoint_policy_with_a_cache_hash_is_served_by_aotautogradcache(tmp
     assert other.get("autograd_cache_miss") == 1 and "autograd_cache_hit" not in other, other
     unhashed = compile_once(None)
     assert unhashed.get("autograd_cache_bypass") == 1, unhashed
+
+
+_ATTENTION = """
+import json, torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch._dynamo.utils import counters
+import fsdp_graph
+from fsdp_graph import fully_shard
+
+
+class Attention(torch.nn.Module):  # enters sdpa_kernel in forward, as torchtitan's attention
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        with sdpa_kernel(SDPBackend.MATH):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).flatten(2))
+
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+torch.manual_seed(0)
+model = torch.nn.Sequential(Attention(), Attention())
+for block in model:
+    fully_shard(block)
+fully_shard(model)
+torch.compile(model, backend=fsdp_graph.backend(pieces={pieces}))(torch.randn(2, 8, 16)).sum().backward()
+print(json.dumps(dict(counters["aot_autograd"])))
+"""
+
+
+@pytest.mark.parametrize("pieces", [True, False], ids=["pieces", "one_graph"])
+def test_a_step_that_enters_sdpa_kernel_is_served_by_aotautogradcache(tmp_path, pieces):
+    """A step whose blocks enter `sdpa_kernel` (torchtitan's attention does): a restart loads it from
+    AOTAutogradCache, where torch alone bypasses the cache for such a graph and the relaunch traces,
+    partitions and schedules the whole step again (examples/repro/sdpa_kernel_autograd_cache.py).
+    [Note: sdpa_kernel in a cached graph] in fsdp_graph/compile/cache_key.py."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+
+    def compile_once():
+        done = run_process([sys.executable, "-c", _ATTENTION.format(pieces=pieces)], env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = compile_once()
+    assert first.get("autograd_cache_saved") == 1 and "autograd_cache_bypass" not in first, first
+    restart = compile_once()
+    assert restart.get("autograd_cache_hit") == 1 and "autograd_cache_miss" not in restart, restart

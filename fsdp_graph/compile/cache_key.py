@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+import torch._inductor.config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 # What a DeviceMesh holds that differs between ranks or processes of the same job (and the process
@@ -120,14 +121,29 @@ def _python_files(folder: str) -> list[str]:
     return sorted(found)
 
 
+# [Note: sdpa_kernel in a cached graph]
+# Dynamo bakes `torch.nn.attention.sdpa_kernel` into the graph as calls of two private helpers of
+# torch.nn.attention (`SDPAKernelVariable`), and AOTAutogradCache bypasses a graph holding a function
+# it does not know: torchtitan's attention enters the context in every block, so a relaunch of its
+# whole step traced and partitioned the graph and ran our passes again (torch alone:
+# examples/repro/sdpa_kernel_autograd_cache.py). Both helpers are pure functions of constants the
+# graph's code holds (a backend's name; the backends and a priority flag), and that code is in the
+# key: while our backend compiles, they are marked cacheable through Inductor's own setting for
+# this, keyed by torch's version.
+_SDPA_KERNEL_HELPERS = {f"torch.nn.attention.{name}": torch.__version__ for name in ("_backend_from_string", "_sdpa_kernel")}
+
+
 @contextmanager
 def stable_cache_keys() -> Iterator[None]:
     """Within: compile-cache keys of graphs over DTensors are the same on every rank and restart
-    (for the shards' shapes, see `local_shapes`)."""
+    (for the shards' shapes, see `local_shapes`), and graphs that enter `sdpa_kernel` are cached
+    ([Note: sdpa_kernel in a cached graph])."""
     previous = copyreg.dispatch_table.get(DeviceMesh)
     copyreg.pickle(DeviceMesh, _reduce_mesh)
     try:
-        with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True):
+        marked = {**torch._inductor.config.unsafe_marked_cacheable_functions, **_SDPA_KERNEL_HELPERS}
+        with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True), \
+                torch._inductor.config.patch(unsafe_marked_cacheable_functions=marked):
             yield
     finally:
         if previous is None:
