@@ -90,7 +90,8 @@ class BackendConfig:
     compiler: Compiler = Compiler.INDUCTOR
     """The inner compiler, a `Compiler` or its value: "inductor" compiles the partitioned forward
     and backward graphs to kernels; "aot_eager" runs them op by op, the same numbers as the eager
-    runtime, for debugging."""
+    runtime: for debugging, and the fast compile (our passes schedule the step, no kernel is
+    compiled) for debug loops, short jobs and new models (docs/compiler.md, "Fast compile")."""
 
     dump_dir: Optional[str] = None
     """Write every graph around every pass, the seconds each pass took, and summary.json, here, for
