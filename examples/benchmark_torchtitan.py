@@ -23,6 +23,11 @@ the build) to the end of the step, what a user waits. The cold launch's second s
 torchtitan's chunked loss turns reshard_after_forward on for its head group (norm, lm_head) at the end of
 every step, where it was off before the first, and a whole-step graph holds that choice, so it compiles
 again at the second step (FSDP2's eager hooks read it at every step). Run it on a quiet machine.
+`--model qwen3_moe_debug` or `--model deepseek_v3_debugmodel` trains one of torchtitan's MoE debug models
+with `--ep` expert parallelism over the 2 ranks (the expert weights on the expert-parallel mesh, given
+to `fully_shard` with their own sharding mesh, docs/frameworks/torchtitan.md), and the eager rows
+`fsdp2-eager` and `eager` (ours) join the compiled ones:
+    python examples/benchmark_torchtitan.py --model qwen3_moe_debug --ep 2 --rows fsdp2-eager,eager,fsdp2-compile,scheduled
 This is a benchmark, not a test: it asserts nothing.
 """
 
@@ -40,7 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_report import parse_rows, run_two_ranks, write_markdown  # noqa: E402
 
 HERE = os.path.abspath(__file__)
-NAMES = {"fsdp2-compile": "FSDP2, model.compile() (whole model)",
+NAMES = {"fsdp2-eager": "FSDP2, eager",
+         "eager": "ours, eager",
+         "fsdp2-compile": "FSDP2, model.compile() (whole model)",
          "fsdp2-blocks": "FSDP2, torchtitan's compile.enable (blocks and loss)",
          "scheduled": "ours, model.compile(backend=\"fsdp_graph\") (whole step)",
          "every-block": "ours, the same with fsdp_graph.backend(regions=\"blocks\")",
@@ -55,6 +62,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ac", choices=("selective", "selective-hashed", "none"), default="selective",
                         help="torchtitan's activation checkpointing: its default (selective, per op), the same with a "
                              "cache_hash on its context_fn, or none")
+    parser.add_argument("--model", choices=("llama3_debugmodel", "qwen3_moe_debug", "deepseek_v3_debugmodel"),
+                        default="llama3_debugmodel", help="torchtitan's debug model; the MoE ones take --ep")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel degree of an MoE model (1 or 2)")
     parser.add_argument("--rounds", type=int, default=3, help="steady steps timed per launch, after 2 warm-up steps")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown, with date, machine and command")
     parser.add_argument("--worker", metavar="ROW", help=argparse.SUPPRESS)
@@ -62,6 +72,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.worker is None:
         args.rows = parse_rows(parser, args.rows, NAMES)
+    if args.ep not in (1, 2) or (args.ep > 1 and args.model == "llama3_debugmodel"):
+        parser.error("--ep 2 needs an MoE --model; --ep is 1 or 2 on 2 ranks")
     return args
 
 
@@ -70,7 +82,7 @@ def worker(args) -> None:
     import torch
 
     row = args.worker
-    ours = row in ("scheduled", "every-block", "inline")
+    ours = row in ("eager", "scheduled", "every-block", "inline")
     if ours:
         import fsdp_graph
 
@@ -81,9 +93,12 @@ def worker(args) -> None:
     import torch._inductor.compile_fx  # noqa: F401  every row's clock starts with Inductor imported
 
     rank = int(os.environ["RANK"])
-    config = torchtitan_on_cpu.debug_config(tempfile.mkdtemp(prefix="titan-assets-"), layers=args.layers,
-                                            seq_len=args.seq_len, batch=1, steps=3 + args.rounds,
-                                            spmd_backend="partial_dtensor")
+    assets, sizes = tempfile.mkdtemp(prefix="titan-assets-"), dict(seq_len=args.seq_len, batch=1, steps=3 + args.rounds)
+    if args.model == "llama3_debugmodel":
+        config = torchtitan_on_cpu.debug_config(assets, layers=args.layers, spmd_backend="partial_dtensor", **sizes)
+    else:
+        config = torchtitan_on_cpu.moe_debug_config(args.model, assets, layers=args.layers, expert_parallel_degree=args.ep,
+                                                    data_parallel_shard_degree=2, **sizes)
     config.metrics.log_freq = 1000
     config.compile.enable = row == "fsdp2-blocks"
     if args.ac == "none":
@@ -147,7 +162,7 @@ def launch(args, row: str, cache_dir: str) -> dict:
     """One launch of this script's worker with one row; its JSON figures."""
     out = os.path.join(cache_dir, f"{row}.json")
     arguments = ["--worker", row, "--json", out, "--layers", str(args.layers), "--seq-len", str(args.seq_len),
-                 "--rounds", str(args.rounds), "--ac", args.ac]
+                 "--rounds", str(args.rounds), "--ac", args.ac, "--model", args.model, "--ep", str(args.ep)]
     return run_two_ranks(HERE, arguments, out, os.path.join(cache_dir, "inductor"), row)
 
 
@@ -170,22 +185,23 @@ def main() -> None:
               f"relaunch {warm['first_step_s']:6.1f} s, "
               f"steady {warm['step_ms']:.1f} ms, losses {' '.join(f'{x:.4f}' for x in warm['losses'])}", flush=True)
     # FSDP2 + compile as torch's examples do it and as torchtitan does: the step is held against both
-    references = [r for r in ("fsdp2-compile", "fsdp2-blocks") if r in results]
+    # (and against FSDP2 eager where it ran)
+    references = [r for r in ("fsdp2-eager", "fsdp2-compile", "fsdp2-blocks") if r in results]
+    figures = {"cold": lambda cold, warm: cold["first_step_s"], "relaunch": lambda cold, warm: warm["first_step_s"],
+               "steady": lambda cold, warm: warm["step_ms"]}
     header = ["row", "cold first step s", "cold second step s", "relaunch first step s", "steady step ms"]
-    header += [f"{what} vs {NAMES[r].split(' (')[0]}" for r in references for what in ("cold", "relaunch")]
+    header += [f"{what} vs {NAMES[r].split(' (')[0]}" for r in references for what in figures]
     header.append("losses (relaunch)")
     table = []
     for row, (cold, warm) in results.items():
-        ratios = []
-        for r in references:
-            ratios += [f"{cold['first_step_s'] / results[r][0]['first_step_s']:.2f}",
-                       f"{warm['first_step_s'] / results[r][1]['first_step_s']:.2f}"]
+        ratios = [f"{figure(cold, warm) / figure(*results[r]):.2f}" for r in references for figure in figures.values()]
         table.append([NAMES[row], f"{cold['first_step_s']:.1f}", f"{cold['steps_s'][1]:.1f}", f"{warm['first_step_s']:.1f}",
                       f"{warm['step_ms']:.1f}",
                       *ratios, " ".join(f"{x:.4f}" for x in warm["losses"])])
     print("\n".join("  ".join(str(c) for c in line) for line in [header, *table]))
     if args.markdown:
-        caption = (f"torchtitan 0.3.0 llama3 debug model, {args.layers} layers, 1x{args.seq_len} tokens per rank, fp32, "
+        parallel = f", expert parallel {args.ep}" if args.ep > 1 else ""
+        caption = (f"torchtitan 0.3.0 {args.model}, {args.layers} layers{parallel}, 1x{args.seq_len} tokens per rank, fp32, "
                    f"activation checkpointing {args.ac}, "
                    f"2 gloo ranks; one launch per row with an empty Inductor cache, then a relaunch with the cache it "
                    f"left; first steps in wall seconds of rank 0, steady step the median of {args.rounds} steps of the "
