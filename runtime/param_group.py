@@ -468,11 +468,16 @@ class ParamGroup:
 
     def _nothing_to_reduce(self, trainable: list[ShardedParam]) -> bool:
         """No rank has a gradient of this group to reduce: [Note: A backward that writes no
-        parameter gradient] in runtime/state.py. Asks the root only when this rank has none."""
+        parameter gradient] in runtime/state.py. Asks the root only when this rank has none; a
+        group on one rank alone (expert weights with as many expert-parallel ranks as data-parallel
+        ones) needs no one's agreement, and skips a backward that gave it no gradient, as FSDP2 does
+        (torchtitan's chunked loss runs one backward per chunk before the body's)."""
         if self.holds_unreduced_grads or self.reduce_controls.partial is not None:
             return False
         if any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in trainable):
             return False
+        if self.world * self.mesh_info.replicate_size == 1 and not self.reduce_controls.zeros_for_unused:
+            return True  # no other rank joins this group's collectives: this rank's gradients decide
         return not self.backward_writes_param_grads()
 
     def set_separate_reduce_scatter_group(self, enable: bool, made: dict) -> None:
