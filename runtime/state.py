@@ -177,6 +177,9 @@ class FSDPState:
         self.backward_prefetch: Optional[list[FSDPState]] = None  # None: implicit
         self._num_forwards_done = 0  # modules of this call whose forward finished this step
         self._modules_in_forward: set[nn.Module] = set()  # modules of this call that entered forward
+        # A backward since this call's last forward reduced its group: [Note: Backwards that do not
+        # reach a group again].
+        self._reduced_since_forward = False
         # This step's forward on these hooks keeps the order another path issues (set by the
         # layer above, traced/state.py): no prefetch, full reshard, reduce at the inputs.
         self._fell_back = False
@@ -245,6 +248,7 @@ class FSDPState:
             logger.debug("fsdp_graph::pre_forward (%s)", self.name)
             self.training_state = TrainingState.FORWARD
             self._modules_in_forward = {module}
+            self._reduced_since_forward = False
             if self not in self.ctx.forward_order:
                 self.ctx.forward_order.append(self)
             if self.group is not None:
@@ -344,6 +348,7 @@ class FSDPState:
             if state.training_state is not TrainingState.IDLE:
                 state._reset_after_error()
             state._num_forwards_done = 0
+            state._reduced_since_forward = False
         self.ctx.forward_order.clear()
         self.ctx.final_callback_queued = False
         self.ctx._writes_param_grads = None
@@ -457,6 +462,26 @@ class FSDPState:
                 for p in state.group.params:
                     p.sharded_param.grad = None
 
+    # [Note: Backwards that do not reach a group again]
+    # The final callback reduces every group whose forward ran this step, reached by the backward
+    # or not: a group whose output this rank's loss does not use still joins the reduction of a rank
+    # whose loss does ([Note: One order of reduce-scatters on every rank]). Several backwards may
+    # follow one forward: torchtitan's chunked loss runs one backward per chunk of the detached
+    # output through the head, then the body's. The first of them reduces every group as above;
+    # a later one skips a group it did not reach (no pre-backward, no gradient here, nothing held
+    # unreduced), which an earlier backward since its forward already reduced. So the body's groups
+    # reduce twice per step there instead of once per chunk and once more (FSDP2 reduces them once:
+    # it skips a group without gradients on this rank, and so hangs where ranks use different
+    # groups). The one case this does not keep in step is a later backward whose reach differs
+    # between ranks.
+
+    def _not_reached_again(self) -> bool:
+        """This backward skips the group: [Note: Backwards that do not reach a group again]."""
+        group = self.group
+        return (self._reduced_since_forward and self.training_state is not TrainingState.BACKWARD
+                and not group.holds_unreduced_grads and not group.reduce_controls.zeros_for_unused
+                and not any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in group.params))
+
     def _post_backward_final(self) -> None:
         """Root only: runs once when the whole backward finished."""
         ctx = self.ctx
@@ -471,6 +496,8 @@ class FSDPState:
                 # (`unshard()`) has nothing to reduce: in a compiled step its graph reduced it,
                 # and another rank may have run it on the eager hooks instead
                 # ([Note: Fallback groups keep the traced order] in traced/hooks.py).
+                if state.group is not None and state in ctx.forward_order and state._not_reached_again():
+                    continue
                 if state.group is not None and (state in ctx.forward_order or state.group.state is not ShardedState.SHARDED):
                     state.group.post_backward()
                 elif state.group is not None and state.group.reduce_controls.zeros_for_unused:
@@ -482,6 +509,7 @@ class FSDPState:
                     p.wait_host_copy()
             for state in ctx.states:
                 if state.group is not None:
+                    state._reduced_since_forward |= state.group.reduced_this_backward
                     if state.group.reshard_after_backward:
                         state.group.reshard()
                     state.group.reset_backward_state()
