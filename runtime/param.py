@@ -491,6 +491,11 @@ class ShardedParam(AllGatherExtensions):
             self.unreduced_grad = self._local_grad(grad).to(reduce_dtype or grad.dtype)
             self.unsharded_param.grad = None
 
+    @property
+    def has_unsharded_grad(self) -> bool:
+        """Whether a backward left a gradient on the unsharded parameter."""
+        return self.unsharded_param is not None and self.unsharded_param.grad is not None
+
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """The unsharded gradient (None if there is none), which the parameter then gives up."""
         grad = None

@@ -393,7 +393,7 @@ class ParamGroup:
                 if issue:
                     self.comm.add_reduce_scatter(work)
                 self.holds_unreduced_grads = False
-            elif any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in trainable):
+            elif any(p.has_unsharded_grad for p in trainable):
                 self.holds_unreduced_grads = True
                 for p in trainable:  # FSDP2 accumulates unreduced gradients in reduce_dtype
                     p.accumulate_unreduced_grad(self.mp_policy.reduce_dtype)
@@ -474,7 +474,7 @@ class ParamGroup:
         (torchtitan's chunked loss runs one backward per chunk before the body's)."""
         if self.holds_unreduced_grads or self.reduce_controls.partial is not None:
             return False
-        if any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in trainable):
+        if any(p.has_unsharded_grad for p in trainable):
             return False
         if self.world * self.mesh_info.replicate_size == 1 and not self.reduce_controls.zeros_for_unused:
             return True  # no other rank joins this group's collectives: this rank's gradients decide

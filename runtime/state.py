@@ -348,7 +348,6 @@ class FSDPState:
             if state.training_state is not TrainingState.IDLE:
                 state._reset_after_error()
             state._num_forwards_done = 0
-            state._reduced_since_forward = False
         self.ctx.forward_order.clear()
         self.ctx.final_callback_queued = False
         self.ctx._writes_param_grads = None
@@ -480,7 +479,7 @@ class FSDPState:
         group = self.group
         return (self._reduced_since_forward and self.training_state is not TrainingState.BACKWARD
                 and not group.holds_unreduced_grads and not group.reduce_controls.zeros_for_unused
-                and not any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in group.params))
+                and not any(p.has_unsharded_grad for p in group.params))
 
     def _post_backward_final(self) -> None:
         """Root only: runs once when the whole backward finished."""

@@ -105,8 +105,8 @@ _MODES = {
 
 
 @pytest.mark.parametrize(
-    # inductor compiles cold; aot_eager-blocks takes 23 s on a quiet 2-core machine (over 13 s), its
-    # block-scope case (5 s) keeps two models in the inner loop
+    # inductor compiles cold; aot_eager-blocks is over 13 s on a quiet 2-core machine (docs/testing.md),
+    # its block-scope case keeps two models in the inner loop
     "mode", [pytest.param(m, marks=[pytest.mark.slow] if m.startswith("inductor") or m.endswith(("marked", "blocks")) else [])
              for m in _MODES]
 )

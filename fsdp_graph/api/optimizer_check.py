@@ -46,7 +46,7 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> 
                 continue
             if p is not owner.sharded_param:
                 stale.append(owner.fqn)
-            elif owner.unreduced_grad is not None or (owner.unsharded_param is not None and owner.unsharded_param.grad is not None):
+            elif owner.unreduced_grad is not None or owner.has_unsharded_grad:
                 unreduced.append(owner.fqn)
             state = owner.group_modules[0]._fsdp_state
             contexts.setdefault(id(state.ctx), state.ctx)
