@@ -286,9 +286,8 @@ def _chunked_loss_train(rank, world_size):
 def test_chunked_loss_reduces_the_body_once_or_twice_per_step():
     """torchtitan's chunked loss, 4 chunks. ep 2 on 2 ranks leaves the expert weights a mesh of one
     rank: a chunk's backward gives them no gradient and no other rank joins their reduction, so they
-    reduce once per step, in the body's backward, as with torch's `fully_shard` (a 75 MB gradient
-    packed and copied per chunk on torchtitan's Qwen3 MoE debug model made its eager step 2.8x
-    FSDP2's). The body's groups on both ranks reduce in the first chunk's backward and the body's,
+    reduce once per step, in the body's backward, as with torch's `fully_shard` (not once per chunk:
+    docs/benchmarks.md, "MoE with expert parallelism on torchtitan"). The body's groups on both ranks reduce in the first chunk's backward and the body's,
     not in every chunk's: one reduction per group and step more than torch's, whatever the number
     of chunks ([Note: Backwards that do not reach a group again] in runtime/state.py). The numbers
     are torch's, bit for bit."""
