@@ -205,6 +205,34 @@ def test_a_piece_leaves_the_backwards_donated_inputs_alone():
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
+def _a_view_with_gaps_across_a_collective(x):
+    # a router's gates, one per token: a diagonal view (strides (16, 5)) of a softmax, read after
+    # the all-reduce and returned (as a forward returns what its backward reads)
+    gates = (x.view(8, 4) @ x.view(4, 8)[:, :4]).softmax(-1).view(2, 4, 4).diagonal(dim1=1, dim2=2)
+    total = funcol.all_reduce(x.cos() + 1, "sum", torch.distributed.group.WORLD)
+    return (gates * total.view(2, 4, 4).sum(-1)).exp(), gates
+
+
+def test_a_view_with_gaps_crosses_from_piece_to_piece():
+    # [Note: Values between pieces are dense]: Inductor returned the first piece's diagonal view dense,
+    # and the second piece, compiled for the view's strides, refused it (`assert_size_stride`: the
+    # test model of expert parallelism under Inductor). Against the graph run eagerly.
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._inductor.decomposition import select_decomp_table
+    from fsdp_graph.compile.pieces import compile_in_pieces
+
+    x = torch.randn(32)
+    with fake_process_group(1):
+        gm = make_fx(_a_view_with_gaps_across_a_collective, select_decomp_table(), tracing_mode="fake")(x)
+        expected = gm(x.clone())
+        fakes = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+        with tracing(TracingContext(detect_fake_mode(fakes))):
+            program = compile_in_pieces(lambda graph: None, gm, fakes)
+        got = program([x.clone()])
+    assert len(program.pieces) == 2
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.slow  # Inductor compiles cold
 def test_a_piece_compiled_by_other_sources_is_not_loaded(tmp_path, monkeypatch):
     # A piece's FX-graph-cache key holds our sources' digest (how the piece is compiled is ours, and

@@ -124,6 +124,37 @@ def split_pieces(gm: GraphModule) -> list:
     return pieces
 
 
+# [Note: Values between pieces are dense]
+# Inductor keeps the strides the graph gives a piece's outputs where the value is dense, but of a
+# view with gaps (`x.view(2, 4, 4).diagonal(dim1=1, dim2=2)`: strides (16, 5)) it keeps only the
+# order of the strides, and returns a dense copy, (4, 1). The next piece, compiled for the graph's
+# strides, then refuses its input (`assert_size_stride`). So such a value is copied dense at the end
+# of the piece that makes it, and every later piece, collective and output reads the copy: the same
+# numbers, in the layout both sides expect. Values inside a piece are left as they are.
+
+
+def dense_between_pieces(gm: GraphModule) -> int:
+    """Give every value that leaves a piece with gaps in its strides a dense copy, read by all of its
+    users outside the piece ([Note: Values between pieces are dense]). Returns how many."""
+    copied = 0
+    for step in split_pieces(gm):
+        if not isinstance(step, _Piece):
+            continue
+        members = set(step.nodes)
+        for node in step.outputs:
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor) or torch._prims_common.is_non_overlapping_and_dense_or_false(val):
+                continue
+            with gm.graph.inserting_after(node):
+                dense = gm.graph.call_function(torch.ops.aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
+            dense.meta["val"] = val.clone(memory_format=torch.contiguous_format)
+            node.replace_all_uses_with(dense, delete_user_cb=lambda user: user is not dense and user not in members)
+            copied += 1
+    if copied:
+        gm.recompile()
+    return copied
+
+
 # [Note: Pieces too small to compile]
 # Between two collectives there is sometimes a single op: the division of a reduced row by the
 # world size, a select of its flags. Inductor makes that one op one kernel, as eager does, and still
@@ -464,6 +495,7 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
     schedule(gm.graph)
     inline_regions(gm)
     _propagate_new_values(gm, example_inputs)
+    dense_between_pieces(gm)
     # Our passes ran on the step: their keys (the joint pass's holds this rank's shard shapes) are no
     # part of a piece's, so that ranks with the same piece share its cache entry. It holds our
     # sources' digest instead (how a piece is compiled is ours), the same on every rank.
