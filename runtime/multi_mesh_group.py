@@ -9,8 +9,11 @@ bucket layout and gradient count, as FSDP2 makes one `FSDPParamGroup` per proces
 state of the `fully_shard` call drives a `MultiMeshGroup`, which does to each of its groups, in
 one order every rank shares, what the state asks of a group: every rank issues the same
 collectives per process group in the same order. The call's settings (gradient sync, divide
-factor, hooks, ...) apply to every group, as FSDP2's module setters do. A compiled step runs such
-a group on the eager hooks (`eager_only_reason`).
+factor, hooks, ...) apply to every group, as FSDP2's module setters do. A compiled step traces each
+group's gather and reduce-scatter as those of a group of its own (traced/unshard.py), named by the
+call's modules and its mesh's axes ("blocks.0 [efsdp]"), and the passes bucket and move them on
+their own process group; a rank that replays a graph's order on the eager hooks gives each group its
+own turn (`mesh_groups`).
 """
 
 from __future__ import annotations
@@ -133,10 +136,8 @@ class MultiMeshGroup:
         return any(g.process_group_allocates() for g in self.groups)
 
     def eager_only_reason(self) -> Optional[str]:
-        return (
-            "its parameters shard over several meshes (shard_placement_fn returned a ShardPlacementResult "
-            "with a mesh of its own, as for expert parallelism); their collectives run on the eager hooks"
-        )
+        """The first group's reason to stay on the eager hooks, or None."""
+        return next((r for r in (g.eager_only_reason() for g in self.groups) if r is not None), None)
 
     # -- what the state asks of a group, done to each group in turn ------------------------------
 
@@ -168,10 +169,9 @@ class MultiMeshGroup:
     def pin_shards(self) -> None:
         self._each("pin_shards")
 
-    def post_backward(self, issue: bool = True, all_reduce_later: bool = False) -> None:
-        """Reduce-scatter each group's gradients (eager: `issue` only, see `eager_only_reason`)."""
-        if not issue or all_reduce_later:  # what a replayed graph order asks: never of this group
-            raise NotImplementedError("a group on several meshes runs on the eager hooks only: no graph order to replay")
+    def post_backward(self) -> None:
+        """Reduce-scatter each group's gradients. A replayed graph order asks each group itself
+        (`mesh_groups`): [Note: A fallback keeps the frame's wire order] in runtime/wire_plan.py."""
         self._each("post_backward")
 
     def expect_input_grads(self, reduces_at_inputs: bool = False) -> None:
@@ -189,6 +189,11 @@ class MultiMeshGroup:
 
 for _setting in _SHARED_SETTINGS:
     setattr(MultiMeshGroup, _setting, _shared(_setting))
+
+
+def mesh_groups(group: Union[ParamGroup, MultiMeshGroup]) -> tuple[ParamGroup, ...]:
+    """The `ParamGroup`s a state's group is made of, one per mesh: each has its own collectives."""
+    return group.groups if isinstance(group, MultiMeshGroup) else (group,)
 
 
 def group_by_mesh(

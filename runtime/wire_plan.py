@@ -46,9 +46,10 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from .collectives import AllGatherWork, ReduceScatterWork, all_gather_pieces, reduce_scatter_issued, reduce_scatter_pieces
+from .multi_mesh_group import MultiMeshGroup, mesh_groups
 from .param_group import ParamGroup, ShardedState
 
 logger = logging.getLogger(__name__)
@@ -115,30 +116,36 @@ class Replay:
         self.reducing: dict[str, tuple[ReduceScatterWork, int]] = {}
         self.kept_order = True
 
-    def gather(self, group: ParamGroup) -> None:
-        """Issue `group`'s all-gather where the plan has it (what comes before it first), or as the
-        hooks would where the plan has none left for it."""
-        index = self._last(GATHER, group.name)
-        if index is not None and not self._issue_through(index):
-            self._lose_order(f"{group.name}'s all-gather waits for a reduce-scatter whose gradients are not here")
-        group.unshard()
+    # A state's group on several meshes is one group per mesh to the plan, each with its own
+    # collectives (`mesh_groups`, [Note: A group on several meshes]): each takes its own turn.
 
-    def reduce(self, group: ParamGroup) -> None:
-        """`group`'s gradients are all here: reduce-scatter them in their turn (or all-reduce them, on
-        one rank per shard group, where the graph has only HSDP's all-reduce)."""
-        index = self._last(REDUCE, group.name)
-        if index is None:
-            index = self._last(ALL_REDUCE, group.name)
-        if index is None:
-            group.post_backward()
-            return
-        self.pending.add(group.name)
-        self._issue_through(index)
+    def gather(self, state_group: Union[ParamGroup, MultiMeshGroup]) -> None:
+        """Issue the group's all-gather where the plan has it (what comes before it first), or as
+        the hooks would where the plan has none left for it."""
+        for group in mesh_groups(state_group):
+            index = self._last(GATHER, group.name)
+            if index is not None and not self._issue_through(index):
+                self._lose_order(f"{group.name}'s all-gather waits for a reduce-scatter whose gradients are not here")
+            group.unshard()
 
-    def after_forward(self, group: ParamGroup) -> None:
-        """Reshard `group` at its forward's end if the plan gathers it again in backward; else keep it."""
-        if group.name in self.plan.regathered:
-            group.reshard()
+    def reduce(self, state_group: Union[ParamGroup, MultiMeshGroup]) -> None:
+        """The group's gradients are all here: reduce-scatter them in their turn (or all-reduce them,
+        on one rank per shard group, where the graph has only HSDP's all-reduce)."""
+        for group in mesh_groups(state_group):
+            index = self._last(REDUCE, group.name)
+            if index is None:
+                index = self._last(ALL_REDUCE, group.name)
+            if index is None:
+                group.post_backward()
+                continue
+            self.pending.add(group.name)
+            self._issue_through(index)
+
+    def after_forward(self, state_group: Union[ParamGroup, MultiMeshGroup]) -> None:
+        """Reshard the group at its forward's end if the plan gathers it again in backward; else keep it."""
+        for group in mesh_groups(state_group):
+            if group.name in self.plan.regathered:
+                group.reshard()
 
     def end_forward(self) -> None:
         """Issue what the forward plan has left, and go on to the backward plan."""

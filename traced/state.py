@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from ..runtime.multi_mesh_group import MultiMeshGroup, mesh_groups
 from ..runtime.param_group import ParamGroup, ShardedState
 from ..runtime.owner_check import OwnerCheck
 from ..runtime.state import FSDPState, RootContext, _in_backward, raise_materialization_problem
@@ -66,7 +67,7 @@ class TracedRootContext(RootContext):
         if len(plans) != 1 or not torch.is_grad_enabled() or self.root.eager_only_reason() is not None:
             return None
         (plan,) = plans
-        groups = {s.group.name: s.group for s in self.states if s.group is not None}
+        groups = {g.name: g for s in self.states if s.group is not None for g in mesh_groups(s.group)}
         shared = plan.others & {name for group in groups.values() for name in group.parallelism_names()}
         if shared:
             logger.warning("fsdp_graph: the root's call runs on the eager hooks where its compiled graph ran before, "
@@ -234,7 +235,7 @@ class TracedState(FSDPState):
             return False  # hooks of the user's, which the region would skip
         if nn.modules.module._global_forward_pre_hooks or nn.modules.module._global_forward_hooks:
             return False
-        if self.group.layout.as_bytes or self.group.has_tp:
+        if isinstance(self.group, MultiMeshGroup) or self.group.layout.as_bytes or self.group.has_tp:
             return False  # tensor-parallel DTensors and extension subclasses: no region inputs (Dynamo fails)
         if self.region_owners is None:
             return False  # a parameter held outside the module

@@ -55,6 +55,7 @@ from torch.fx.traceback import annotate
 from ..runtime.bucket_layout import BucketLayout
 from ..runtime.collectives import divide_factors
 from ..runtime.meta import GROUP_KEY, RESHARD_KEY, ROLE_KEY, ROLE_UNSHARD
+from ..runtime.multi_mesh_group import MultiMeshGroup
 from ..runtime.param_group import ParamGroup
 from .ops import C10D, GradientBucket, route_gradients, to_param_layout
 
@@ -175,6 +176,8 @@ def _reshards_after_forward(group: ParamGroup) -> bool:
 def unshard(group: ParamGroup) -> list[torch.Tensor]:
     """Trace the all-gather of `group`; returns one unsharded tensor per `group.params` entry, as
     the module computes with it. See [Note: Traced tensor-parallel parameters]."""
+    if isinstance(group, MultiMeshGroup):  # [Note: A group on several meshes]: each mesh's in turn
+        return [t for g in group.groups for t in unshard(g)]
     layout = group.layout  # refreshed before this trace began: see [Note: Tracing reads what was followed]
     unsharded = (_unshard_bytes if layout.as_bytes else _unshard_plain)(group, layout)
     if not group.has_tp:
