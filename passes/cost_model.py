@@ -7,7 +7,8 @@ Two halves, so that a dump from a CPU run can be replayed on a GPU profile:
 - `CostModel(profile)` turns those facts into seconds.
 
     collective:  latency + factor(kind, world) * bytes / bus_bandwidth      (ring algorithms:
-                 factor = (world-1)/world for all-gather / reduce-scatter, twice that for all-reduce)
+                 factor = (world-1)/world for all-gather / reduce-scatter / all-to-all (each rank
+                 keeps 1/world of what it sends), twice that for all-reduce)
     compute:     launch overhead + max(flops / matmul rate, bytes / memory bandwidth)
 
 The profiles are analytical (public peak numbers derated to what large kernels reach); `calibrate`
@@ -25,13 +26,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import Node
 
-from .nodes import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait_tensor, parallelism_of, region_body, size_hint, value_bytes
+from .nodes import is_all_gather, is_all_reduce, is_all_to_all, is_reduce_scatter, is_wait_tensor, parallelism_of, region_body, size_hint, value_bytes
 
 
 class CollectiveKind(Enum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,7 @@ def op_facts(node: Node) -> OpFacts:
         CollectiveKind.ALL_GATHER if is_all_gather(node)
         else CollectiveKind.REDUCE_SCATTER if is_reduce_scatter(node)
         else CollectiveKind.ALL_REDUCE if is_all_reduce(node)
+        else CollectiveKind.ALL_TO_ALL if is_all_to_all(node)
         else None
     )
     if kind is not None:
@@ -165,8 +168,10 @@ def op_facts(node: Node) -> OpFacts:
             world = int(node.args[1])  # all_gather_into_tensor(input, group_size, group_name)
         elif kind is CollectiveKind.REDUCE_SCATTER:
             world = int(node.args[2])  # reduce_scatter_tensor(input, op, group_size, group_name)
-        else:
+        elif kind is CollectiveKind.ALL_REDUCE:
             world = _group_size(node.args[2])  # all_reduce(input, op, group_name)
+        else:
+            world = _group_size(node.args[3])  # all_to_all_single(input, output_splits, input_splits, group_name)
         return OpFacts(collective=kind, collective_bytes=max(inp, out), world=world, parallelism=parallelism_of(node))
     body = region_body(node)  # costed as the sum of its nodes
     if body is not None:

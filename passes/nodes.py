@@ -54,6 +54,11 @@ def is_all_reduce(node: Node) -> bool:
     return node.op == "call_function" and node.target in (C10D.all_reduce.default, C10D.all_reduce_.default)
 
 
+def is_all_to_all(node: Node) -> bool:
+    """An all-to-all: expert parallelism's token dispatch and combine."""
+    return node.op == "call_function" and node.target is C10D.all_to_all_single.default
+
+
 def owned_by(node: Node, user: Node) -> bool:
     """`node` is a fresh tensor (no view or alias of another) that only `user` reads."""
     if node.op != "call_function" or set(node.users) != {user}:
@@ -115,7 +120,7 @@ def inline_regions(gm: GraphModule) -> GraphModule:
 
 
 def is_collective(node: Node) -> bool:
-    return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
+    return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node) or is_all_to_all(node)
 
 
 def is_fsdp_collective(node: Node) -> bool:

@@ -27,6 +27,7 @@ from .async_tp import DEFAULT_NUM_CHUNKS, decompose_tp_matmuls, merge_summed_all
 from .bucketing import auto_bucket, bucket_by_group
 from .check_collectives import CHECK_COLLECTIVES_ENV, check_collectives
 from .cost_model import CostModel, HardwareProfile, Profile
+from .ep_overlap import overlap_all_to_alls
 from .gloo import plain_all_gathers_on_gloo, reduce_scatters_in_place_on_gloo
 from .pipeline import GraphPass
 from .pin_order import pin_order
@@ -258,6 +259,12 @@ PASSES: tuple[PassSpec, ...] = (
         "overlap_tp_all_reduces", overlap_tp_all_reduces, Stage.SCHEDULE,
         "computation a tensor-parallel all-reduce does not need moves below it, to run under it "
         "(passes/tp_overlap.py)",
+        options=(HARDWARE_PROFILE,),
+    ),
+    PassSpec(
+        "overlap_all_to_alls", overlap_all_to_alls, Stage.SCHEDULE,
+        "work that does not read an all-to-all's tokens (expert parallelism's dispatch and combine; a shared "
+        "expert) moves up between it and its wait, to run while they travel (passes/ep_overlap.py)",
         options=(HARDWARE_PROFILE,),
     ),
     PassSpec(

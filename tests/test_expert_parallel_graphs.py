@@ -1,0 +1,103 @@
+"""Expert parallelism's graphs on a fake world (one process, no data moved): what the step's graphs
+hold for a MoE model sharded with FSDP x EP, and what `overlap_all_to_alls` (passes/ep_overlap.py)
+does to them, against the same graphs with the pass disabled."""
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from fsdp_graph import fully_shard
+from fsdp_graph.passes.cost_model import CostModel
+from fsdp_graph.passes.nodes import PASS_META, is_all_to_all, is_collective, parallelism_of, wait_of
+from fsdp_graph.predict import capture_graphs, fake_world, predict_step, schedule_graphs
+
+DIM, HIDDEN, EXPERTS, TOKENS, WORLD, EP = 512, 1024, 8, 2048, 4, 2
+
+
+class _MoE(nn.Module):
+    """Token t to expert t % EXPERTS, over the "ep" ranks and back (all-to-all dispatch and combine),
+    then a shared expert on every token, as DeepSeek-V3's MoE layer computes them in torchtitan."""
+
+    def __init__(self, ep_mesh) -> None:
+        super().__init__()
+        self.ep_mesh = ep_mesh
+        self.w1 = nn.Parameter(torch.randn(EXPERTS, DIM, HIDDEN))
+        self.w2 = nn.Parameter(torch.randn(EXPERTS, HIDDEN, DIM))
+        self.shared = nn.Sequential(nn.Linear(DIM, HIDDEN, bias=False), nn.SiLU(), nn.Linear(HIDDEN, DIM, bias=False))
+
+    def forward(self, x):
+        group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
+        routed = x.view(TOKENS // EXPERTS, EXPERTS, DIM).transpose(0, 1).contiguous()
+        received = funcol.all_to_all_single_autograd(routed, None, None, group)
+        local = received.view(ep, EXPERTS // ep, -1, DIM).transpose(0, 1).reshape(EXPERTS // ep, -1, DIM)
+        w1, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2))
+        out = torch.bmm(torch.relu(torch.bmm(local, w1)), w2)
+        out = out.view(EXPERTS // ep, ep, -1, DIM).transpose(0, 1).reshape(EXPERTS, -1, DIM).contiguous()
+        out = funcol.all_to_all_single_autograd(out, None, None, group)
+        return out.transpose(0, 1).reshape(TOKENS, DIM) + self.shared(x)
+
+
+class _Model(nn.Module):
+    def __init__(self, ep_mesh, layers: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_MoE(ep_mesh) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def _sharded_on_fake_world() -> _Model:
+    """The model on meta, its experts over ep 2 and their weights over the efsdp 2 ranks left, the
+    rest over all 4 (torchtitan's dp_shard 4 x ep 2)."""
+    world = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
+    sparse = world._unflatten(0, (WORLD // EP, EP), ("efsdp", "ep"))
+    with torch.device("meta"):
+        model = _Model(sparse["ep"])
+    efsdp = FSDPMeshInfo(mesh=sparse["efsdp"], shard_mesh_dim=0)
+    for layer in model.layers:
+        for name in ("w1", "w2"):
+            setattr(layer, name, nn.Parameter(distribute_tensor(getattr(layer, name).detach(), sparse["ep"], [Shard(0)])))
+        experts = {layer.w1, layer.w2}
+        fully_shard(layer, mesh=world, shard_placement_fn=lambda p, experts=experts: (
+            ShardPlacementResult(placement=Shard(0), mesh_info=efsdp) if p in experts else None))
+    fully_shard(model, mesh=world)
+    return model
+
+
+def test_all_to_alls_are_waited_on_where_their_tokens_are_read():
+    """The step's graphs hold both meshes' FSDP collectives and the all-to-alls; with the pass, the
+    combine's wait moves below the shared expert, every node still after its inputs and every
+    process group's collectives in the traced order, and the simulator sees less exposed all-to-all
+    time and a shorter step (an FSDP prefetch may lose some of the work that hid it)."""
+    cost_model = CostModel("h100-infiniband")
+    with fake_world(WORLD):
+        graphs = capture_graphs(_sharded_on_fake_world(), torch.randn(TOKENS, DIM, device="meta"))
+        without = schedule_graphs(graphs, hardware_profile=cost_model, disabled_passes={"overlap_all_to_alls"})
+        scheduled = schedule_graphs(graphs, hardware_profile=cost_model)
+        predictions = {name: predict_step(g, cost_model) for name, g in (("without", without), ("with", scheduled))}
+    for kind, gm in scheduled.items():
+        nodes = list(gm.graph.nodes)
+        position = {n: i for i, n in enumerate(nodes)}
+        assert all(position[a] < position[n] for n in nodes for a in n.all_input_nodes), kind
+        # 2 layers x (dispatch, combine); the backward needs no gradient of the first dispatch's input
+        assert sum(map(is_all_to_all, nodes)) == (4 if kind == "forward" else 3), kind
+        for stream in {parallelism_of(n) for n in nodes if is_collective(n)}:
+            issued = [[n.name for n in g.graph.nodes if is_collective(n) and parallelism_of(n) == stream]
+                      for g in (without[kind], gm)]
+            assert issued[0] == issued[1], (kind, stream)
+        spans = [(position[n], position[wait_of(n)]) for n in nodes if is_all_to_all(n)]
+        moved = [position[n] for n in nodes if n.meta.get(PASS_META) == "overlap_all_to_alls"]
+        assert moved and all(any(a < i < w for a, w in spans) for i in moved), kind
+    forward = list(scheduled["forward"].graph.nodes)
+    combine = [n for n in forward if is_all_to_all(n)][1]
+    between = forward[forward.index(combine):forward.index(wait_of(combine))]
+    assert sum(n.target is torch.ops.aten.mm.default for n in between) == 2, between  # the shared expert's
+    ep_exposed = {name: p.exposed_s_by.get("ep", 0.0) for name, p in predictions.items()}
+    assert ep_exposed["with"] < ep_exposed["without"], ep_exposed
+    steps = {name: p.step_s for name, p in predictions.items()}
+    assert steps["with"] < steps["without"], steps
