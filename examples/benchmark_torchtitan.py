@@ -28,6 +28,11 @@ with `--ep` expert parallelism over the 2 ranks (the expert weights on the exper
 to `fully_shard` with their own sharding mesh, docs/frameworks/torchtitan.md), and the eager rows
 `fsdp2-eager` and `eager` (ours) join the compiled ones:
     python examples/benchmark_torchtitan.py --model qwen3_moe_debug --ep 2 --rows fsdp2-eager,eager,fsdp2-compile,scheduled
+`--capture-scalars` sets `torch._dynamo.config.capture_scalar_outputs` for the compiled rows: the token
+dispatcher's all-to-all splits (a `.tolist()` of routing counts) are then traced as numbers of the graph
+instead of breaking it at every MoE layer, so the all-to-alls and the expert groups' collectives are in
+the step's graph. With torchtitan's selective checkpointing on, FSDP2's compile then fails in torch
+(docs/frameworks/torchtitan.md): use it with `--ac none`.
 This is a benchmark, not a test: it asserts nothing.
 """
 
@@ -65,6 +70,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", choices=("llama3_debugmodel", "qwen3_moe_debug", "deepseek_v3_debugmodel"),
                         default="llama3_debugmodel", help="torchtitan's debug model; the MoE ones take --ep")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel degree of an MoE model (1 or 2)")
+    parser.add_argument("--capture-scalars", action="store_true",
+                        help="compiled rows trace the token dispatcher's splits (capture_scalar_outputs): no graph break")
     parser.add_argument("--rounds", type=int, default=3, help="steady steps timed per launch, after 2 warm-up steps")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown, with date, machine and command")
     parser.add_argument("--worker", metavar="ROW", help=argparse.SUPPRESS)
@@ -118,6 +125,8 @@ def worker(args) -> None:
 
     losses = torchtitan_on_cpu.record_losses(trainer)
     trainer.train_step = timed_step
+    if args.capture_scalars:
+        torch._dynamo.config.capture_scalar_outputs = True
     start = time.perf_counter()
     if row == "fsdp2-compile":
         trainer.model_parts[0].compile()
@@ -163,6 +172,8 @@ def launch(args, row: str, cache_dir: str) -> dict:
     out = os.path.join(cache_dir, f"{row}.json")
     arguments = ["--worker", row, "--json", out, "--layers", str(args.layers), "--seq-len", str(args.seq_len),
                  "--rounds", str(args.rounds), "--ac", args.ac, "--model", args.model, "--ep", str(args.ep)]
+    if args.capture_scalars:
+        arguments.append("--capture-scalars")
     return run_two_ranks(HERE, arguments, out, os.path.join(cache_dir, "inductor"), row)
 
 
@@ -203,7 +214,8 @@ def main() -> None:
         parallel = f", expert parallel {args.ep}" if args.ep > 1 else ""
         caption = (f"torchtitan 0.3.0 {args.model}, {args.layers} layers{parallel}, 1x{args.seq_len} tokens per rank, fp32, "
                    f"activation checkpointing {args.ac}, "
-                   f"2 gloo ranks; one launch per row with an empty Inductor cache, then a relaunch with the cache it "
+                   + ("the dispatcher's splits traced (capture_scalar_outputs), " if args.capture_scalars else "")
+                   + f"2 gloo ranks; one launch per row with an empty Inductor cache, then a relaunch with the cache it "
                    f"left; first steps in wall seconds of rank 0, steady step the median of {args.rounds} steps of the "
                    f"relaunch.")
         print(f"markdown: {write_markdown(args.markdown, 'Compile cost on torchtitan', [(caption, header, table)])}")

@@ -1,9 +1,12 @@
-"""torchtitan's Trainer on an MoE debug model with expert parallelism, eager, a few steps on gloo ranks.
+"""torchtitan's Trainer on an MoE debug model with expert parallelism, a few steps on gloo ranks.
 
     python -m torch.distributed.run --standalone --nproc-per-node {2,4} tests/frameworks/torchtitan_moe_train.py \
-        {torch,ours} {qwen3_moe_debug,deepseek_v3_debugmodel} EP_DEGREE DP_SHARD_DEGREE ASSETS_DIR [SAVE_TO]
+        {torch,ours} {qwen3_moe_debug,deepseek_v3_debugmodel} EP_DEGREE DP_SHARD_DEGREE ASSETS_DIR \
+        {eager,whole,whole-inductor} [SAVE_TO]
 
-`ours` makes torchtitan use fsdp_graph's `fully_shard` (`fsdp_graph.use_in_place_of_torch_fsdp()`).
+`ours` makes torchtitan use fsdp_graph's `fully_shard` (`fsdp_graph.use_in_place_of_torch_fsdp()`);
+`whole` then compiles the model's whole step with the fsdp_graph backend (aot_eager), `whole-inductor`
+with its default compiler, and the result names the groups that ran on the eager hooks instead.
 Rank 0 prints every step's loss and a digest of every final parameter and buffer (the full tensors,
 gathered on every rank), and saves the full parameters to SAVE_TO if given. See docs/frameworks/torchtitan.md.
 """
@@ -19,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
 import torchtitan_on_cpu  # noqa: E402
 
-impl, model_name, ep_degree, dp_shard_degree, assets = sys.argv[1:6]
+impl, model_name, ep_degree, dp_shard_degree, assets, mode = sys.argv[1:7]
 if impl == "ours":
     import fsdp_graph
 
@@ -33,10 +36,24 @@ config = torchtitan_on_cpu.moe_debug_config(
     model_name, os.path.join(assets, os.environ["RANK"]), layers=2, seq_len=32, batch=2, steps=3,
     expert_parallel_degree=int(ep_degree), data_parallel_shard_degree=int(dp_shard_degree),
 )
+if mode != "eager":
+    # torch.compile of torchtitan's MoE layer under its selective activation checkpointing trains
+    # otherwise than eager torch, with no FSDP at all (the experts' load-balancing bias moves
+    # differently from the first step: docs/frameworks/torchtitan.md), so compiled runs leave
+    # checkpointing off and compare with eager torch bit for bit.
+    config.activation_checkpoint = None
 trainer = config.build()
 if impl == "torch":
     for part in trainer.model_parts:
         torchtitan_on_cpu.sum_reductions_for_gloo(part)
+if mode != "eager":
+    # The token dispatcher's all-to-all splits come from `.tolist()` of routing counts: traced as
+    # numbers of the graph (unbacked) instead of a graph break at every MoE layer.
+    torch._dynamo.config.capture_scalar_outputs = True
+    compiler = "aot_eager" if mode == "whole" else "inductor"
+    dump_dir = os.path.join(assets, "dump", os.environ["RANK"])
+    backend = compiler if impl == "torch" else fsdp_graph.backend(compiler=compiler, dump_dir=dump_dir)
+    trainer.model_parts[0].compile(backend=backend)
 losses = torchtitan_on_cpu.record_losses(trainer)
 trainer.train()
 
@@ -57,9 +74,16 @@ buffers = {name: digest(full(b)) for name, b in model.named_buffers()}
 experts = sorted({
     f"{p.device_mesh.mesh_dim_names} {p.placements}" for name, p in model.named_parameters() if "routed_experts" in name
 })
+# The groups whose collectives the compiled graphs hold (ours), from the backend's summary.
+summary = os.path.join(assets, "dump", os.environ["RANK"], "summary.json")
+traced_groups = sorted({c["group"] for g in json.load(open(summary))["graphs"].values() for kind in ("forward", "backward")
+                        for c in g[kind]["collectives"]}) if impl == "ours" and mode != "eager" else []
+graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+state = getattr(model, "_fsdp_state", None)
+fallbacks = dict(getattr(state.ctx, "fallbacks", {})) if state is not None and state.ctx is not None else {}
 if torch.distributed.get_rank() == 0:
-    if len(sys.argv) > 6:
-        torch.save(full_params, sys.argv[6])
+    if len(sys.argv) > 7:
+        torch.save(full_params, sys.argv[7])
     sharded_by = type(model).__mro__[1].__module__
     print("RESULT " + json.dumps({"losses": losses, "sharded_by": sharded_by, "params": params, "buffers": buffers,
-                                 "experts": experts}), flush=True)
+                                 "experts": experts, "fallbacks": fallbacks, "graph_breaks": graph_breaks, "traced_groups": traced_groups}), flush=True)
