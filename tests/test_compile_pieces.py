@@ -233,6 +233,30 @@ def test_a_view_with_gaps_crosses_from_piece_to_piece():
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
+def _all_to_all_with_splits_from_the_data(x, counts):
+    # expert parallelism's dispatch: the splits read from a tensor (unbacked sizes u0, u1), defined
+    # in the piece before the all-to-all and sizing the values of the piece after it
+    splits = counts.tolist()
+    y = funcol.all_to_all_single(x.sin() * 3, splits, splits, torch.distributed.group.WORLD)
+    return ((y.cos() + 1) * y).sum(0)
+
+
+def test_sizes_read_from_the_data_reach_the_pieces_that_use_them():
+    # A piece whose values are sized by a number read in an earlier piece takes that number as an
+    # input (Inductor failed: "For u0 + u1, expected [u1, u0] to have been codegen-ed", torchtitan's
+    # MoE with `capture_scalar_outputs`). Against the function run eagerly on the same fake world.
+    from fsdp_graph.predict import fake_world
+
+    x, counts = torch.randn(6, 4), torch.tensor([2, 4])
+    with fake_world(2), torch._dynamo.config.patch(capture_scalar_outputs=True):
+        counters.clear()
+        got = torch.compile(_all_to_all_with_splits_from_the_data, backend=fsdp_graph.backend())(x, counts)
+        expected = _all_to_all_with_splits_from_the_data(x, counts)
+        assert counters["fsdp_graph"]["pieces"] == 2, dict(counters["fsdp_graph"])
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow  # Inductor compiles cold
 def test_a_piece_compiled_by_other_sources_is_not_loaded(tmp_path, monkeypatch):
     # A piece's FX-graph-cache key holds our sources' digest (how the piece is compiled is ours, and

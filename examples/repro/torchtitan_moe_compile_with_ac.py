@@ -11,7 +11,7 @@ process; prints both runs' losses and a digest of the routers' `expert_bias_E`:
     python examples/repro/torchtitan_moe_compile_with_ac.py --no-ac    # checkpointing off: the same
 
 On this machine, checkpointing on: the first losses are equal, the second and third differ (by 2e-4),
-and so do the experts' load-balancing biases after the first step; checkpointing off: every loss and
+and so do the routers' load-balancing biases at the end; checkpointing off: every loss and
 bias the same, bit for bit. So the compiled runs of tests/frameworks/torchtitan_moe_train.py (ours and
 torch's `fully_shard` alike) turn torchtitan's checkpointing off; with it on, torch's `fully_shard`
 compiled this way fails in torch itself ("expected all tensors_saved_with_vc_check to be Tensors":

@@ -98,29 +98,37 @@ def split_pieces(gm: GraphModule) -> list:
         steps.append(current)
     steps.extend(buffers)
     symbols = _symbol_inputs(gm)
-    pieces = []
+    runs: list[tuple[list[Node], dict[Node, None]]] = []
+    read_elsewhere: set[Node] = set()  # values that define a symbol a later piece reads
     for step in steps:
-        if isinstance(step, list) and _too_small_to_compile(step):
-            pieces.extend(step)  # [Note: Pieces too small to compile]: the outer program runs its ops
+        if not isinstance(step, list) or _too_small_to_compile(step):
+            runs.append((step, {}))
             continue
-        if isinstance(step, list):
-            members = set(step)
-            inputs: dict[Node, None] = {}
-            for node in step:
-                for arg in node.all_input_nodes:
-                    if arg not in members:
-                        inputs.setdefault(arg)
-            if symbols:
-                # every size symbol the piece's values use comes in as a number of its own, so that
-                # Inductor can bind it where no input has it as a whole size (2 * s0 only)
-                used = set().union(*(free_symbols(n.meta.get("val")) for n in (*inputs, *step)))
-                for symbol in sorted(used, key=str):
-                    if symbol in symbols:
-                        inputs.setdefault(symbols[symbol])
-            outputs = [n for n in step if any(u not in members for u in n.users)]
-            pieces.append(_Piece(step, list(inputs), outputs))
-        else:
+        members = set(step)
+        inputs: dict[Node, None] = {}
+        for node in step:
+            for arg in node.all_input_nodes:
+                if arg not in members:
+                    inputs.setdefault(arg)
+        if symbols:
+            # every size symbol the piece's values use comes in as a number of its own, so that
+            # Inductor can bind it where no input has it as a whole size (2 * s0 only)
+            used = set().union(*(free_symbols(n.meta.get("val")) for n in (*inputs, *step)))
+            for symbol in sorted(used, key=str):
+                if symbol in symbols and symbols[symbol] not in members:
+                    inputs.setdefault(symbols[symbol])
+                    read_elsewhere.add(symbols[symbol])
+        runs.append((step, inputs))
+    pieces = []
+    for step, inputs in runs:
+        if not isinstance(step, list):
             pieces.append(step)
+        elif _too_small_to_compile(step):
+            pieces.extend(step)  # [Note: Pieces too small to compile]: the outer program runs its ops
+        else:
+            members = set(step)
+            outputs = [n for n in step if n in read_elsewhere or any(u not in members for u in n.users)]
+            pieces.append(_Piece(step, list(inputs), outputs))
     return pieces
 
 
@@ -200,9 +208,10 @@ def _fresh_buffer_for_collectives(node: Node) -> bool:
 
 
 def _symbol_inputs(gm: GraphModule) -> dict:
-    """The graph's inputs that are a size symbol, by symbol."""
+    """The values that are a size symbol, by symbol: the graph's inputs, and the numbers read from
+    tensors in it (unbacked: `.tolist()` of a router's counts, which size an all-to-all)."""
     found = {}
-    for node in gm.graph.find_nodes(op="placeholder"):
+    for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.SymInt) and isinstance(val.node.expr, sympy.Symbol):
             found.setdefault(val.node.expr, node)
