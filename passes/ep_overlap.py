@@ -11,9 +11,10 @@ covers the all-to-all's time:
     after:   A2A  x(1)  x(2) ..  wait  y(1)  y(2) ..
 
 The walk stops at another collective or wait (each stream keeps its order, and no FSDP collective
-changes place), at an op that mutates its input, and at the graph's output. The moves under one
-all-to-all are kept only where the simulated step (passes/simulator.py) is no slower after them:
-work moved up may have hidden an FSDP prefetch issued after the wait. Only that order changes: every node keeps its inputs before it (an x reads only nodes before the wait or x's
+changes place), at an op that mutates its input, and at the graph's output. The moves are kept only
+where the simulated step (passes/simulator.py) is no slower after them, all of a graph's or none
+(work moved up may have hidden an FSDP prefetch issued after a wait; two simulations per graph, where
+one per all-to-all made a 94-layer prediction's schedule take minutes). Only that order changes: every node keeps its inputs before it (an x reads only nodes before the wait or x's
 before it), every collective is issued where it was, so each process group's order on the wire is
 the traced one. Moved nodes carry `PASS_META = "overlap_all_to_alls"`.
 """
@@ -76,19 +77,15 @@ def overlap_all_to_alls(gm: GraphModule, cost_model: CostModel) -> GraphModule:
     collectives = [n for n in gm.graph.nodes if is_all_to_all(n)]
     if not collectives:
         return gm
-    step_s, moved = simulate(gm, cost_model).total_s, 0
-    for collective in collectives:
-        hoisted = _hoist_under(collective, cost_model)
-        if not hoisted:
-            continue
-        after_s = simulate(gm, cost_model).total_s
-        if after_s > step_s:
-            for node, following in reversed(hoisted):  # back where each was, the last moved first
-                following.prepend(node)
-            continue
-        step_s, moved = after_s, moved + len(hoisted)
-        for node, _ in hoisted:
-            node.meta[PASS_META] = PASS_NAME
+    before_s = simulate(gm, cost_model).total_s
+    hoisted = [move for collective in collectives for move in _hoist_under(collective, cost_model)]
+    if hoisted and simulate(gm, cost_model).total_s > before_s:
+        for node, following in reversed(hoisted):  # back where each was, the last moved first
+            following.prepend(node)
+        hoisted = []
+    for node, _ in hoisted:
+        node.meta[PASS_META] = PASS_NAME
+    moved = len(hoisted)
     if moved:
         logger.debug("fsdp_graph::%s %d nodes moved under %d all-to-alls", PASS_NAME, moved, len(collectives))
     return gm

@@ -37,7 +37,7 @@ class _MoE(nn.Module):
         out = torch.bmm(torch.relu(torch.bmm(local, w1)), w2)
         out = out.view(EXPERTS // ep, ep, -1, DIM).transpose(0, 1).reshape(EXPERTS, -1, DIM).contiguous()
         out = funcol.all_to_all_single_autograd(out, None, None, group)
-        return out.transpose(0, 1).reshape(TOKENS, DIM) + self.shared(x)
+        return x + out.transpose(0, 1).reshape(TOKENS, DIM) + self.shared(x)
 
 
 class _Model(nn.Module):
@@ -47,17 +47,17 @@ class _Model(nn.Module):
 
     def forward(self, x):
         for layer in self.layers:
-            x = x + layer(x)
+            x = layer(x)
         return x
 
 
-def _sharded_on_fake_world() -> _Model:
+def _sharded_on_fake_world(layers: int = 2) -> _Model:
     """The model on meta, its experts over ep 2 and their weights over the efsdp 2 ranks left, the
-    rest over all 4 (torchtitan's dp_shard 4 x ep 2)."""
+    rest over all 4 (torchtitan's dp_shard 4 x ep 2). Inside `fake_world(WORLD)`."""
     world = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
     sparse = world._unflatten(0, (WORLD // EP, EP), ("efsdp", "ep"))
     with torch.device("meta"):
-        model = _Model(sparse["ep"])
+        model = _Model(sparse["ep"], layers)
     efsdp = FSDPMeshInfo(mesh=sparse["efsdp"], shard_mesh_dim=0)
     for layer in model.layers:
         for name in ("w1", "w2"):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from _models import MLPStack, shard_blocks_then_root
-from fsdp_graph import fully_shard
+from fsdp_graph import MixedPrecisionPolicy, fully_shard
 from fsdp_graph.passes.nodes import fsdp_meta, is_all_gather, is_reduce_scatter, tensor_bytes
 from fsdp_graph.predict import capture_graphs, fake_world, schedule_graphs
 from fsdp_graph.runtime.meta import GROUP_KEY
@@ -219,8 +219,26 @@ def _mlp_stack(layers: int):
     return model, model.blocks, (torch.randn(8, 24, device="meta"),)
 
 
-@pytest.mark.parametrize("build, world, budget", [pytest.param(_llama_tp, 4, None, marks=pytest.mark.slow), (_mlp_stack, 8, None), (_mlp_stack, 8, 60_000)],
-                         ids=["llama-fsdp-x-tp-checkpointed", "mlp-stack", "mlp-stack-memory-budget"])
+def _moe_fsdp_x_ep(layers: int):
+    """examples/predict_moe.py's model, small: layers whose routed experts shard over another mesh
+    than the rest (two groups per layer), all-to-alls in every layer, checkpointed."""
+    import predict_moe
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = predict_moe.Config()
+    config.dim, config.heads, config.kv_heads, config.head_dim = 64, 4, 2, 16
+    config.experts, config.top_k, config.expert_hidden, config.vocab = 8, 2, 32, 128
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",))
+    sparse = world._unflatten(0, (2, 2), ("efsdp", "ep"))
+    with torch.device("meta"):
+        model = predict_moe.Model(config, layers, sparse["ep"])
+    predict_moe.shard(model, world, sparse["efsdp"], sparse["ep"], MixedPrecisionPolicy())
+    return model, model.layers, (torch.randint(0, 128, (2, 32), device="meta"),)
+
+
+@pytest.mark.parametrize("build, world, budget", [pytest.param(_llama_tp, 4, None, marks=pytest.mark.slow), (_mlp_stack, 8, None),
+                                                  (_mlp_stack, 8, 60_000), pytest.param(_moe_fsdp_x_ep, 4, None, marks=pytest.mark.slow)],
+                         ids=["llama-fsdp-x-tp-checkpointed", "mlp-stack", "mlp-stack-memory-budget", "moe-fsdp-x-ep"])
 def test_stamped_graphs_are_the_whole_models_trace(build, world, budget):
     with fake_world(world):
         model, _, inputs = build(7)
