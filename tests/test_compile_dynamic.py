@@ -94,6 +94,7 @@ def test_submodules_with_hooks_of_their_own_compile_once():
         assert torch.equal(grads[name], grad), name
 
 
+@pytest.mark.slow  # 14 s, over the 13 s rule (docs/testing.md)
 def test_a_memory_budget_does_not_recompile_for_a_longer_length():
     """With a budget that keeps groups gathered, a later graph of the frame keeps the groups the
     first one kept, at any size ([Note: One collective set per frame]): [16, 12, 8, 20] compile a
