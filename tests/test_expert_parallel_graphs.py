@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from fsdp_graph import fully_shard
 from fsdp_graph.passes.cost_model import CostModel
 from fsdp_graph.passes.nodes import PASS_META, is_all_to_all, is_collective, parallelism_of, wait_of
+from fsdp_graph.inspect.timeline import timeline_svg
 from fsdp_graph.predict import capture_graphs, fake_world, predict_step, schedule_graphs
 
 DIM, HIDDEN, EXPERTS, TOKENS, WORLD, EP = 512, 1024, 8, 2048, 4, 2
@@ -101,3 +102,6 @@ def test_all_to_alls_are_waited_on_where_their_tokens_are_read():
     assert ep_exposed["with"] < ep_exposed["without"], ep_exposed
     steps = {name: p.step_s for name, p in predictions.items()}
     assert steps["with"] < steps["without"], steps
+    # The inspector's timeline draws the all-to-alls in a lane of their own (it raised a KeyError on them).
+    svg = timeline_svg(predictions["with"].simulations)
+    assert "ep collectives" in svg and "all-to-all" in svg

@@ -32,6 +32,7 @@ import torch
 from torch._logging import trace_structured
 from torch.fx import GraphModule
 
+from ..passes.cost_model import op_facts
 from ..passes.table import PASS_NAMES
 from ..passes.nodes import (
     KEPT_UNSHARDED_META, collective_label, gathered_from, group_of, is_collective, is_wait_tensor, parallelism_of,
@@ -57,6 +58,7 @@ def collectives(gm: GraphModule) -> list[dict[str, Any]]:
                     "dtype": _dtype_name(node),
                     "bytes": tensor_bytes(node),
                     "input_bytes": tensor_bytes(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else 0,
+                    "world": op_facts(node).world,
                 }
             )
     return found
@@ -234,7 +236,11 @@ def format_bytes(num: int) -> str:
 
 def _rank_and_bucket_bytes(collective: dict[str, Any]) -> tuple[int, int]:
     """(bytes one rank sends or keeps, bytes of the whole bucket over all ranks): the smaller and the
-    larger of a collective's input and output (equal for an all-reduce)."""
+    larger of a collective's input and output (equal for an all-reduce); for an all-to-all, what this
+    rank sends, and that times the ranks (each sends its own share, which only the data sizes)."""
+    if collective["op"] == "all_to_all_single" and "world" in collective:
+        sent = collective["input_bytes"]
+        return (-1, -1) if sent < 0 else (sent, sent * collective["world"])
     sizes = (collective["bytes"], collective["input_bytes"])
     return (-1, -1) if min(sizes) < 0 else (min(sizes), max(sizes))
 

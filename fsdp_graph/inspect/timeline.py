@@ -112,10 +112,10 @@ def format_schedules(programs: dict[str, Program], sims: dict[str, Simulation]) 
 # -- SVG ---------------------------------------------------------------------------------------------
 
 _COLORS = {"compute": "#7fb77e", "stall": "#d83b3b", "all_gather": "#3b7dd8", "reduce_scatter": "#d8843b",
-           "all_reduce": "#8a4bd8", "memory": "#555555"}
+           "all_reduce": "#8a4bd8", "all_to_all": "#c2a300", "memory": "#555555"}
 _LEGEND = (("compute", "compute"), ("stall", "compute stalled at a wait (exposed communication)"),
            ("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"), ("all_reduce", "all-reduce"),
-           ("memory", "live memory per rank"))
+           ("all_to_all", "all-to-all"), ("memory", "live memory per rank"))
 _FONT = 11  # px; monospace glyphs are about 0.6 em wide, which is how labels are fitted to boxes
 _CHAR_W = 0.6 * _FONT
 _LANE = 20  # height of the compute and collectives lanes
