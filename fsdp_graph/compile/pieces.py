@@ -43,6 +43,7 @@ from torch._inductor.output_code import OutputCode
 from torch._inductor.utils import BoxedBool
 
 from .cache_key import KeyOnly, own_sources_digest
+from ..passes.cost_model import is_view
 from ..passes.nodes import inline_regions
 
 logger = logging.getLogger(__name__)
@@ -143,8 +144,9 @@ def split_pieces(gm: GraphModule) -> list:
 
 def dense_between_pieces(gm: GraphModule) -> int:
     """Give every value that leaves a piece with gaps in its strides a dense copy, read by all of its
-    users outside the piece ([Note: Values between pieces are dense]). Returns how many."""
-    copied = 0
+    users outside the piece ([Note: Values between pieces are dense]); the views of a copy lose their
+    fake values, to be computed again. Returns how many."""
+    copies = set()
     for step in split_pieces(gm):
         if not isinstance(step, _Piece):
             continue
@@ -157,10 +159,11 @@ def dense_between_pieces(gm: GraphModule) -> int:
                 dense = gm.graph.call_function(torch.ops.aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
             dense.meta["val"] = val.clone(memory_format=torch.contiguous_format)
             node.replace_all_uses_with(dense, delete_user_cb=lambda user: user is not dense and user not in members)
-            copied += 1
-    if copied:
+            copies.add(dense)
+    if copies:
+        _drop_values_of_views(gm, copies)
         gm.recompile()
-    return copied
+    return len(copies)
 
 
 # [Note: Pieces too small to compile]
@@ -503,8 +506,10 @@ def compile_in_pieces(schedule: Callable[[Graph], None], gm: GraphModule, exampl
     from torch._inductor.compile_fx import compile_fx_inner
     schedule(gm.graph)
     inline_regions(gm)
+    _views_of_restrided_inputs_anew(gm, example_inputs)
     _propagate_new_values(gm, example_inputs)
-    dense_between_pieces(gm)
+    if dense_between_pieces(gm):
+        _propagate_new_values(gm, example_inputs)  # the views of the dense copies
     # Our passes ran on the step: their keys (the joint pass's holds this rank's shard shapes) are no
     # part of a piece's, so that ranks with the same piece share its cache entry. It holds our
     # sources' digest instead (how a piece is compiled is ours), the same on every rank.
@@ -539,6 +544,37 @@ class _NewValues(torch.fx.passes.fake_tensor_prop.FakeTensorProp):
         if n.op != "placeholder" and "val" in n.meta:
             return n.meta["val"]
         return super().run_node(n)
+
+
+def _views_of_restrided_inputs_anew(gm: GraphModule, example_inputs: list) -> None:
+    """Drop the fake values of the views of every input whose strides AOTAutograd changed, so that
+    `_propagate_new_values` computes them again from the input as it comes.
+
+    A backward's saved activations arrive with the strides the forward's program gave them, which
+    AOTAutograd puts on the backward's example inputs: a forward piece returns a view with gaps
+    dense ([Note: Values between pieces are dense]). The graph's own values were traced with the
+    strides of the joint graph; a view of such an input computed by the program (a transpose of
+    the router's gates) would then reach a piece compiled for strides it does not have."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    stale = set()
+    for node, example in zip(placeholders, example_inputs):
+        val = node.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and isinstance(example, torch.Tensor)):
+            continue
+        strides = (tuple(val.stride()), tuple(example.stride()))
+        if all(isinstance(s, int) for pair in strides for s in pair) and strides[0] != strides[1]:
+            stale.add(node)
+    _drop_values_of_views(gm, stale)
+
+
+def _drop_values_of_views(gm: GraphModule, changed: set) -> None:
+    """Drop the fake values of every view (of a view ...) of the nodes `changed`, whose strides
+    changed: `_propagate_new_values` computes them again."""
+    stale = set(changed)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and is_view(node) and any(a in stale for a in node.all_input_nodes):
+            node.meta.pop("val", None)
+            stale.add(node)
 
 
 def _propagate_new_values(gm: GraphModule, example_inputs: list) -> None:
