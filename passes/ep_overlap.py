@@ -12,11 +12,12 @@ covers the all-to-all's time:
 
 The walk stops at another collective or wait (each stream keeps its order, and no FSDP collective
 changes place), at an op that mutates its input, and at the graph's output. The moves are kept only
-where the simulated step (passes/simulator.py) is no slower after them, all of a graph's or none
-(work moved up may have hidden an FSDP prefetch issued after a wait; two simulations per graph, where
-one per all-to-all made a 94-layer prediction's schedule take minutes). Only that order changes: every node keeps its inputs before it (an x reads only nodes before the wait or x's
-before it), every collective is issued where it was, so each process group's order on the wire is
-the traced one. Moved nodes carry `PASS_META = "overlap_all_to_alls"`.
+where the simulated step (passes/simulator.py) is no slower after them, all of a graph's or none:
+work moved up may have hidden an FSDP prefetch issued after a wait. That takes two simulations per
+graph; one per all-to-all would make the pass quadratic in depth. Only the order changes: every node
+keeps its inputs before it (an x reads only nodes before the wait or x's before it), and every
+collective is issued where it was, so each process group's order on the wire is the traced one.
+Moved nodes carry `PASS_META = "overlap_all_to_alls"`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .cost_model import CostModel, op_facts
-from .nodes import PASS_META, is_all_to_all, is_collective, is_wait_tensor, wait_of
+from .nodes import PASS_META, is_all_to_all, is_collective, is_wait_tensor, mutates_an_input, wait_of
 from .simulator import simulate
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,7 @@ def _movable(node: Node) -> bool:
         return False
     if node.target is operator.getitem:
         return True
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    return not node.target._schema.is_mutable
+    return isinstance(node.target, torch._ops.OpOverload) and not mutates_an_input(node)
 
 
 def _hoist_under(collective: Node, cost_model: CostModel) -> list[tuple[Node, Node]]:

@@ -59,6 +59,12 @@ def is_all_to_all(node: Node) -> bool:
     return node.op == "call_function" and node.target is C10D.all_to_all_single.default
 
 
+def mutates_an_input(node: Node) -> bool:
+    """An op whose schema writes one of its inputs: nothing may be moved across it."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
 def owned_by(node: Node, user: Node) -> bool:
     """`node` is a fresh tensor (no view or alias of another) that only `user` reads."""
     if node.op != "call_function" or set(node.users) != {user}:

@@ -37,6 +37,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_map_only
 
 from ..runtime.meta import GROUP_KEY
+from ..runtime.multi_mesh_group import split_mesh_suffix
 from .nodes import is_tangent
 
 _FORWARD, _BACKWARD = "forward", "backward"
@@ -363,11 +364,8 @@ def _own_meta(node: Node, new: Node, storages: dict, group_name: str, region_off
         new.meta["val"] = tree_map_only(torch.Tensor, lambda t: _fresh_like(t, storages), node.meta["val"])
     custom = node.meta.get("custom")
     if custom and GROUP_KEY in custom:
-        # A block sharded over several meshes names each mesh's group "<block> [<axes>]"
-        # (runtime/multi_mesh_group.py): the copy's keeps the mesh.
-        template_name = custom[GROUP_KEY]
-        mesh = template_name[template_name.index(" ["):] if " [" in template_name else ""
-        new.meta["custom"] = {**custom, GROUP_KEY: group_name + mesh}
+        # a block sharded over several meshes has a group per mesh: the copy's keeps the mesh
+        new.meta["custom"] = {**custom, GROUP_KEY: group_name + split_mesh_suffix(custom[GROUP_KEY])[1]}
     if "ac_graph_id" in node.meta:
         new.meta["ac_graph_id"] = node.meta["ac_graph_id"] + region_offset
 

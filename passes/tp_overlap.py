@@ -37,7 +37,10 @@ from torch.fx import GraphModule, Node
 
 from .async_tp import is_tp_all_reduce
 from .cost_model import CostModel, op_facts
-from .nodes import ASYNC_TP_META, PASS_META, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_wait_tensor, wait_of
+from .nodes import (
+    ASYNC_TP_META, PASS_META, collective_of, is_all_gather, is_collective, is_fsdp_collective, is_wait_tensor,
+    mutates_an_input, wait_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +61,6 @@ def _groups(gm: GraphModule) -> list[list[Node]]:
     return groups
 
 
-def _mutates(node: Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and schema.is_mutable
-
-
 def _still_hidden(collective: Node, anchor: Node, cost_model: CostModel) -> bool:
     """Would `collective`, issued right after `anchor`, still end before its wait (compute only)?"""
     wait, budget_s = wait_of(collective), cost_model.seconds(op_facts(collective))
@@ -76,7 +74,7 @@ def _still_hidden(collective: Node, anchor: Node, cost_model: CostModel) -> bool
 
 def _movable(node: Node, anchor: Node, cost_model: CostModel) -> bool:
     """May `node` run after `anchor`, if nothing it feeds comes before it?"""
-    if node.op != "call_function" or _mutates(node):
+    if node.op != "call_function" or mutates_an_input(node):
         return False
     if is_collective(node):
         # An FSDP all-gather or reduce-scatter may issue later, on its own stream, while it would
@@ -112,7 +110,7 @@ def _overlap(group: list[Node], cost_model: CostModel) -> int:
         if node in cone:
             pass
         elif node in needed:
-            if node.op == "placeholder" or is_collective(node) or _mutates(node):
+            if node.op == "placeholder" or is_collective(node) or mutates_an_input(node):
                 break
             if is_wait_tensor(node):
                 gather = collective_of(node)

@@ -91,8 +91,7 @@ class MultiMeshGroup:
         """The module FQN(s); each group's logs and profiler ranges add its mesh's axis names."""
         self._name = value
         for group in self.groups:
-            axes = ", ".join(group.mesh_info.mesh.mesh_dim_names or ("?",))
-            group.name = f"{value} [{axes}]"
+            group.name = value + mesh_suffix(group.mesh_info)
 
     # -- state, read over the groups ------------------------------------------------------------
 
@@ -189,6 +188,17 @@ class MultiMeshGroup:
 
 for _setting in _SHARED_SETTINGS:
     setattr(MultiMeshGroup, _setting, _shared(_setting))
+
+
+def mesh_suffix(mesh_info: MeshInfo) -> str:
+    """What a group of a call on several meshes adds to the call's name: its mesh's axes, " [efsdp]"."""
+    return f" [{', '.join(mesh_info.mesh.mesh_dim_names or ('?',))}]"
+
+
+def split_mesh_suffix(group_name: str) -> tuple[str, str]:
+    """A group's name as (the call's name, `mesh_suffix` or "" for a group on one mesh)."""
+    cut = group_name.find(" [")
+    return (group_name, "") if cut < 0 else (group_name[:cut], group_name[cut:])
 
 
 def mesh_groups(group: Union[ParamGroup, MultiMeshGroup]) -> tuple[ParamGroup, ...]:

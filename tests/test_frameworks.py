@@ -106,18 +106,24 @@ def test_torchtitan_moe_expert_parallel(model, ranks, tmp_path_factory):
     4 ranks adds the ranks' rows in an order that depends on each rank's chunk size, and ours carries
     a gradient flag per parameter that torch's does not (see tests/test_expert_parallel.py); it moved
     one element of qwen3's fused qkv weight by 2e-10."""
-    assets = str(tmp_path_factory.getbasetemp() / "torchtitan")
-    saved = tmp_path_factory.mktemp("moe")
-    runs = {
-        impl: _torchrun("torchtitan_moe_train.py", impl, model, "2", str(ranks), assets, "eager", str(saved / f"{impl}.pt"), ranks=ranks)
-        for impl in ("torch", "ours")
-    }
-    theirs, ours = runs["torch"], runs["ours"]
+    theirs, ours, saved = _moe_runs(model, ranks, "eager", tmp_path_factory)
     _check_same_losses(ours, theirs)
     assert ours["buffers"] == theirs["buffers"], [k for k in theirs["buffers"] if ours["buffers"].get(k) != theirs["buffers"][k]]
     assert any("expert_bias" in name for name in theirs["buffers"])
     assert ours["experts"] == theirs["experts"] and all("'ep'" in mesh for mesh in theirs["experts"]), theirs["experts"]
     _check_moe_params(ours, theirs, ranks, saved)
+
+
+def _moe_runs(model: str, ranks: int, mode: str, tmp_path_factory) -> tuple[dict, dict, Path]:
+    """torchtitan_moe_train.py with EP 2 on `ranks` ranks in `mode`, torch's `fully_shard` then ours:
+    their results and the directory holding both runs' full final parameters."""
+    assets = str(tmp_path_factory.getbasetemp() / "torchtitan")
+    saved = tmp_path_factory.mktemp(f"moe_{mode}")
+    runs = {
+        impl: _torchrun("torchtitan_moe_train.py", impl, model, "2", str(ranks), assets, mode, str(saved / f"{impl}.pt"), ranks=ranks)
+        for impl in ("torch", "ours")
+    }
+    return runs["torch"], runs["ours"], saved
 
 
 def _check_moe_params(ours: dict, theirs: dict, ranks: int, saved) -> None:
@@ -145,13 +151,7 @@ def test_torchtitan_moe_expert_parallel_compiled(model, ranks, tmp_path_factory)
     collectives are in the step's graphs, on 4 ranks the routed experts' over the 2 efsdp ranks
     (on 2, an efsdp mesh of one rank, they have none). Activation checkpointing is off for both:
     see the runner."""
-    assets = str(tmp_path_factory.getbasetemp() / "torchtitan")
-    saved = tmp_path_factory.mktemp("moe_compiled")
-    runs = {
-        impl: _torchrun("torchtitan_moe_train.py", impl, model, "2", str(ranks), assets, "whole", str(saved / f"{impl}.pt"), ranks=ranks)
-        for impl in ("torch", "ours")
-    }
-    theirs, ours = runs["torch"], runs["ours"]
+    theirs, ours, saved = _moe_runs(model, ranks, "whole", tmp_path_factory)
     _check_same_losses(ours, theirs)
     assert ours["graph_breaks"] == 0 and not ours["fallbacks"], (ours["graph_breaks"], ours["fallbacks"])
     assert ours["buffers"] == theirs["buffers"] and ours["experts"] == theirs["experts"]

@@ -99,11 +99,14 @@ def split_pieces(gm: GraphModule) -> list:
         steps.append(current)
     steps.extend(buffers)
     symbols = _symbol_inputs(gm)
-    runs: list[tuple[list[Node], dict[Node, None]]] = []
+    runs: list = []  # single nodes for the outer program, and (run of computation, its inputs)
     read_elsewhere: set[Node] = set()  # values that define a symbol a later piece reads
     for step in steps:
-        if not isinstance(step, list) or _too_small_to_compile(step):
-            runs.append((step, {}))
+        if not isinstance(step, list):
+            runs.append(step)
+            continue
+        if _too_small_to_compile(step):
+            runs.extend(step)  # [Note: Pieces too small to compile]: the outer program runs its ops
             continue
         members = set(step)
         inputs: dict[Node, None] = {}
@@ -121,15 +124,14 @@ def split_pieces(gm: GraphModule) -> list:
                     read_elsewhere.add(symbols[symbol])
         runs.append((step, inputs))
     pieces = []
-    for step, inputs in runs:
-        if not isinstance(step, list):
-            pieces.append(step)
-        elif _too_small_to_compile(step):
-            pieces.extend(step)  # [Note: Pieces too small to compile]: the outer program runs its ops
-        else:
-            members = set(step)
-            outputs = [n for n in step if n in read_elsewhere or any(u not in members for u in n.users)]
-            pieces.append(_Piece(step, list(inputs), outputs))
+    for run in runs:
+        if not isinstance(run, tuple):
+            pieces.append(run)
+            continue
+        step, inputs = run
+        members = set(step)
+        outputs = [n for n in step if n in read_elsewhere or any(u not in members for u in n.users)]
+        pieces.append(_Piece(step, list(inputs), outputs))
     return pieces
 
 
