@@ -9,7 +9,8 @@
 
 One subpackage per kind of reader; the names above are re-exported here:
 
-    api/       `fully_shard`, `FSDPModule` and their checks; `PipelineStage` (api/pipelining.py)
+    api/       `fully_shard`, `FSDPModule` and their checks; `PipelineStage` (api/pipelining.py);
+               `run_in_chunks` (a MoE layer on slices of its tokens)
     compile/   the `fsdp_graph` torch.compile backend, `precompile`, cache keys, the partitioner
     inspect/   graph dumps, `python -m fsdp_graph.inspect DIR`, the predicted timeline, Chrome traces
     fsdp1/     FSDP1's conveniences above `fully_shard`: `wrap`, `full_params`, `comm_hooks`
@@ -18,7 +19,9 @@ One subpackage per kind of reader; the names above are re-exported here:
                (`fsdp_graph.predict.fake_world`, `capture_graphs`, `schedule_graphs`, `predict_step`)
 """
 
-from .api import DataParallelMeshDims, FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from .api import (
+    DataParallelMeshDims, FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, run_in_chunks, share_comm_ctx,
+)
 from .api.stand_in import TorchFSDPReplaced, use_in_place_of_torch_fsdp
 from .compile.backend import BackendConfig, Compiler, backend
 from .compile.precompile import precompile
@@ -41,6 +44,7 @@ __all__ = [
     "fully_shard",
     "precompile",
     "register_fsdp_forward_method",
+    "run_in_chunks",
     "share_comm_ctx",
     "use_in_place_of_torch_fsdp",
 ]

@@ -18,6 +18,22 @@ graph; one per all-to-all would make the pass quadratic in depth. Only the order
 keeps its inputs before it (an x reads only nodes before the wait or x's before it), and every
 collective is issued where it was, so each process group's order on the wire is the traced one.
 Moved nodes carry `PASS_META = "overlap_all_to_alls"`.
+
+Chunks. A MoE layer run on slices of its tokens (`fsdp_graph.api.run_in_chunks`) has each slice's
+all-to-alls in a row, in program order: slice 0's dispatch, its experts, its combine, then slice 1's.
+The experts of a slice read its dispatch's tokens, so nothing of the slice itself can hide them; the
+other slice's work can. Before the walk above, each slice's j-th all-to-all moves up, with the work it
+needs that comes after the slice before's j-th, to just after that one, so they go on the wire in
+pairs (graph_trainer's EP schedule):
+
+    before:  D0  E0  C0 | D1  E1  C1        D: dispatch, E: experts, C: combine, of slice 0 or 1
+    after:   D0  D1  E0  C0  E1  C1         E0 runs while D1 travels, E1 while C0 does
+
+The backward, where autograd has slice 1 first, pairs the other way round. A slice's j-th
+all-to-all stays where it is when what it needs holds an op that mutates its input or a collective, or when the slices differ in their numbers of all-to-alls. This
+moves all-to-alls past each other, which the walk above never does: every rank runs this pass on the
+same graph, so each process group still sees one order on every rank; a rank whose call runs on the
+eager hooks instead issues them in program order (docs/composition.md, expert parallelism).
 """
 
 from __future__ import annotations
@@ -29,7 +45,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .cost_model import CostModel, op_facts
-from .nodes import PASS_META, is_all_to_all, is_collective, is_wait_tensor, mutates_an_input, wait_of
+from .nodes import PASS_META, chunk_of, collective_of, is_all_to_all, is_collective, is_wait_tensor, mutates_an_input, wait_of
 from .simulator import simulate
 
 logger = logging.getLogger(__name__)
@@ -71,20 +87,97 @@ def _hoist_under(collective: Node, cost_model: CostModel) -> list[tuple[Node, No
     return moved
 
 
+def _slice_runs(collectives: list[Node]) -> list[list[list[Node]]]:
+    """The all-to-alls of each `run_in_chunks` call, per slice in graph order: a call's slices come
+    one after the other, each once; an all-to-all of no slice, or of a slice the call has had, ends it."""
+    calls: list[list[list[Node]]] = []
+    current: list[list[Node]] = []
+    seen: set[int] = set()
+    for node in collectives:
+        chunk = chunk_of(node)
+        if chunk is None or (chunk in seen and chunk != chunk_of(current[-1][0])):
+            calls.append(current)
+            current, seen = [], set()
+        if chunk is None:
+            continue
+        if current and chunk_of(current[-1][0]) == chunk:
+            current[-1].append(node)
+        else:
+            current.append([node])
+            seen.add(chunk)
+    calls.append(current)
+    return [call for call in calls if len(call) > 1 and len({len(s) for s in call}) == 1]
+
+
+def _pull_up_after(anchor: Node, collective: Node) -> list[tuple[Node, Node]]:
+    """Move `collective` and what it needs of the nodes between `anchor` and it to just after
+    `anchor`, in their order; returns each moved node with the node it was before, or nothing when
+    what it needs holds a collective (its wait, for an all-to-all's) or another op that may not
+    move, or passes an op that writes a tensor it reads."""
+    between, node = [], anchor.next
+    while node is not collective:
+        if node.op == "output":
+            return []  # `collective` before `anchor`: nothing to do
+        between.append(node)
+        node = node.next
+    needed = {collective}
+    for node in reversed(between):
+        if any(user in needed for user in node.users):
+            if not (_movable(node) or _is_symbolic(node) or _waits_on_an_all_to_all(node)):
+                return []  # a collective, or a wait on one not an all-to-all, or a mutation
+            needed.add(node)
+    for node in between:  # what is needed may not pass a write to what it reads
+        if mutates_an_input(node) and any(set(node.all_input_nodes) & set(n.all_input_nodes) or node in
+                                          n.all_input_nodes for n in needed):
+            return []
+    moved, place = [], anchor
+    for node in [*(n for n in between if n in needed), collective]:
+        following = node.next
+        place.append(node)
+        moved.append((node, following))
+        place = node
+    return moved
+
+
+def _waits_on_an_all_to_all(node: Node) -> bool:
+    collective = collective_of(node)
+    return collective is not None and is_all_to_all(collective)
+
+
+def _is_symbolic(node: Node) -> bool:
+    """Arithmetic on sizes (a SymInt from a count read off the data, as the dispatch's splits are)."""
+    return node.op == "call_function" and getattr(node.target, "__module__", None) in ("_operator", "operator")
+
+
+def _pair_slices(gm: GraphModule) -> list[Node]:
+    """Each slice's j-th all-to-all pulled up to just after the slice before's j-th (module
+    docstring, Chunks); returns the nodes moved."""
+    moved: list[Node] = []
+    for call in _slice_runs([n for n in gm.graph.nodes if is_all_to_all(n)]):
+        for j in range(len(call[0])):
+            for earlier, later in zip(call, call[1:]):
+                moved.extend(node for node, _ in _pull_up_after(earlier[j], later[j]))
+    return moved
+
+
 def overlap_all_to_alls(gm: GraphModule, cost_model: CostModel) -> GraphModule:
     """See the module docstring."""
     collectives = [n for n in gm.graph.nodes if is_all_to_all(n)]
     if not collectives:
         return gm
     before_s = simulate(gm, cost_model).total_s
-    hoisted = [move for collective in collectives for move in _hoist_under(collective, cost_model)]
-    if hoisted and simulate(gm, cost_model).total_s > before_s:
-        for node, following in reversed(hoisted):  # back where each was, the last moved first
-            following.prepend(node)
-        hoisted = []
-    for node, _ in hoisted:
+    order = list(gm.graph.nodes)
+    paired = _pair_slices(gm)
+    hoisted = [node for collective in collectives for node, _ in _hoist_under(collective, cost_model)]
+    moved = paired + hoisted
+
+    if moved and simulate(gm, cost_model).total_s > before_s:
+        for earlier, node in zip(order, order[1:]):  # every node back in its place
+            earlier.append(node)
+        moved = []
+    for node in moved:
         node.meta[PASS_META] = PASS_NAME
-    moved = len(hoisted)
     if moved:
-        logger.debug("fsdp_graph::%s %d nodes moved under %d all-to-alls", PASS_NAME, moved, len(collectives))
+        logger.debug("fsdp_graph::%s %d nodes moved (%d to pair slices) under %d all-to-alls",
+                     PASS_NAME, len(moved), len(paired), len(collectives))
     return gm

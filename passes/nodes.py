@@ -36,6 +36,9 @@ KEPT_UNSHARDED_META = "fsdp_graph_kept_unsharded"
 # Such a tensor is one of its own, whatever its fake value's storage says ([Note: Region outputs'
 # fake storages] in passes/simulator.py).
 REGION_OUTPUT_META = "fsdp_graph_region_output"
+# In `node.meta["custom"]` of every node a slice of `fsdp_graph.api.run_in_chunks` made (forward
+# and backward): the slice's index. Written by that wrapper through `torch.fx.traceback.annotate`.
+CHUNK_KEY = "fsdp_graph_chunk"
 
 
 def is_all_gather(node: Node) -> bool:
@@ -200,6 +203,11 @@ def fsdp_meta(node: Node, key: str) -> Optional[Any]:
     """The value the traced runtime annotated `node` with under `key`, or None."""
     custom = node.meta.get("custom")
     return custom.get(key) if isinstance(custom, dict) else None
+
+
+def chunk_of(node: Node) -> Optional[int]:
+    """The index of the `run_in_chunks` slice that made `node`, or None."""
+    return fsdp_meta(node, CHUNK_KEY)
 
 
 def group_of(node: Node) -> Optional[str]:

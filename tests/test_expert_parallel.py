@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import fsdp_graph
 from _harness import run_ranks
 from fsdp_graph import fully_shard
+from fsdp_graph.inspect.timeline import load_programs
 
 DIM, HIDDEN, NUM_EXPERTS, NUM_TOKENS, EP = 8, 6, 4, 8, 2
 
@@ -115,7 +116,8 @@ def _meshes(world_size):
     return dp, sparse["efsdp"], sparse["ep"]
 
 
-def _sharded_model(shard, dp, efsdp, ep, model_type=None, **kwargs):
+def _sharded_model(shard, dp, efsdp, ep, model_type=None, chunks=None, **kwargs):
+    """`chunks`: each MoE layer runs on that many slices of its tokens (`run_in_chunks`)."""
     torch.manual_seed(0)
     model = (model_type or _Model)()
     dp_info, efsdp_info = FSDPMeshInfo(mesh=dp, shard_mesh_dim=0), FSDPMeshInfo(mesh=efsdp, shard_mesh_dim=0)
@@ -124,6 +126,8 @@ def _sharded_model(shard, dp, efsdp, ep, model_type=None, **kwargs):
         for name, p in list(experts.named_parameters()):
             setattr(experts, name, nn.Parameter(distribute_tensor(p.detach(), ep, [Shard(0)])))
         block.moe.ep_mesh = ep
+        if chunks is not None:
+            fsdp_graph.run_in_chunks(block.moe, chunks)
         expert_params = set(experts.parameters())
 
         def placement(param, expert_params=expert_params, dense=None if i == 0 else dp_info):
@@ -169,14 +173,15 @@ def _step(model, opt, step, rank, clip, num_micro_batches=1, run=None):
 
 
 def _train(rank, world_size, num_micro_batches=1, reshard_after_forward=None, compiler=None, ours_reshard=None,
-           dump_dir=None):
+           dump_dir=None, chunks=None):
     """`ours_reshard`: ours with this `reshard_after_forward` (which changes no number), torch's with
-    `reshard_after_forward`. With `compiler`, ours runs compiled, its graphs dumped to `dump_dir`."""
+    `reshard_after_forward`. With `compiler`, ours runs compiled, its graphs dumped to `dump_dir`.
+    `chunks`: both models' MoE layers run in that many slices of their tokens."""
     dp, efsdp, ep = _meshes(world_size)
     results = {}
     for name, shard in (("torch", torch_fully_shard), ("ours", fully_shard)):
         reshard = ours_reshard if name == "ours" and ours_reshard is not None else reshard_after_forward
-        model = _sharded_model(shard, dp, efsdp, ep, reshard_after_forward=reshard)
+        model = _sharded_model(shard, dp, efsdp, ep, chunks=chunks, reshard_after_forward=reshard)
         layout = {n: (p.device_mesh.mesh_dim_names, tuple(p.placements)) for n, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         run = model
@@ -239,6 +244,36 @@ def test_expert_parallel_trains_as_torch(world_size, num_micro_batches, reshard_
                     group = f"{block} [{axis}]"
                     assert ("forward", "all_gather_into_tensor", group) in collectives, (rank, collectives)
                     assert ("backward", "reduce_scatter_tensor", group) in collectives, (rank, collectives)
+
+
+def _all_to_all_slices(dump_dir):
+    """Per scheduled graph of `dump_dir` (forward, backward): the slice (`run_in_chunks`) of each of
+    its all-to-alls, in the order the graph issues them."""
+    graphs = json.loads((Path(dump_dir) / "summary.json").read_text())["graphs"]
+    slices = {c["name"]: c.get("chunk") for g in graphs.values() for kind in ("forward", "backward")
+              for c in g[kind]["collectives"] if c["op"] == "all_to_all_single"}
+    return [[slices[op.name] for op in program if op.name in slices] for program in load_programs(dump_dir).values()]
+
+
+def _chunked_train(rank, world_size, dump_dir):
+    """Both models' MoE layers on two slices of their tokens; ours compiled (aot_eager)."""
+    results = _train(rank, world_size, compiler="aot_eager", dump_dir=dump_dir, chunks=2)
+    for result, slices in zip(results, _from_every_rank(_all_to_all_slices(f"{dump_dir}/rank{rank}"))):
+        result["slices"] = slices
+    return results
+
+
+def test_a_moe_layer_in_slices_sends_their_tokens_in_pairs_and_trains_as_torch(tmp_path):
+    """`run_in_chunks` on each MoE layer: ours compiled trains bit for bit as torch's `fully_shard`
+    eager on the same model, and the graphs issue the slices' all-to-alls in pairs (slice 1's
+    dispatch before slice 0's experts, slice 0's combine before slice 1's experts); the backward,
+    where autograd has slice 1 first, too."""
+    results = run_ranks(_chunked_train, 4, str(tmp_path))
+    _check_trains_as_torch(results)
+    for rank, result in enumerate(results):
+        assert not result["compiled"][0], (rank, result["compiled"][0])
+        # Per block, in pairs: forward the dispatch and the combine, backward their gradients.
+        assert result["slices"] == [[0, 1] * 4, [1, 0] * 4], (rank, result["slices"])
 
 
 @pytest.mark.slow  # 8 gloo ranks

@@ -7,9 +7,11 @@
     mesh.py              the mesh it shards over (given, or one default mesh), `DataParallelMeshDims`
     optimizer_check.py   the optimizer step pre-hook (optimizers built before `fully_shard`, stale gathers)
     pipelining.py        `PipelineStage` for torch's pipeline schedules
+    chunks.py            `run_in_chunks`: a module run on slices of its tokens (a MoE layer's all-to-alls in pairs)
     scope.py             whether a compiled call traces its hooks or runs them eagerly (the backend's `scope`)
 """
 
+from .chunks import run_in_chunks
 from .mesh import DataParallelMeshDims
 from .module import FSDPModule, UnshardHandle
 from .sharding import fully_shard, register_fsdp_forward_method, share_comm_ctx
@@ -20,5 +22,6 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "run_in_chunks",
     "share_comm_ctx",
 ]

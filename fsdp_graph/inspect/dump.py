@@ -35,7 +35,7 @@ from torch.fx import GraphModule
 from ..passes.cost_model import op_facts
 from ..passes.table import PASS_NAMES
 from ..passes.nodes import (
-    KEPT_UNSHARDED_META, collective_label, gathered_from, group_of, is_collective, is_wait_tensor, parallelism_of,
+    KEPT_UNSHARDED_META, chunk_of, collective_label, gathered_from, group_of, is_collective, is_wait_tensor, parallelism_of,
     tensor_bytes,
 )
 
@@ -43,8 +43,8 @@ SUMMARY_FILE = "summary.json"
 
 
 def collectives(gm: GraphModule) -> list[dict[str, Any]]:
-    """The collectives of `gm` in graph order: op, group, node index, dtype, bytes of the output and
-    of the input. One rank's output and input: an all-gather's input is this rank's shard and its
+    """The collectives of `gm` in graph order: node index and name, op, group, dtype, bytes of the output and
+    of the input, and the slice of `run_in_chunks` that made it, if one did. One rank's output and input: an all-gather's input is this rank's shard and its
     output the bucket of all ranks; a reduce-scatter the other way round."""
     found = []
     for index, node in enumerate(gm.graph.nodes):
@@ -52,6 +52,7 @@ def collectives(gm: GraphModule) -> list[dict[str, Any]]:
             found.append(
                 {
                     "index": index,
+                    "name": node.name,
                     "op": node.target.__name__.split(".")[0],
                     "group": collective_label(node),
                     "by": parallelism_of(node),
@@ -61,6 +62,8 @@ def collectives(gm: GraphModule) -> list[dict[str, Any]]:
                     "world": op_facts(node).world,
                 }
             )
+            if chunk_of(node) is not None:  # made by a slice of `run_in_chunks`
+                found[-1]["chunk"] = chunk_of(node)
     return found
 
 
