@@ -9,6 +9,7 @@ out), the backend's passes schedule it and the simulator times it on a cost mode
 
     python examples/predict_moe.py                                  # 94 layers, FSDP 64 x EP 8
     python examples/predict_moe.py --layers 8 --markdown moe.md     # a quicker look
+    python examples/predict_moe.py --chunks 2                       # MoE layers on two slices of their tokens
 
 The shape is Qwen3-235B-A22B's: 94 layers, hidden 4096, 64 query and 4 key-value heads of 128,
 128 routed experts of hidden 1536 with the top 8 per token, vocabulary 151936; bf16 parameters, fp32
@@ -154,6 +155,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--profile", default="h100-infiniband")
     parser.add_argument("--trace-all", action="store_true", help="trace every layer (default: four, the rest stamped out)")
+    parser.add_argument("--chunks", type=int, default=1, help="each MoE layer on this many slices of its tokens "
+                        "(`fsdp_graph.run_in_chunks`): their all-to-alls in pairs, each under the other slice's experts")
     parser.add_argument("--markdown", metavar="FILE")
     args = parser.parse_args()
     c = Config()
@@ -166,6 +169,8 @@ def main() -> None:
             model = Model(c, args.layers, sparse["ep"])
         num_params = sum(p.numel() for p in model.parameters())
         shard(model, world, sparse["efsdp"], sparse["ep"], policy)
+        for layer in model.layers:
+            fsdp_graph.run_in_chunks(layer.moe, args.chunks, dim=1)
         # Lives through the step outside the graphs: fp32 parameter shards, their gradients, AdamW's two moments.
         resident = 4 * 4 * sum(p.to_local().numel() for p in model.parameters())
         start = time.perf_counter()
@@ -174,7 +179,7 @@ def main() -> None:
         traced_s = time.perf_counter() - start
         setup = (f"Qwen3-235B-A22B shape, {args.layers} layers ({num_params / 1e9:.1f}B params), FSDP {args.dp} x EP "
                  f"{args.ep} (routed experts sharded over efsdp {args.dp // args.ep}), {args.batch}x{args.seq_len} tokens "
-                 f"per rank, balanced routing, bf16 params, fp32 reduce, activation checkpointing per layer; {cost_model}; "
+                 f"per rank{f' in {args.chunks} slices per MoE layer' if args.chunks > 1 else ''}, balanced routing, bf16 params, fp32 reduce, activation checkpointing per layer; {cost_model}; "
                  f"resident per rank (fp32 shards, gradients, AdamW moments) {resident / 2**30:.2f} GiB")
         print(f"{setup}; traced in {traced_s:.0f} s")
         rows = (("as traced", lambda: graphs),

@@ -87,26 +87,15 @@ def _hoist_under(collective: Node, cost_model: CostModel) -> list[tuple[Node, No
     return moved
 
 
-def _slice_runs(collectives: list[Node]) -> list[list[list[Node]]]:
-    """The all-to-alls of each `run_in_chunks` call, per slice in graph order: a call's slices come
-    one after the other, each once; an all-to-all of no slice, or of a slice the call has had, ends it."""
-    calls: list[list[list[Node]]] = []
-    current: list[list[Node]] = []
-    seen: set[int] = set()
+def _slices_by_side(collectives: list[Node]) -> dict[object, dict[int, list[Node]]]:
+    """The all-to-alls of `run_in_chunks` slices, per side of the graph and per slice, in graph
+    order. The side: forward or backward work in a joint graph's partition (a checkpointed forward
+    recomputed in the backward is forward work there), None in a graph that was never joint."""
+    found: dict[object, dict[int, list[Node]]] = {}
     for node in collectives:
-        chunk = chunk_of(node)
-        if chunk is None or (chunk in seen and chunk != chunk_of(current[-1][0])):
-            calls.append(current)
-            current, seen = [], set()
-        if chunk is None:
-            continue
-        if current and chunk_of(current[-1][0]) == chunk:
-            current[-1].append(node)
-        else:
-            current.append([node])
-            seen.add(chunk)
-    calls.append(current)
-    return [call for call in calls if len(call) > 1 and len({len(s) for s in call}) == 1]
+        if chunk_of(node) is not None:
+            found.setdefault(node.meta.get("partitioner_tag"), {}).setdefault(chunk_of(node), []).append(node)
+    return found
 
 
 def _pull_up_after(anchor: Node, collective: Node) -> list[tuple[Node, Node]]:
@@ -140,23 +129,34 @@ def _pull_up_after(anchor: Node, collective: Node) -> list[tuple[Node, Node]]:
 
 
 def _waits_on_an_all_to_all(node: Node) -> bool:
+    """A `wait_tensor` of an all-to-all, or of such a wait (AOTAutograd may wait twice)."""
+    while is_wait_tensor(node) and collective_of(node) is None and isinstance(node.args[0], Node):
+        node = node.args[0]
     collective = collective_of(node)
     return collective is not None and is_all_to_all(collective)
 
 
 def _is_symbolic(node: Node) -> bool:
-    """Arithmetic on sizes (a SymInt from a count read off the data, as the dispatch's splits are)."""
-    return node.op == "call_function" and getattr(node.target, "__module__", None) in ("_operator", "operator")
+    """Arithmetic on sizes (a SymInt from a count read off the data, as the dispatch's splits are):
+    `operator.add`, `torch.sym_sum` and the like, whose value is a number."""
+    return (node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload)
+            and isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)))
 
 
 def _pair_slices(gm: GraphModule) -> list[Node]:
-    """Each slice's j-th all-to-all pulled up to just after the slice before's j-th (module
-    docstring, Chunks); returns the nodes moved."""
+    """The j-th all-to-all of each slice pulled up to just after the j-th of the slice that issues
+    it before (module docstring, Chunks); returns the nodes moved. The j-th of every slice are the
+    same all-to-all of the same layer, where the slices have as many on that side of the graph."""
+    collectives = [n for n in gm.graph.nodes if is_all_to_all(n)]
+    position = {n: i for i, n in enumerate(collectives)}
     moved: list[Node] = []
-    for call in _slice_runs([n for n in gm.graph.nodes if is_all_to_all(n)]):
-        for j in range(len(call[0])):
-            for earlier, later in zip(call, call[1:]):
-                moved.extend(node for node, _ in _pull_up_after(earlier[j], later[j]))
+    for slices in _slices_by_side(collectives).values():
+        if len(slices) < 2 or len({len(found) for found in slices.values()}) != 1:
+            continue
+        for same in zip(*slices.values()):
+            same = sorted(same, key=position.__getitem__)
+            for earlier, later in zip(same, same[1:]):
+                moved.extend(node for node, _ in _pull_up_after(earlier, later))
     return moved
 
 

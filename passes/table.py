@@ -264,7 +264,8 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec(
         "overlap_all_to_alls", overlap_all_to_alls, Stage.SCHEDULE,
         "work that does not read an all-to-all's tokens (expert parallelism's dispatch and combine; a shared "
-        "expert) moves up between it and its wait, to run while they travel (passes/ep_overlap.py)",
+        "expert) moves up between it and its wait, to run while they travel; the slices of a `run_in_chunks` "
+        "layer send their tokens in pairs (passes/ep_overlap.py)",
         options=(HARDWARE_PROFILE,),
     ),
     PassSpec(

@@ -162,6 +162,25 @@ def test_torchtitan_moe_expert_parallel_compiled(model, ranks, tmp_path_factory)
 
 
 @_needs("torchtitan")
+@pytest.mark.slow  # two launches of torchtitan's Trainer, compiling
+@pytest.mark.parametrize("model, ranks", [("qwen3_moe_debug", 2), ("deepseek_v3_debugmodel", 4)])
+def test_torchtitan_moe_layers_in_slices_compiled(model, ranks, tmp_path_factory):
+    """Every MoE layer on two slices of its sequence (`fsdp_graph.run_in_chunks`), the whole model
+    compiled (aot_eager) for both: against torch's `fully_shard` on the same model, the losses and
+    the routers' buffers bit for bit and the parameters as in `test_torchtitan_moe_expert_parallel_compiled`;
+    our graphs issue the two slices' all-to-alls in pairs (the dispatcher's counts, its tokens, the
+    combine: slice 1's before slice 0's expert compute), the backward's too."""
+    theirs, ours, saved = _moe_runs(model, ranks, "whole+chunks", tmp_path_factory)
+    _check_same_losses(ours, theirs)
+    assert ours["graph_breaks"] == 0 and not ours["fallbacks"], (ours["graph_breaks"], ours["fallbacks"])
+    assert ours["buffers"] == theirs["buffers"]
+    _check_moe_params(ours, theirs, ranks, saved)
+    assert ours["slices"] and all(
+        len(found) >= 4 and found == [found[0], 1 - found[0]] * (len(found) // 2) for found in ours["slices"]
+    ), ours["slices"]
+
+
+@_needs("torchtitan")
 @pytest.mark.slow  # two launches of torchtitan's Trainer, one compiling with Inductor
 def test_torchtitan_moe_expert_parallel_compiled_by_inductor(tmp_path_factory):
     """Qwen3 MoE with EP 2 on 2 ranks, the whole step compiled by fsdp_graph with Inductor (in

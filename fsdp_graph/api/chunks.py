@@ -27,7 +27,8 @@ from ..passes.nodes import CHUNK_KEY
 
 def run_in_chunks(module: nn.Module, chunks: int = 2, dim: int = 0) -> nn.Module:
     """Make `module` run its forward on `chunks` slices along `dim` of every tensor argument that
-    has the first tensor argument's size there, the others passed whole, and concatenate the
+    has the first tensor argument's size there (each slice contiguous), the others passed whole,
+    and concatenate the
     outputs (tensors, or tuples and lists of them) along `dim`. Returns `module`, changed in place;
     call it before or after `fully_shard`: the FSDP hooks run once around the slices."""
     if not isinstance(module, nn.Module):
@@ -54,7 +55,7 @@ def run_in_chunks(module: nn.Module, chunks: int = 2, dim: int = 0) -> nn.Module
 
         def cut(value: Any, k: int) -> Any:
             if isinstance(value, torch.Tensor) and -value.dim() <= dim < value.dim() and value.shape[dim] == size:
-                return value.tensor_split(pieces, dim=dim)[k]
+                return value.tensor_split(pieces, dim=dim)[k].contiguous()  # a model may view it
             return value
 
         outputs = []

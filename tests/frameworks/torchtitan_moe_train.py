@@ -2,11 +2,12 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node {2,4} tests/frameworks/torchtitan_moe_train.py \
         {torch,ours} {qwen3_moe_debug,deepseek_v3_debugmodel} EP_DEGREE DP_SHARD_DEGREE ASSETS_DIR \
-        {eager,whole,whole-inductor} [SAVE_TO]
+        {eager,whole,whole-inductor}[+chunks] [SAVE_TO]
 
 `ours` makes torchtitan use fsdp_graph's `fully_shard` (`fsdp_graph.use_in_place_of_torch_fsdp()`);
 `whole` then compiles the model's whole step with the fsdp_graph backend (aot_eager), `whole-inductor`
 with its default compiler, and the result names the groups that ran on the eager hooks instead.
+`+chunks`: every MoE layer runs on two slices of its tokens (`fsdp_graph.run_in_chunks`, both impls).
 Rank 0 prints every step's loss and a digest of every final parameter and buffer (the full tensors,
 gathered on every rank), and saves the full parameters to SAVE_TO if given. See docs/frameworks/torchtitan.md.
 """
@@ -23,9 +24,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 import torchtitan_on_cpu  # noqa: E402
 
 impl, model_name, ep_degree, dp_shard_degree, assets, mode = sys.argv[1:7]
-if impl == "ours":
+mode, chunks = mode.removesuffix("+chunks"), mode.endswith("+chunks")
+if impl == "ours" or chunks:
     import fsdp_graph
-
+if impl == "ours":
     fsdp_graph.use_in_place_of_torch_fsdp()
 torchtitan_on_cpu.prepare()
 
@@ -43,6 +45,10 @@ if mode != "eager":
     # checkpointing off and compare with eager torch bit for bit.
     config.activation_checkpoint = None
 trainer = config.build()
+if chunks:
+    for block in trainer.model_parts[0].layers.values():
+        if getattr(block, "moe", None) is not None:
+            fsdp_graph.run_in_chunks(block.moe, 2, dim=1)  # (batch, sequence, dim): slices of the sequence
 if impl == "torch":
     for part in trainer.model_parts:
         torchtitan_on_cpu.sum_reductions_for_gloo(part)
@@ -78,6 +84,14 @@ experts = sorted({
 summary = os.path.join(assets, "dump", os.environ["RANK"], "summary.json")
 traced_groups = sorted({c["group"] for g in json.load(open(summary))["graphs"].values() for kind in ("forward", "backward")
                         for c in g[kind]["collectives"]}) if impl == "ours" and mode != "eager" else []
+# Per compiled graph (ours), the slice of each all-to-all in the order the scheduled graph issues them.
+slices = []
+if impl == "ours" and mode != "eager" and chunks:
+    from fsdp_graph.inspect.timeline import load_programs
+
+    of = {c["name"]: c.get("chunk") for g in json.load(open(summary))["graphs"].values() for kind in ("forward", "backward")
+          for c in g[kind]["collectives"] if c["op"] == "all_to_all_single"}
+    slices = [[of[op.name] for op in program if op.name in of] for program in load_programs(os.path.dirname(summary)).values()]
 graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
 state = getattr(model, "_fsdp_state", None)
 fallbacks = dict(getattr(state.ctx, "fallbacks", {})) if state is not None and state.ctx is not None else {}
@@ -86,4 +100,5 @@ if torch.distributed.get_rank() == 0:
         torch.save(full_params, sys.argv[7])
     sharded_by = type(model).__mro__[1].__module__
     print("RESULT " + json.dumps({"losses": losses, "sharded_by": sharded_by, "params": params, "buffers": buffers,
-                                 "experts": experts, "fallbacks": fallbacks, "graph_breaks": graph_breaks, "traced_groups": traced_groups}), flush=True)
+                                 "experts": experts, "fallbacks": fallbacks, "graph_breaks": graph_breaks, "traced_groups": traced_groups,
+                                 "slices": slices}), flush=True)
