@@ -23,17 +23,20 @@ Chunks. A MoE layer run on slices of its tokens (`fsdp_graph.api.run_in_chunks`)
 all-to-alls in a row, in program order: slice 0's dispatch, its experts, its combine, then slice 1's.
 The experts of a slice read its dispatch's tokens, so nothing of the slice itself can hide them; the
 other slice's work can. Before the walk above, each slice's j-th all-to-all moves up, with the work it
-needs that comes after the slice before's j-th, to just after that one, so they go on the wire in
+needs that comes after the other slice's j-th, to just after that one, so they go on the wire in
 pairs (graph_trainer's EP schedule):
 
     before:  D0  E0  C0 | D1  E1  C1        D: dispatch, E: experts, C: combine, of slice 0 or 1
     after:   D0  D1  E0  C0  E1  C1         E0 runs while D1 travels, E1 while C0 does
 
-The backward, where autograd has slice 1 first, pairs the other way round. A slice's j-th
-all-to-all stays where it is when what it needs holds an op that mutates its input or a collective, or when the slices differ in their numbers of all-to-alls. This
-moves all-to-alls past each other, which the walk above never does: every rank runs this pass on the
-same graph, so each process group still sees one order on every rank; a rank whose call runs on the
-eager hooks instead issues them in program order (docs/composition.md, expert parallelism).
+The j-th are counted per side of the graph (a backward's gradients, and the forward it recomputes
+under checkpointing), and the slice that issues its j-th first leads: in backward autograd has slice
+1 first. An all-to-all stays where it is when the work it needs holds a collective (a wait on an
+all-to-all aside) or a mutation, or would pass a write to what it reads, or when the slices differ in
+their numbers of all-to-alls on that side. This moves all-to-alls past each other, which the walk
+above never does: every rank runs this pass on the same graph, so each process group still sees one
+order on every rank; but a rank whose call falls back alone to the eager hooks issues them in program
+order (the limit in docs/composition.md, "A MoE layer on slices of its tokens").
 """
 
 from __future__ import annotations
@@ -62,9 +65,9 @@ def _movable(node: Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and not mutates_an_input(node)
 
 
-def _hoist_under(collective: Node, cost_model: CostModel) -> list[tuple[Node, Node]]:
+def _hoist_under(collective: Node, cost_model: CostModel) -> list[Node]:
     """Move the work after `collective`'s wait that does not read it to before the wait, until it
-    covers the collective's time; returns each moved node with the node it was before, in order."""
+    covers the collective's time; returns the nodes moved."""
     wait = wait_of(collective)
     if wait is None:
         return []
@@ -79,7 +82,7 @@ def _hoist_under(collective: Node, cost_model: CostModel) -> list[tuple[Node, No
             reads_wait.add(node)
         elif _movable(node):
             wait.prepend(node)
-            moved.append((node, following))
+            moved.append(node)
             covered_s += cost_model.seconds(op_facts(node))
         else:
             break  # a mutation: nothing after it may pass it
@@ -98,11 +101,11 @@ def _slices_by_side(collectives: list[Node]) -> dict[object, dict[int, list[Node
     return found
 
 
-def _pull_up_after(anchor: Node, collective: Node) -> list[tuple[Node, Node]]:
+def _pull_up_after(anchor: Node, collective: Node) -> list[Node]:
     """Move `collective` and what it needs of the nodes between `anchor` and it to just after
-    `anchor`, in their order; returns each moved node with the node it was before, or nothing when
-    what it needs holds a collective (its wait, for an all-to-all's) or another op that may not
-    move, or passes an op that writes a tensor it reads."""
+    `anchor`, in their order; returns the nodes moved, none when what it needs holds a collective
+    (a wait on an all-to-all aside) or another op that may not move, or would pass an op that
+    writes a tensor it reads (as an argument: graphs here are functional but for such writes)."""
     between, node = [], anchor.next
     while node is not collective:
         if node.op == "output":
@@ -119,11 +122,10 @@ def _pull_up_after(anchor: Node, collective: Node) -> list[tuple[Node, Node]]:
         if mutates_an_input(node) and any(set(node.all_input_nodes) & set(n.all_input_nodes) or node in
                                           n.all_input_nodes for n in needed):
             return []
-    moved, place = [], anchor
-    for node in [*(n for n in between if n in needed), collective]:
-        following = node.next
+    moved = [*(n for n in between if n in needed), collective]
+    place = anchor
+    for node in moved:
         place.append(node)
-        moved.append((node, following))
         place = node
     return moved
 
@@ -156,7 +158,7 @@ def _pair_slices(gm: GraphModule) -> list[Node]:
         for same in zip(*slices.values()):
             same = sorted(same, key=position.__getitem__)
             for earlier, later in zip(same, same[1:]):
-                moved.extend(node for node, _ in _pull_up_after(earlier, later))
+                moved.extend(_pull_up_after(earlier, later))
     return moved
 
 
@@ -168,9 +170,8 @@ def overlap_all_to_alls(gm: GraphModule, cost_model: CostModel) -> GraphModule:
     before_s = simulate(gm, cost_model).total_s
     order = list(gm.graph.nodes)
     paired = _pair_slices(gm)
-    hoisted = [node for collective in collectives for node, _ in _hoist_under(collective, cost_model)]
+    hoisted = [node for collective in collectives for node in _hoist_under(collective, cost_model)]
     moved = paired + hoisted
-
     if moved and simulate(gm, cost_model).total_s > before_s:
         for earlier, node in zip(order, order[1:]):  # every node back in its place
             earlier.append(node)
