@@ -18,10 +18,14 @@ first with an empty Inductor cache (the cold first step), the second with the ca
   - `ours-fast`: the same with `fsdp_graph.backend(compiler="aot_eager")`: our passes schedule the
     step's graph, which then runs op by op (no kernels compiled), as graph_trainer's regional mode runs
     everything outside its regions;
+  - `ours-ac`: the same with `fsdp_graph.backend(activation_checkpointing="save_matmuls")`, graph_trainer's
+    default checkpoint policy chosen on our joint graph (matmul and attention outputs saved, the rest
+    recomputed in backward): the same recompute work as the graph_trainer rows;
   - `fsdp2-compile`: the same module with torch's `fully_shard` and `torch.compile(root)`;
   - `floor`: no communication: 2 processes at once, each its half batch, unsharded, `torch.compile(root)`.
 Each row runs as its users get it by default: graph_trainer with its graph-level activation
-checkpointing (save matmuls and attention, recompute the rest), the others keeping every activation.
+checkpointing (save matmuls and attention, recompute the rest), the others keeping every activation
+but `ours-ac`.
 Every row's clock starts with Inductor imported: at the `torch.compile` call (graph_trainer: at its
 first step, where it traces and compiles). A step is timed on each rank from a barrier to the end of
 its optimizer step; a step's time is its slower rank's. Steady step: the median of the `--steps` steps
@@ -66,6 +70,7 @@ NAMES = {"gt-full": "graph_trainer, full Inductor",
          "ours-budget": "fsdp_graph whole step, selective unsharding",
          "ours": "fsdp_graph whole step",
          "ours-fast": "fsdp_graph whole step, fast compile (compiler=\"aot_eager\")",
+         "ours-ac": "fsdp_graph whole step, graph_trainer's checkpoint policy",
          "fsdp2-compile": "FSDP2 + torch.compile",
          "floor": "no-communication floor (2 processes, each its half)"}
 REFERENCES = {"gt-full": "graph_trainer full", "gt-regional": "graph_trainer regional",
@@ -210,7 +215,8 @@ def compiled_row(row: str, args, config, initial: dict):
             from fsdp_graph import fully_shard
 
             backend = {"ours": "fsdp_graph", "ours-fast": fsdp_graph.backend(compiler="aot_eager"),
-                       "ours-budget": fsdp_graph.backend(memory_budget_bytes=args.budget_mib << 20)}[row]
+                       "ours-budget": fsdp_graph.backend(memory_budget_bytes=args.budget_mib << 20),
+                       "ours-ac": fsdp_graph.backend(activation_checkpointing="save_matmuls")}[row]
         for block in model.layers.values():
             fully_shard(block)
         fully_shard(root)
@@ -330,7 +336,7 @@ def report(args, results: dict) -> None:
                    f"steps in wall seconds from the compile call, steady step the median of the {args.steps} steps after "
                    f"{args.warmup} warm-up step(s) of both launches; a step's time is its slower rank's. Selective "
                    f"unsharding's memory_budget_bytes: {args.budget_mib} MiB. graph_trainer checkpoints activations by "
-                   f"its default graph-level policy; the other rows keep them all.")
+                   f"its default graph-level policy, as does ours-ac by the same policy; the other rows keep them all.")
         notes = ["graph_trainer's rows ran with these patches for the CPU (see the script's docstring):"]
         notes += [f"{i}. {p}" for i, p in enumerate(PATCHES, 1)]
         sections = [(caption, header, table), ("Ratios (below 1: faster than the reference):", ratio_header, ratios)]

@@ -87,10 +87,12 @@ def capture_graphs(
     memory_budget_bytes: Optional[int] = None,
     loss: Callable[[Any], torch.Tensor] = lambda output: output.sum(),
     repeated_blocks: Optional[torch.nn.ModuleList] = None,
+    activation_checkpointing: Optional[str] = None,
 ) -> dict[str, GraphModule]:
     """Compile `model(*args)` and `loss(output).backward()` once; returns {"forward": ...,
     "backward": ...}: the graphs after the backend's joint passes (selective unsharding under
-    `memory_budget_bytes`, then resharding after forward) and its partitioner, before scheduling.
+    `memory_budget_bytes`, resharding after forward, the checkpoint policy `activation_checkpointing`)
+    and its partitioner, before scheduling.
     Nothing is computed: the graphs are only captured, so the inputs may be on the meta device.
 
     `repeated_blocks`, the model's list of blocks alike in code, shapes and sharding (each a
@@ -100,8 +102,8 @@ def capture_graphs(
     of theirs. Raises `ValueError` where the traced blocks do not trace alike; blocks that differ
     in a way the four traced ones do not show (every fourth layer another attention) must be
     captured whole. The model's list is as it was afterwards."""
-    joint_passes = PassPipeline("joint", BackendConfig(memory_budget_bytes=memory_budget_bytes).passes(Stage.JOINT),
-                                frozenset(), None)
+    config = BackendConfig(memory_budget_bytes=memory_budget_bytes, activation_checkpointing=activation_checkpointing)
+    joint_passes = PassPipeline("joint", config.passes(Stage.JOINT), frozenset(), None)
     graphs: dict[str, GraphModule] = {}
     stamped: dict[str, GraphModule] = {}
     stamping = repeated_blocks is not None and len(repeated_blocks) > _TRACED_BLOCKS

@@ -26,6 +26,7 @@ from torch.fx import GraphModule
 from .async_tp import DEFAULT_NUM_CHUNKS, decompose_tp_matmuls, merge_summed_all_reduces
 from .bucketing import auto_bucket, bucket_by_group
 from .check_collectives import CHECK_COLLECTIVES_ENV, check_collectives
+from .checkpoint_policy import POLICIES, checkpoint_by_policy
 from .cost_model import CostModel, HardwareProfile, Profile
 from .ep_overlap import overlap_all_to_alls
 from .gloo import plain_all_gathers_on_gloo, reduce_scatters_in_place_on_gloo
@@ -151,6 +152,10 @@ def _cost_model_repr(cost_model: CostModel) -> str:
     return repr((cost_model.profile, sorted(cost_model.links.items())))
 
 
+def _check_policy(value: Any) -> Optional[str]:
+    return None if value is None or value in POLICIES else f"must be None or one of {list(POLICIES)}"
+
+
 def _check_tri_state(value: Any) -> Optional[str]:
     return None if value in (None, True, False) else "must be True, False or None"
 
@@ -202,6 +207,14 @@ ASYNC_TP_CHUNKS = Option(
     'whole, as does disabling "async_tp".',
     example=2, keyword="num_chunks",
 )
+ACTIVATION_CHECKPOINTING = Option(
+    "activation_checkpointing", None, _check_policy,
+    'the step\'s activations chosen on the graph: "save_matmuls" saves each `fully_shard` group\'s matmul and '
+    "attention outputs from forward to backward and recomputes the rest there (torchtitan graph_trainer's default "
+    'policy; "checkpoint_by_policy", passes/checkpoint_policy.py). None: the partitioner\'s choice, and the '
+    "model's own checkpointing, as without the backend.",
+    example="save_matmuls",
+)
 CHECK_COLLECTIVES = Option(
     "check_collectives", None, _check_tri_state,
     "check at run time that no buffer of an in-flight collective is written, freed or resized before its "
@@ -225,6 +238,12 @@ PASSES: tuple[PassSpec, ...] = (
         "reshard_after_forward", tag_reshard_after_forward, Stage.JOINT,
         "tags each resharding group's forward all-gather for recomputation, so the backward gathers again "
         "(passes/reshard.py)",
+    ),
+    PassSpec(
+        "checkpoint_by_policy", checkpoint_by_policy, Stage.JOINT,
+        "with `activation_checkpointing`, tags each group's forward for the partitioner: matmul and attention "
+        "outputs saved, the rest recomputed in backward (passes/checkpoint_policy.py)",
+        enabled_by=ACTIVATION_CHECKPOINTING,
     ),
     PassSpec(
         "merge_tp_all_reduces", merge_summed_all_reduces, Stage.SCHEDULE,

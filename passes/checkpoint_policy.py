@@ -1,0 +1,100 @@
+"""Activation checkpointing chosen on the graph: each block saves what is costly to compute again
+and recomputes the rest in backward.
+
+The user's own checkpointing (`torch.utils.checkpoint` in the model) decides per module, before
+tracing. With `activation_checkpointing="save_matmuls"` the backend decides on the joint graph
+instead, as torchtitan's graph_trainer does by default: in every `fully_shard` group's forward, the
+outputs of matmuls and attention are saved, and everything else the backward needs (norms,
+activations, rotary embeddings, elementwise products) is recomputed from them there. A block's
+parameters are gathered again in backward as before (passes/reshard.py), so the memory a step holds
+from forward to backward is each block's matmul and attention outputs, and its input.
+
+The pass tags each forward node of a group's module with `meta["recompute"]` (`MUST_SAVE` for a
+costly op, `PREFER_RECOMPUTE` otherwise) and one `meta["ac_graph_id"]` per group, which torch's
+min-cut partitioner honours as it does a checkpoint region's: a value read by the next group's
+region is saved (`cleanup_recompute_tags`), so no block recomputes another's work. Left alone:
+nodes a user's checkpoint already tagged, the FSDP unshard regions, collectives and their waits,
+and nodes of no group (the root's embedding and loss). Ops whose values may differ when run again
+(random ones, `topk` that routes tokens) are saved, so the backward sees the forward's numbers:
+the step computes what it computes without the pass, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..runtime.meta import GROUP_KEY, ROLE_KEY
+from ..runtime.multi_mesh_group import split_mesh_suffix
+from .nodes import fsdp_meta, is_collective, is_wait_tensor
+from .reshard import depends_on_tangents
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("save_matmuls",)
+# Our policy's region ids: below the unshard regions' (passes/reshard.py), above a user's.
+_FIRST_POLICY_REGION_ID = 5_000
+
+aten = torch.ops.aten
+_COSTLY = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_attention_math.default, aten._grouped_mm.default,
+    aten.topk.default,  # a router's choice: run again, ties could route otherwise
+}
+
+
+def _saved(node: Node) -> bool:
+    """Costly to compute again, or possibly otherwise the second time (a random op); for an item
+    of a multi-output op's result (attention's output and its statistics), that op's choice."""
+    if node.target is operator.getitem and isinstance(node.args[0], Node):
+        node = node.args[0]
+    target = node.target
+    return target in _COSTLY or (
+        isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    )
+
+
+def _group_of_module(node: Node, groups: list[str]) -> Optional[str]:
+    """The `fully_shard` group whose module (or a submodule of it) made `node`: the longest group
+    name that its innermost module path lies under, or None."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in reversed(list(stack.values())):
+        path = path.removeprefix("L['self']").removeprefix(".")
+        for group in groups:
+            if path == group or path.startswith(group + "."):
+                return group
+    return None
+
+
+def checkpoint_by_policy(gm: GraphModule) -> GraphModule:
+    """See the module docstring: the one policy of `POLICIES`, "save_matmuls"."""
+    named = {fsdp_meta(n, GROUP_KEY) for n in gm.graph.nodes if n.op == "call_function"} - {None}
+    groups = sorted({split_mesh_suffix(name)[0] for name in named if name}, key=len, reverse=True)
+    if not groups:
+        return gm
+    backward = depends_on_tangents(gm)
+    region_ids: dict[str, int] = {}
+    tagged = saved = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node in backward or "recompute" in node.meta:
+            continue
+        if fsdp_meta(node, ROLE_KEY) is not None or is_collective(node) or is_wait_tensor(node):
+            continue
+        group = _group_of_module(node, groups)
+        if group is None:
+            continue
+        region_ids.setdefault(group, _FIRST_POLICY_REGION_ID + len(region_ids))
+        keep = _saved(node)
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        node.meta["ac_graph_id"] = region_ids[group]
+        tagged += 1
+        saved += keep
+    logger.debug("fsdp_graph::checkpoint_by_policy %d nodes in %d groups, %d saved", tagged, len(region_ids), saved)
+    return gm
