@@ -31,7 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime.meta import GROUP_KEY, ROLE_KEY
 from ..runtime.multi_mesh_group import split_mesh_suffix
-from .nodes import fsdp_meta, is_collective, is_wait_tensor
+from .nodes import fsdp_meta, is_collective, is_region_call, is_wait_tensor
 from .reshard import depends_on_tangents
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,28 @@ def _group_of_module(node: Node, groups: list[str]) -> Optional[str]:
     return None
 
 
+def _tag(node: Node, region_id: int) -> bool:
+    """Tag `node` for the partitioner; whether it is saved."""
+    keep = _saved(node)
+    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    node.meta["ac_graph_id"] = region_id
+    return keep
+
+
+def _taggable(node: Node, backward: set[Node]) -> bool:
+    """A forward op no one has chosen for: not a user's checkpoint region's, an FSDP unshard's, a
+    collective or its wait, nor a compile region's call (its body chooses, `checkpoint_region_body`)."""
+    if node.op != "call_function" or node in backward or "recompute" in node.meta:
+        return False
+    if node.target is operator.getitem and isinstance(node.args[0], Node) and is_region_call(node.args[0]):
+        return False
+    return not (fsdp_meta(node, ROLE_KEY) is not None or is_collective(node) or is_wait_tensor(node)
+                or is_region_call(node))
+
+
 def checkpoint_by_policy(gm: GraphModule) -> GraphModule:
-    """See the module docstring: the one policy of `POLICIES`, "save_matmuls"."""
+    """See the module docstring: the one policy of `POLICIES`, "save_matmuls", on a step's joint
+    graph, one region per group."""
     named = {fsdp_meta(n, GROUP_KEY) for n in gm.graph.nodes if n.op == "call_function"} - {None}
     groups = sorted({split_mesh_suffix(name)[0] for name in named if name}, key=len, reverse=True)
     if not groups:
@@ -83,18 +103,22 @@ def checkpoint_by_policy(gm: GraphModule) -> GraphModule:
     region_ids: dict[str, int] = {}
     tagged = saved = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node in backward or "recompute" in node.meta:
-            continue
-        if fsdp_meta(node, ROLE_KEY) is not None or is_collective(node) or is_wait_tensor(node):
-            continue
-        group = _group_of_module(node, groups)
+        group = _group_of_module(node, groups) if _taggable(node, backward) else None
         if group is None:
             continue
         region_ids.setdefault(group, _FIRST_POLICY_REGION_ID + len(region_ids))
-        keep = _saved(node)
-        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-        node.meta["ac_graph_id"] = region_ids[group]
+        saved += _tag(node, region_ids[group])
         tagged += 1
-        saved += keep
     logger.debug("fsdp_graph::checkpoint_by_policy %d nodes in %d groups, %d saved", tagged, len(region_ids), saved)
+    return gm
+
+
+def checkpoint_region_body(gm: GraphModule) -> GraphModule:
+    """The policy in the joint graph of a compile region's body, a block compiled once for all
+    alike ([Note: Blocks as compile regions] in traced/regions.py), which the partitioner splits on
+    its own: every forward op of the block, one region."""
+    backward = depends_on_tangents(gm)
+    for node in gm.graph.nodes:
+        if _taggable(node, backward):
+            _tag(node, _FIRST_POLICY_REGION_ID)
     return gm

@@ -11,20 +11,28 @@ import torch
 import fsdp_graph
 from _compile_helpers import train_compiled_and_compare
 from _harness import run_ranks
-from _models import Llama, LlamaConfig, shard_blocks_then_root, shard_llama, tiny_llama
+from _models import Block, Llama, LlamaConfig, shard_blocks_then_root, shard_llama, tiny_llama
 from fsdp_graph import fully_shard
 from fsdp_graph.passes.cost_model import CostModel
-from fsdp_graph.passes.nodes import tensor_bytes
+from fsdp_graph.passes.nodes import is_region_call, region_body, tensor_bytes
 from fsdp_graph.predict import capture_graphs, fake_world, predict_step, schedule_graphs
 
 aten = torch.ops.aten
 
 
-def _captured(policy):
+class _RegionBlock(Block):
+    forward = torch.compiler.nested_compile_region(Block.forward)
+
+
+def _captured(policy, regions=False):
+    """`regions`: every block a compile region ([Note: Blocks as compile regions]), whose body the
+    partitioner splits on its own."""
     cfg = LlamaConfig(vocab_size=256, dim=128, num_layers=3, num_heads=4, num_kv_heads=2, hidden_dim=384,
                       max_seq_len=128, flash_attention=True)
     with torch.device("meta"):
         model = Llama(cfg)
+    for block in model.layers if regions else ():
+        block.__class__ = _RegionBlock
     with fake_world(4):
         shard_blocks_then_root(model)
         graphs = capture_graphs(model, torch.randint(0, 256, (2, 128), device="meta"), activation_checkpointing=policy)
@@ -33,13 +41,18 @@ def _captured(policy):
 
 
 def _count(gm, *targets):
-    return sum(node.target in targets for node in gm.graph.nodes)
+    """Nodes calling `targets` in `gm` and in the bodies of its compile regions' calls (each body
+    once, as the step runs it once per call)."""
+    return sum(_count(region_body(node), *targets) if is_region_call(node) else node.target in targets
+               for node in gm.graph.nodes)
 
 
-def test_each_block_saves_its_matmuls_and_recomputes_the_rest():
+@pytest.mark.parametrize("regions", [False, True], ids=["inline", "regions"])
+def test_each_block_saves_its_matmuls_and_recomputes_the_rest(regions):
     """With the policy the forward hands the backward fewer bytes (0.70x here) and the backward
-    recomputes the norms, never a matmul nor attention; the predicted peak drops (0.89x)."""
-    (plain, plain_step), (policy, policy_step) = _captured(None), _captured("save_matmuls")
+    recomputes the norms, never a matmul nor attention (a compile region's call neither: its body
+    follows the policy); the predicted peak drops (0.89x)."""
+    (plain, plain_step), (policy, policy_step) = _captured(None, regions), _captured("save_matmuls", regions)
 
     def saved_bytes(graphs):
         output = next(n for n in graphs["forward"].graph.nodes if n.op == "output")
@@ -54,17 +67,21 @@ def test_each_block_saves_its_matmuls_and_recomputes_the_rest():
     assert policy_step.peak_bytes < plain_step.peak_bytes, (policy_step.peak_bytes, plain_step.peak_bytes)
 
 
-def _policy_trains(rank, world_size):
+def _policy_trains(rank, world_size, regions):
     torch.manual_seed(0)
+    model = tiny_llama()
+    for block in model.layers if regions else ():
+        block.__class__ = _RegionBlock
     with tempfile.TemporaryDirectory() as tmp:
         backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=tmp, activation_checkpointing="save_matmuls")
-        return train_compiled_and_compare(tiny_llama(), lambda m: shard_llama(m, fully_shard), backend, rank, world_size)
+        return train_compiled_and_compare(model, lambda m: shard_llama(m, fully_shard), backend, rank, world_size)
 
 
-def test_the_policy_trains_as_the_unsharded_model_and_the_eager_runtime():
+@pytest.mark.parametrize("regions", [False, True], ids=["inline", "regions"])
+def test_the_policy_trains_as_the_unsharded_model_and_the_eager_runtime(regions):
     """Recomputing gives the forward's numbers again: bit for bit with the eager runtime, within
     rounding of the unsharded model, no group on the eager hooks."""
-    result = run_ranks(_policy_trains, 2)
+    result = run_ranks(_policy_trains, 2, regions)
     assert not result["fallbacks"], result["fallbacks"]
     assert result["max_rel_diff_vs_reference"] < 1e-5
 

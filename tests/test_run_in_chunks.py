@@ -70,3 +70,18 @@ def test_refusals_name_the_fix():
         run_in_chunks(_PerToken(), dim=2)(torch.randn(4, 8), torch.ones(4, 1))
     with pytest.raises(TypeError, match="only tensors, or tuples and lists"):
         run_in_chunks(_Dict())(torch.randn(4, 2))
+
+
+def test_a_copy_runs_its_own_weights():
+    """`copy.deepcopy` of a sliced module (the test harnesses copy models) computes with the copy's
+    parameters, in slices too."""
+    import copy
+
+    original = run_in_chunks(_PerToken(), chunks=2)
+    clone = copy.deepcopy(original)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.zero_()
+    y, _ = clone(torch.randn(4, 8), torch.ones(4, 1))
+    assert clone.calls == 2 and original.calls == 0
+    assert torch.equal(y, torch.zeros(4, 8))

@@ -16,7 +16,6 @@ up over the slices (torchtitan's routers count tokens per expert into a buffer: 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -28,30 +27,49 @@ from ..passes.nodes import CHUNK_KEY
 def run_in_chunks(module: nn.Module, chunks: int = 2, dim: int = 0) -> nn.Module:
     """Make `module` run its forward on `chunks` slices along `dim` of every tensor argument that
     has the first tensor argument's size there (each slice contiguous), the others passed whole,
-    and concatenate the
-    outputs (tensors, or tuples and lists of them) along `dim`. Returns `module`, changed in place;
-    call it before or after `fully_shard`: the FSDP hooks run once around the slices."""
+    and concatenate the outputs (tensors, or tuples and lists of them) along `dim`. Returns
+    `module`, changed in place (its class becomes a subclass, `Chunked<Cls>`, as `fully_shard`
+    makes `FSDP<Cls>`; unchanged for `chunks=1`); call it before or after `fully_shard`: the FSDP
+    hooks run once around the slices. Fewer positions than `chunks` make fewer slices."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"run_in_chunks takes an nn.Module, got {type(module).__name__}")
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"run_in_chunks: chunks must be a positive int, got {chunks!r}")
     if not isinstance(dim, int) or isinstance(dim, bool):
         raise TypeError(f"run_in_chunks: dim must be an int, got {type(dim).__name__}")
-    whole = module.forward
-    if getattr(whole, "_fsdp_graph_chunks", None) is not None:
-        raise ValueError(f"run_in_chunks: {type(module).__name__} already runs in "
-                         f"{whole._fsdp_graph_chunks} chunks; call it once per module")
+    if isinstance(module, _Chunked):
+        raise ValueError(f"run_in_chunks: this {type(module).__name__} already runs in "
+                         f"{module._fsdp_graph_chunks[0]} chunks; call it once per module")
+    if chunks == 1:
+        return module
+    cls = type(module)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Chunked{cls.__name__}", (_Chunked, cls), {})
+    module.__class__ = _CLASSES[cls]
+    module._fsdp_graph_chunks = (chunks, dim)
+    return module
 
-    @functools.wraps(whole)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+
+class _Chunked:
+    """The forward of a module `run_in_chunks` changed; the class's own forward runs each slice.
+    A class rather than a function on the instance: a copy of the module (`copy.deepcopy`) runs
+    its own forward, not the original's."""
+
+    _fsdp_graph_chunks: tuple[int, int]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        whole = super().forward
+        chunks, dim = self._fsdp_graph_chunks
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if not tensors or chunks == 1:
+        if not tensors:
             return whole(*args, **kwargs)
         if not -tensors[0].dim() <= dim < tensors[0].dim():
-            raise ValueError(f"run_in_chunks: {type(module).__name__}'s first tensor argument has "
+            raise ValueError(f"run_in_chunks: {type(self).__name__}'s first tensor argument has "
                              f"{tensors[0].dim()} dims, no dim {dim} to slice; pass the dim of its tokens")
         size = tensors[0].shape[dim]
         pieces = min(chunks, size)
+        if pieces < 2:
+            return whole(*args, **kwargs)
 
         def cut(value: Any, k: int) -> Any:
             if isinstance(value, torch.Tensor) and -value.dim() <= dim < value.dim() and value.shape[dim] == size:
@@ -62,11 +80,10 @@ def run_in_chunks(module: nn.Module, chunks: int = 2, dim: int = 0) -> nn.Module
         for k in range(pieces):
             with torch.fx.traceback.annotate({CHUNK_KEY: k}):
                 outputs.append(whole(*(cut(a, k) for a in args), **{n: cut(v, k) for n, v in kwargs.items()}))
-        return _concatenated(outputs, dim, type(module).__name__)
+        return _concatenated(outputs, dim, type(self).__name__)
 
-    forward._fsdp_graph_chunks = chunks
-    module.forward = forward
-    return module
+
+_CLASSES: dict[type, type] = {}
 
 
 def _concatenated(outputs: list[Any], dim: int, owner: str) -> Any:

@@ -349,7 +349,8 @@ class FSDPGraphBackend:
 
         def partition_joint(joint_gm, joint_inputs, **kwargs):
             first_gathers = order.first_backward_gathers() if order is not None else None
-            return partition(_run_joint(joint, joint_gm, graph_id, first_gathers), joint_inputs, **kwargs)
+            return partition(_run_joint(joint, joint_gm, graph_id, first_gathers), joint_inputs,
+                             resolved["activation_checkpointing"], **kwargs)
 
         def inner(kind: str):
             def compile_graph(graph: GraphModule, _inputs):
@@ -394,7 +395,7 @@ class FSDPGraphBackend:
             "joint_custom_pre_pass": _InductorJointPass(
                 joint, graph_id, None if dump is not None else joint_key, first_gathers
             ),
-            "custom_partitioner_fn": InductorPartitioner(),
+            "custom_partitioner_fn": InductorPartitioner(resolved["activation_checkpointing"]),
             "post_grad_custom_post_pass": _InductorSchedulePass(
                 graph_id, dump, schedule, lower, None if dump is not None else schedule_key, order
             ),

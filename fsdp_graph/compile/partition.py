@@ -37,18 +37,25 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.fx import GraphModule, Node
 
+from ..passes.checkpoint_policy import checkpoint_region_body
 from ..passes.reshard import outer_joint_for_partition, save_inputs_not_their_views
 
 _RUN_AND_SAVE_RNG_STATE = torch._prims.rng_prims.run_and_save_rng_state
 
 
-def partition(joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> tuple[GraphModule, GraphModule]:
+def partition(
+    joint: GraphModule, joint_inputs: Sequence[Any], checkpoint_policy: Optional[str] = None, **kwargs: Any
+) -> tuple[GraphModule, GraphModule]:
     """`min_cut_rematerialization_partition`, with `put_rng_states_with_tensors` applied. A compile
     region's body saves its inputs rather than views of them, and an outer graph reads such an
-    input where the region hands it back ([Note: Blocks as compile regions] in traced/regions.py)."""
+    input where the region hands it back ([Note: Blocks as compile regions] in traced/regions.py).
+    `checkpoint_policy` (the backend's `activation_checkpointing`) reaches a region's body here:
+    the joint passes that apply it to the step's graph do not run on bodies under Inductor."""
     num_fwd_outputs = kwargs["num_fwd_outputs"]
     if not joint_inputs:  # a compile region's body, which AOTAutograd partitions on its own first
         joint = save_inputs_not_their_views(joint)
+        if checkpoint_policy is not None:
+            joint = checkpoint_region_body(joint)
     else:
         joint = outer_joint_for_partition(joint)
     forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
@@ -61,11 +68,14 @@ def partition(joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) ->
 class InductorPartitioner(CustomPartitionerFn):
     """`partition` as Inductor's `custom_partitioner_fn` (Inductor runs its joint passes first)."""
 
+    def __init__(self, checkpoint_policy: Optional[str] = None) -> None:
+        self.checkpoint_policy = checkpoint_policy
+
     def __call__(self, gm: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
-        return partition(gm, joint_inputs, **kwargs)
+        return partition(gm, joint_inputs, self.checkpoint_policy, **kwargs)
 
     def uuid(self) -> Optional[str]:
-        return "fsdp_graph.partition.v2"
+        return f"fsdp_graph.partition.v2.{self.checkpoint_policy}"
 
 
 def fills_from_a_tensor(gm: GraphModule) -> None:
