@@ -113,15 +113,17 @@ def capture_graphs(
 
     def partition_joint(joint_gm, joint_inputs, **kwargs):
         if not stamping:
-            return partition(joint_passes(joint_gm, "graph"), joint_inputs, activation_checkpointing, **kwargs)
+            return partition(joint_passes(joint_gm, "graph"), joint_inputs,
+                             checkpoint_policy=activation_checkpointing, **kwargs)
         if not stamped:
             joint = _copy_of(joint_gm)
             static = stamp_blocks(joint, blocks_path, group_names, kwargs["num_fwd_outputs"],
                                   kwargs.get("static_lifetime_input_indices"))
             stamped["forward"], stamped["backward"] = partition(
-                joint_passes(joint, "graph"), joint_inputs, activation_checkpointing,
+                joint_passes(joint, "graph"), joint_inputs, checkpoint_policy=activation_checkpointing,
                 **{**kwargs, "static_lifetime_input_indices": static})
-        return partition(joint_gm, joint_inputs, activation_checkpointing, **kwargs)  # what runs: the traced blocks only
+        # what runs: the traced blocks only
+        return partition(joint_gm, joint_inputs, checkpoint_policy=activation_checkpointing, **kwargs)
 
     def keep(kind: str):
         def compile_graph(gm: GraphModule, _inputs):

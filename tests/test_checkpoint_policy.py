@@ -47,7 +47,7 @@ def _count(gm, *targets):
                for node in gm.graph.nodes)
 
 
-@pytest.mark.parametrize("regions", [False, True], ids=["inline", "regions"])
+@pytest.mark.parametrize("regions", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["inline", "regions"])
 def test_each_block_saves_its_matmuls_and_recomputes_the_rest(regions):
     """With the policy the forward hands the backward fewer bytes (0.70x here) and the backward
     recomputes the norms, never a matmul nor attention (a compile region's call neither: its body
@@ -77,7 +77,7 @@ def _policy_trains(rank, world_size, regions):
         return train_compiled_and_compare(model, lambda m: shard_llama(m, fully_shard), backend, rank, world_size)
 
 
-@pytest.mark.parametrize("regions", [False, True], ids=["inline", "regions"])
+@pytest.mark.parametrize("regions", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["inline", "regions"])
 def test_the_policy_trains_as_the_unsharded_model_and_the_eager_runtime(regions):
     """Recomputing gives the forward's numbers again: bit for bit with the eager runtime, within
     rounding of the unsharded model, no group on the eager hooks."""

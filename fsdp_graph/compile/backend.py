@@ -350,7 +350,7 @@ class FSDPGraphBackend:
         def partition_joint(joint_gm, joint_inputs, **kwargs):
             first_gathers = order.first_backward_gathers() if order is not None else None
             return partition(_run_joint(joint, joint_gm, graph_id, first_gathers), joint_inputs,
-                             resolved["activation_checkpointing"], **kwargs)
+                             checkpoint_policy=resolved["activation_checkpointing"], **kwargs)
 
         def inner(kind: str):
             def compile_graph(graph: GraphModule, _inputs):
