@@ -85,3 +85,20 @@ def test_a_copy_runs_its_own_weights():
     y, _ = clone(torch.randn(4, 8), torch.ones(4, 1))
     assert clone.calls == 2 and original.calls == 0
     assert torch.equal(y, torch.zeros(4, 8))
+
+
+def test_a_forward_set_on_the_instance_runs_in_slices():
+    """torchtitan sets `module.forward` on the instance (its redistribution wrapper): that forward
+    is the one run on each slice."""
+    module = _PerToken()
+    inner = module.forward
+    seen = []
+
+    def wrapped(x, gate, bias=None):
+        seen.append(x.shape[0])
+        return inner(x, gate, bias)
+
+    module.forward = wrapped
+    run_in_chunks(module, chunks=2)
+    y, _ = module(torch.randn(6, 8), torch.ones(6, 1))
+    assert seen == [3, 3] and module.calls == 2 and y.shape == (6, 8)

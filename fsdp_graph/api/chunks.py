@@ -47,18 +47,21 @@ def run_in_chunks(module: nn.Module, chunks: int = 2, dim: int = 0) -> nn.Module
         _CLASSES[cls] = type(f"Chunked{cls.__name__}", (_Chunked, cls), {})
     module.__class__ = _CLASSES[cls]
     module._fsdp_graph_chunks = (chunks, dim)
+    if "forward" in module.__dict__:  # a forward set on the instance (torchtitan's redistribution wrapper)
+        module._fsdp_graph_inner_forward = module.__dict__.pop("forward")
     return module
 
 
 class _Chunked:
     """The forward of a module `run_in_chunks` changed; the class's own forward runs each slice.
     A class rather than a function on the instance: a copy of the module (`copy.deepcopy`) runs
-    its own forward, not the original's."""
+    its own forward, not the original's. A forward the instance had of its own runs each slice
+    in its place."""
 
     _fsdp_graph_chunks: tuple[int, int]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        whole = super().forward
+        whole = self.__dict__.get("_fsdp_graph_inner_forward") or super().forward
         chunks, dim = self._fsdp_graph_chunks
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         if not tensors:
