@@ -29,9 +29,9 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..runtime.meta import GROUP_KEY, ROLE_KEY
+from ..runtime.meta import ROLE_KEY
 from ..runtime.multi_mesh_group import split_mesh_suffix
-from .nodes import fsdp_meta, is_collective, is_region_call, is_wait_tensor
+from .nodes import fsdp_meta, group_of, is_collective, is_region_call, is_wait_tensor
 from .reshard import depends_on_tangents
 
 logger = logging.getLogger(__name__)
@@ -95,8 +95,8 @@ def _taggable(node: Node, backward: set[Node]) -> bool:
 def checkpoint_by_policy(gm: GraphModule) -> GraphModule:
     """See the module docstring: the one policy of `POLICIES`, "save_matmuls", on a step's joint
     graph, one region per group."""
-    named = {fsdp_meta(n, GROUP_KEY) for n in gm.graph.nodes if n.op == "call_function"} - {None}
-    groups = sorted({split_mesh_suffix(name)[0] for name in named if name}, key=len, reverse=True)
+    named = {group_of(n) for n in gm.graph.nodes if n.op == "call_function"} - {None}
+    groups = sorted({split_mesh_suffix(name)[0] for name in named}, key=len, reverse=True)
     if not groups:
         return gm
     backward = depends_on_tangents(gm)

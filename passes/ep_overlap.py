@@ -118,9 +118,9 @@ def _pull_up_after(anchor: Node, collective: Node) -> list[Node]:
             if not (_movable(node) or _is_symbolic(node) or _waits_on_an_all_to_all(node)):
                 return []  # a collective, or a wait on one not an all-to-all, or a mutation
             needed.add(node)
+    read = {arg for n in needed for arg in n.all_input_nodes}
     for node in between:  # what is needed may not pass a write to what it reads
-        if mutates_an_input(node) and any(set(node.all_input_nodes) & set(n.all_input_nodes) or node in
-                                          n.all_input_nodes for n in needed):
+        if mutates_an_input(node) and (node in read or not read.isdisjoint(node.all_input_nodes)):
             return []
     moved = [*(n for n in between if n in needed), collective]
     place = anchor
@@ -145,11 +145,11 @@ def _is_symbolic(node: Node) -> bool:
             and isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)))
 
 
-def _pair_slices(gm: GraphModule) -> list[Node]:
+def _pair_slices(collectives: list[Node]) -> list[Node]:
     """The j-th all-to-all of each slice pulled up to just after the j-th of the slice that issues
-    it before (module docstring, Chunks); returns the nodes moved. The j-th of every slice are the
-    same all-to-all of the same layer, where the slices have as many on that side of the graph."""
-    collectives = [n for n in gm.graph.nodes if is_all_to_all(n)]
+    it before (module docstring, Chunks); returns the nodes moved. `collectives`: the graph's
+    all-to-alls in graph order. The j-th of every slice are the same all-to-all of the same layer,
+    where the slices have as many on that side of the graph."""
     position = {n: i for i, n in enumerate(collectives)}
     moved: list[Node] = []
     for slices in _slices_by_side(collectives).values():
@@ -169,7 +169,7 @@ def overlap_all_to_alls(gm: GraphModule, cost_model: CostModel) -> GraphModule:
         return gm
     before_s = simulate(gm, cost_model).total_s
     order = list(gm.graph.nodes)
-    paired = _pair_slices(gm)
+    paired = _pair_slices(collectives)
     hoisted = [node for collective in collectives for node in _hoist_under(collective, cost_model)]
     moved = paired + hoisted
     if moved and simulate(gm, cost_model).total_s > before_s:

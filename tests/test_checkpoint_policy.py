@@ -49,9 +49,9 @@ def _count(gm, *targets):
 
 @pytest.mark.parametrize("regions", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["inline", "regions"])
 def test_each_block_saves_its_matmuls_and_recomputes_the_rest(regions):
-    """With the policy the forward hands the backward fewer bytes (0.70x here) and the backward
-    recomputes the norms, never a matmul nor attention (a compile region's call neither: its body
-    follows the policy); the predicted peak drops (0.89x)."""
+    """With the policy the forward hands the backward fewer bytes and the backward recomputes the
+    norms, never a matmul nor attention (a compile region's call neither: its body follows the
+    policy); the predicted peak drops."""
     (plain, plain_step), (policy, policy_step) = _captured(None, regions), _captured("save_matmuls", regions)
 
     def saved_bytes(graphs):

@@ -263,7 +263,7 @@ def _chunked_train(rank, world_size, dump_dir):
     return results
 
 
-@pytest.mark.slow  # 4 gloo ranks compiling, 14 s; the pairs alone: test_expert_parallel_graphs.py (fast)
+@pytest.mark.slow  # over 13 s on a quiet 2-core machine; the pairs alone: test_expert_parallel_graphs.py
 def test_a_moe_layer_in_slices_sends_their_tokens_in_pairs_and_trains_as_torch(tmp_path):
     """`run_in_chunks` on each MoE layer: ours compiled trains bit for bit as torch's `fully_shard`
     eager on the same model, and the graphs issue the slices' all-to-alls in pairs (slice 1's

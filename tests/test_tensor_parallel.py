@@ -631,7 +631,7 @@ def _async_tp(rank, world_size, dump_dir, num_chunks):
     return same, merged_diff, max_diff
 
 
-@pytest.mark.slow  # 13.8 s in the fast tier (the 13 s rule, docs/testing.md)
+@pytest.mark.slow  # over 13 s on a quiet 2-core machine (docs/testing.md)
 def test_async_tp_chunks_row_parallel_all_reduces_and_keeps_training_exact(tmp_path):
     """The async TP passes (on by default) split each row-parallel matmul -> all-reduce into chunks
     and merge the all-reduces autograd adds up: forward, 1 block x 2 rowwise layers x 3 chunks;

@@ -62,8 +62,9 @@ def collectives(gm: GraphModule) -> list[dict[str, Any]]:
                     "world": op_facts(node).world,
                 }
             )
-            if chunk_of(node) is not None:  # made by a slice of `run_in_chunks`
-                found[-1]["chunk"] = chunk_of(node)
+            chunk = chunk_of(node)
+            if chunk is not None:  # made by a slice of `run_in_chunks`
+                found[-1]["chunk"] = chunk
     return found
 
 
