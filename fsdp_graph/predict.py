@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -37,6 +37,7 @@ from torch.fx import GraphModule
 from .traced.scope import SCOPE_ATTR
 from .compile.backend import BackendConfig, Compiler
 from .compile.partition import partition
+from .passes.checkpoint_policy import checkpoint_to_fit
 from .passes.cost_model import CostModel
 from .passes.pipeline import PassPipeline
 from .passes.simulator import Simulation, program_of, simulate
@@ -91,7 +92,8 @@ def capture_graphs(
 ) -> dict[str, GraphModule]:
     """Compile `model(*args)` and `loss(output).backward()` once; returns {"forward": ...,
     "backward": ...}: the graphs after the backend's joint passes (selective unsharding under
-    `memory_budget_bytes`, resharding after forward, the checkpoint policy `activation_checkpointing`)
+    `memory_budget_bytes`, resharding after forward, the checkpoint policy `activation_checkpointing`,
+    which with "auto" the budget chooses)
     and its partitioner, before scheduling.
     Nothing is computed: the graphs are only captured, so the inputs may be on the meta device.
 
@@ -103,6 +105,18 @@ def capture_graphs(
     in a way the four traced ones do not show (every fourth layer another attention) must be
     captured whole. The model's list is as it was afterwards."""
     config = BackendConfig(memory_budget_bytes=memory_budget_bytes, activation_checkpointing=activation_checkpointing)
+    try:
+        return _capture(model, args, config, loss, repeated_blocks)
+    except Exception as error:
+        if checkpoint_to_fit(error) is None:  # [Note: Checkpointing to fit a budget] in passes/checkpoint_policy.py
+            raise
+        return _capture(model, args, replace(config, activation_checkpointing="save_matmuls"), loss, repeated_blocks)
+
+
+def _capture(model: torch.nn.Module, args: tuple, config: BackendConfig, loss: Callable[[Any], torch.Tensor],
+             repeated_blocks: Optional[torch.nn.ModuleList]) -> dict[str, GraphModule]:
+    """`capture_graphs` with the backend's `config`."""
+    activation_checkpointing = config.activation_checkpointing
     joint_passes = PassPipeline("joint", config.passes(Stage.JOINT), frozenset(), None)
     graphs: dict[str, GraphModule] = {}
     stamped: dict[str, GraphModule] = {}

@@ -17,6 +17,9 @@ nodes a user's checkpoint already tagged, the FSDP unshard regions, collectives 
 and nodes of no group (the root's embedding and loss). Ops whose values may differ when run again
 (random ones, `topk` that routes tokens) are saved, so the backward sees the forward's numbers:
 the step computes what it computes without the pass, bit for bit.
+
+With `activation_checkpointing="auto"` the memory budget chooses ([Note: Checkpointing to fit a
+budget]).
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ from ..runtime.meta import ROLE_KEY
 from ..runtime.multi_mesh_group import split_mesh_suffix
 from .nodes import fsdp_meta, group_of, is_collective, is_region_call, is_wait_tensor
 from .reshard import depends_on_tangents
+from .unshard_selection import partitioned_peak
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("save_matmuls",)
+POLICIES = ("save_matmuls", "auto")
 # Our policy's region ids: below the unshard regions' (passes/reshard.py), above a user's.
 _FIRST_POLICY_REGION_ID = 5_000
 
@@ -92,12 +96,55 @@ def _taggable(node: Node, backward: set[Node]) -> bool:
                 or is_region_call(node))
 
 
-def checkpoint_by_policy(gm: GraphModule) -> GraphModule:
-    """See the module docstring: the one policy of `POLICIES`, "save_matmuls", on a step's joint
-    graph, one region per group."""
+# [Note: Checkpointing to fit a budget]
+# `activation_checkpointing="auto"` with `memory_budget_bytes` makes recomputing a choice the budget
+# makes, beside keeping groups unsharded (passes/unshard_selection.py): the step keeps every
+# activation while its predicted peak (every resharding group resharded, as the partitioner will
+# split the graph: `partitioned_peak`) fits the budget, and applies "save_matmuls" to every group
+# when it does not. Recomputing costs compute the step cannot hide, a gather again in backward costs
+# communication it can, so recomputing comes first only where nothing else fits: this pass runs
+# before selective unsharding, which then spends what the policy freed on groups kept unsharded.
+# All groups or none: blocks compiled as one region share one body, partitioned on its own before
+# the step's joint graph exists (fsdp_graph/compile/partition.py), so in a graph with compile
+# regions the pass cannot tag the bodies; it raises `CheckpointToFit` and the backend compiles the
+# graph again with "save_matmuls". The choice moves no collective (the policy tags no unshard and
+# no collective), so ranks that choose differently (a rank recompiling alone at a longer length)
+# still put the same collectives on the wire.
+
+
+class CheckpointToFit(Exception):
+    """Raised by the "auto" policy on a graph with compile regions whose predicted peak is over the
+    budget: the backend compiles it again with "save_matmuls" ([Note: Checkpointing to fit a budget])."""
+
+    def __init__(self, peak_bytes: int, memory_budget_bytes: int) -> None:
+        super().__init__(f"predicted peak {peak_bytes} bytes > memory_budget_bytes={memory_budget_bytes}")
+        self.peak_bytes = peak_bytes
+        self.memory_budget_bytes = memory_budget_bytes
+
+
+def checkpoint_to_fit(error: BaseException) -> Optional[CheckpointToFit]:
+    """The `CheckpointToFit` in `error` or in what it was raised from (the compilers wrap it)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, CheckpointToFit):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return None
+
+
+def checkpoint_by_policy(gm: GraphModule, policy: Optional[str] = "save_matmuls",
+                         memory_budget_bytes: Optional[int] = None) -> GraphModule:
+    """See the module docstring: "save_matmuls" on a step's joint graph, one region per group, or,
+    with "auto", where `memory_budget_bytes` needs it ([Note: Checkpointing to fit a budget])."""
     named = {group_of(n) for n in gm.graph.nodes if n.op == "call_function"} - {None}
     groups = sorted({split_mesh_suffix(name)[0] for name in named}, key=len, reverse=True)
-    if not groups:
+    if not groups:  # a compile region's body: `checkpoint_region_body` chooses there
+        return gm
+    if policy == "auto":
+        if memory_budget_bytes is None or not _over_budget(gm, memory_budget_bytes):
+            return gm
+    elif policy != "save_matmuls":
         return gm
     backward = depends_on_tangents(gm)
     region_ids: dict[str, int] = {}
@@ -111,6 +158,19 @@ def checkpoint_by_policy(gm: GraphModule) -> GraphModule:
         tagged += 1
     logger.debug("fsdp_graph::checkpoint_by_policy %d nodes in %d groups, %d saved", tagged, len(region_ids), saved)
     return gm
+
+
+def _over_budget(gm: GraphModule, memory_budget_bytes: int) -> bool:
+    """Whether the joint graph's predicted peak with every activation kept is over the budget; raises
+    `CheckpointToFit` if so where the graph has compile regions."""
+    peak = partitioned_peak(gm)
+    over = peak > memory_budget_bytes
+    logger.info("fsdp_graph::checkpoint_by_policy auto: predicted peak %d bytes %s memory_budget_bytes=%d: %s",
+                peak, ">" if over else "<=", memory_budget_bytes,
+                "save_matmuls in every group" if over else "every activation kept")
+    if over and any(is_region_call(n) for n in gm.graph.nodes):
+        raise CheckpointToFit(peak, memory_budget_bytes)
+    return over
 
 
 def checkpoint_region_body(gm: GraphModule) -> GraphModule:

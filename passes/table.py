@@ -211,9 +211,11 @@ ACTIVATION_CHECKPOINTING = Option(
     "activation_checkpointing", None, _check_policy,
     'the step\'s activations chosen on the graph: "save_matmuls" saves each `fully_shard` group\'s matmul and '
     "attention outputs from forward to backward and recomputes the rest there (torchtitan graph_trainer's default "
-    'policy; "checkpoint_by_policy", passes/checkpoint_policy.py). None: the partitioner\'s choice, and the '
-    "model's own checkpointing, as without the backend.",
-    example="save_matmuls",
+    'policy; "checkpoint_by_policy", passes/checkpoint_policy.py). "auto": the same only where the step\'s '
+    "predicted peak with every activation kept is over `memory_budget_bytes`, which it requires (then groups are "
+    "kept unsharded with what the policy freed). None: the partitioner\'s choice, and the model's own "
+    "checkpointing, as without the backend.",
+    example="save_matmuls", keyword="policy",
 )
 CHECK_COLLECTIVES = Option(
     "check_collectives", None, _check_tri_state,
@@ -229,6 +231,13 @@ CHECK_COLLECTIVES = Option(
 
 PASSES: tuple[PassSpec, ...] = (
     PassSpec(
+        "checkpoint_by_policy", checkpoint_by_policy, Stage.JOINT,
+        "with `activation_checkpointing`, tags each group's forward for the partitioner: matmul and attention "
+        'outputs saved, the rest recomputed in backward; "auto": only where the step\'s predicted peak is over '
+        "`memory_budget_bytes` (passes/checkpoint_policy.py)",
+        options=(ACTIVATION_CHECKPOINTING, MEMORY_BUDGET_BYTES), enabled_by=ACTIVATION_CHECKPOINTING,
+    ),
+    PassSpec(
         "unshard_selection", select_unsharded, Stage.JOINT,
         "under an explicit `memory_budget_bytes`, keeps the groups that fit unsharded from forward to backward, "
         "last block first (passes/unshard_selection.py)",
@@ -238,12 +247,6 @@ PASSES: tuple[PassSpec, ...] = (
         "reshard_after_forward", tag_reshard_after_forward, Stage.JOINT,
         "tags each resharding group's forward all-gather for recomputation, so the backward gathers again "
         "(passes/reshard.py)",
-    ),
-    PassSpec(
-        "checkpoint_by_policy", checkpoint_by_policy, Stage.JOINT,
-        "with `activation_checkpointing`, tags each group's forward for the partitioner: matmul and attention "
-        "outputs saved, the rest recomputed in backward (passes/checkpoint_policy.py)",
-        enabled_by=ACTIVATION_CHECKPOINTING,
     ),
     PassSpec(
         "merge_tp_all_reduces", merge_summed_all_reduces, Stage.SCHEDULE,

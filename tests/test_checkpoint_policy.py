@@ -3,6 +3,8 @@ the joint graph, each block's matmul and attention outputs saved and the rest re
 backward. On a fake world, what the graphs save and recompute against the same model without the
 policy; on 2 gloo ranks, training against the unsharded model and the eager runtime."""
 
+import logging
+import re
 import tempfile
 
 import pytest
@@ -24,7 +26,7 @@ class _RegionBlock(Block):
     forward = torch.compiler.nested_compile_region(Block.forward)
 
 
-def _captured(policy, regions=False):
+def _captured(policy, regions=False, memory_budget_bytes=None):
     """`regions`: every block a compile region ([Note: Blocks as compile regions]), whose body the
     partitioner splits on its own."""
     cfg = LlamaConfig(vocab_size=256, dim=128, num_layers=3, num_heads=4, num_kv_heads=2, hidden_dim=384,
@@ -35,7 +37,8 @@ def _captured(policy, regions=False):
         block.__class__ = _RegionBlock
     with fake_world(4):
         shard_blocks_then_root(model)
-        graphs = capture_graphs(model, torch.randint(0, 256, (2, 128), device="meta"), activation_checkpointing=policy)
+        graphs = capture_graphs(model, torch.randint(0, 256, (2, 128), device="meta"), activation_checkpointing=policy,
+                                memory_budget_bytes=memory_budget_bytes)
         cost_model = CostModel("h100-infiniband")
         return graphs, predict_step(schedule_graphs(graphs, hardware_profile=cost_model), cost_model)
 
@@ -89,3 +92,56 @@ def test_the_policy_trains_as_the_unsharded_model_and_the_eager_runtime(regions)
 def test_an_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="activation_checkpointing must be None or one of"):
         fsdp_graph.backend(activation_checkpointing="everything")
+    with pytest.raises(ValueError, match="give memory_budget_bytes"):
+        fsdp_graph.backend(activation_checkpointing="auto")
+
+
+def _auto_peak(caplog, regions, memory_budget_bytes):
+    """The graphs "auto" makes under the budget, and the peak it predicted with every activation kept."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fsdp_graph"):
+        graphs, step = _captured("auto", regions, memory_budget_bytes)
+    (peak,) = {int(m) for m in re.findall(r"checkpoint_by_policy auto: predicted peak (\d+) bytes", caplog.text)}
+    return graphs, step, peak
+
+
+@pytest.mark.slow  # three captures of a 3-block Llama: over 13 s on a 2-core machine
+@pytest.mark.parametrize("regions", [False, True], ids=["inline", "regions"])
+def test_auto_recomputes_only_where_the_budget_needs_it(caplog, regions):
+    """With "auto" the step keeps every activation while its predicted peak fits the budget, and
+    recomputes as "save_matmuls" does from one byte below it (with regions the graph is compiled
+    again with the policy, the bodies checkpointed); then groups are kept unsharded with what
+    recomputing freed, where a budget of one byte keeps none."""
+    rsqrt = aten.rsqrt.default
+
+    def gathers(graphs):  # in backward: the groups gathered again
+        return _count(graphs["backward"], torch.ops._c10d_functional.all_gather_into_tensor.default)
+
+    nothing_fits, _, peak = _auto_peak(caplog, regions, 1)
+    assert _count(nothing_fits["backward"], rsqrt) == 3 * 2  # each block's two norms, recomputed
+    fits, fits_step, _ = _auto_peak(caplog, regions, peak)
+    assert _count(fits["backward"], rsqrt) == 0  # nothing recomputed
+    assert gathers(fits) == gathers(nothing_fits) > 0  # nothing kept unsharded: the budget is the peak
+    over, over_step, _ = _auto_peak(caplog, regions, peak - 1)
+    assert _count(over["backward"], rsqrt) == 3 * 2
+    assert over_step.peak_bytes < fits_step.peak_bytes
+    assert gathers(over) < gathers(nothing_fits), (gathers(over), gathers(nothing_fits))
+
+
+def _auto_trains(rank, world_size, regions):
+    torch.manual_seed(0)
+    model = tiny_llama()
+    for block in model.layers if regions else ():
+        block.__class__ = _RegionBlock
+    with tempfile.TemporaryDirectory() as tmp:
+        backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=tmp, activation_checkpointing="auto", memory_budget_bytes=1)
+        return train_compiled_and_compare(model, lambda m: shard_llama(m, fully_shard), backend, rank, world_size)
+
+
+@pytest.mark.slow
+def test_auto_over_the_budget_trains_as_the_unsharded_model_and_the_eager_runtime():
+    """Blocks as compile regions, a budget no step fits: the graph compiled again with the policy
+    trains bit for bit with the eager runtime, within rounding of the unsharded model."""
+    result = run_ranks(_auto_trains, 2, True)
+    assert not result["fallbacks"], result["fallbacks"]
+    assert result["max_rel_diff_vs_reference"] < 1e-5

@@ -32,7 +32,7 @@ from . import agreement
 from .agreement import FrameWireOrder
 from .cache_key import KeyOnly, hash_checkpoint_policies, local_shapes, own_sources_digest, stable_cache_keys
 from ..inspect.dump import GraphDump, count_ops
-from .partition import InductorPartitioner, partition
+from .partition import InductorPartitioner, forget_partitioned_regions, partition
 from .pieces import compile_in_pieces, inline_regions
 from .option_docs import field_docs
 from .owners import RecordFallbacks, owners_of
@@ -40,6 +40,7 @@ from .region_schema import region_schemas_once
 from ..passes.nodes import fsdp_meta, is_backward_graph, is_region_call
 from ..passes.pipeline import GraphPass, PassPipeline
 from ..passes.async_tp import async_tp_on_cuda
+from ..passes.checkpoint_policy import checkpoint_to_fit
 from ..passes import table as pass_table
 from ..passes.table import OPTIONS, PASS_NAMES, Stage
 from ..passes.unshard_selection import FIRST_BACKWARD_GATHERS_META
@@ -171,6 +172,9 @@ class BackendConfig:
         if self.regions not in REGIONS:
             problems.append(f"regions must be one of {list(REGIONS)}, got {self.regions!r}")
         problems += pass_table.option_problems(self.option_values())
+        if self.activation_checkpointing == "auto" and self.memory_budget_bytes is None:
+            problems.append('activation_checkpointing="auto" lets memory_budget_bytes choose: give memory_budget_bytes '
+                            '(bytes a step may hold), or choose activation_checkpointing="save_matmuls"')
         if problems:
             raise ValueError("Invalid fsdp_graph backend config:\n" + "\n".join(f"  - {p}" for p in problems))
 
@@ -287,13 +291,29 @@ class FSDPGraphBackend:
         logger.debug("fsdp_graph::compile (%s) with %s", graph_id, self.config.compiler.value)
         if dump is not None:
             dump.write_graph(gm, f"{graph_id}.dynamo")
+        try:
+            return self._compile_regions(gm, example_inputs, owners, order, graph_id, dump)
+        except Exception as error:
+            over = checkpoint_to_fit(error)  # [Note: Checkpointing to fit a budget] in passes/checkpoint_policy.py
+            if over is None:
+                raise
+            logger.info("fsdp_graph::checkpoint_by_policy (%s) auto: %s; compiling again with save_matmuls", graph_id, over)
+            forget_partitioned_regions()
+            again = FSDPGraphBackend(replace(self.config, activation_checkpointing="save_matmuls"))
+            return again._compile_regions(gm, example_inputs, owners, order, graph_id, dump)
+
+    def _compile_regions(
+        self, gm: GraphModule, example_inputs: list, owners: list, order: Optional[FrameWireOrder],
+        graph_id: str, dump: Optional[GraphDump],
+    ) -> Callable:
+        """`_compile` of a graph, its compile regions inlined where they do not compile."""
         has_regions = any(is_region_call(n) for n in gm.graph.nodes)
         try:
             # [Note: A region's schema once per body] in compile/region_schema.py
             with region_schemas_once() if has_regions else contextlib.nullcontext():
                 compiled = self._compile_with(gm, example_inputs, graph_id, dump, order, has_regions)
         except Exception as error:
-            if not has_regions:
+            if not has_regions or checkpoint_to_fit(error) is not None:
                 raise
             # [Note: Regions that do not compile]
             # AOTAutograd refuses some regions Dynamo took: one that changes a buffer or an input

@@ -54,7 +54,7 @@ def partition(
     num_fwd_outputs = kwargs["num_fwd_outputs"]
     if not joint_inputs:  # a compile region's body, which AOTAutograd partitions on its own first
         joint = save_inputs_not_their_views(joint)
-        if checkpoint_policy is not None:
+        if checkpoint_policy == "save_matmuls":  # "auto" chooses on the step's graph: [Note: Checkpointing to fit a budget]
             joint = checkpoint_region_body(joint)
     else:
         joint = outer_joint_for_partition(joint)
@@ -63,6 +63,18 @@ def partition(
     for graph in (forward, backward):
         fills_from_a_tensor(graph)
     return forward, backward
+
+
+def forget_partitioned_regions() -> None:
+    """Drop what AOTAutograd kept of this compile's region bodies (their partitioned forward and
+    backward, and the graphs traced from them), so that compiling the graph again partitions them
+    again: with another checkpoint policy ([Note: Checkpointing to fit a budget] in
+    passes/checkpoint_policy.py). Dynamo's own entries (which body each block reuses) stay."""
+    context = torch._guards.TracingContext.try_get()
+    cache = context.hop_dispatch_set_cache.get_cache(torch.ops.higher_order.invoke_subgraph) if context else None
+    if cache is not None:
+        for kept in (cache.autograd_cache, cache.proxy_dispatch_cache, cache.lazy_bwd_cache):
+            kept.clear()
 
 
 class InductorPartitioner(CustomPartitionerFn):
