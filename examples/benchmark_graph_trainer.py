@@ -21,11 +21,15 @@ first with an empty Inductor cache (the cold first step), the second with the ca
   - `ours-ac`: the same with `fsdp_graph.backend(activation_checkpointing="save_matmuls")`, graph_trainer's
     default checkpoint policy chosen on our joint graph (matmul and attention outputs saved, the rest
     recomputed in backward): the same recompute work as the graph_trainer rows;
+  - `ours-auto`: the same with `fsdp_graph.backend(memory_budget_bytes=..., activation_checkpointing="auto")`
+    under a budget (`--auto-budget-mib`, 128 MiB) below the step's predicted peak with every activation
+    kept (142 MB) and above it with the policy (105 MB): the budget chooses the policy, then keeps
+    groups unsharded with what it freed (docs/compiler.md, "Recomputing as the budget's choice");
   - `fsdp2-compile`: the same module with torch's `fully_shard` and `torch.compile(root)`;
   - `floor`: no communication: 2 processes at once, each its half batch, unsharded, `torch.compile(root)`.
 Each row runs as its users get it by default: graph_trainer with its graph-level activation
 checkpointing (save matmuls and attention, recompute the rest), the others keeping every activation
-but `ours-ac`.
+but `ours-ac` and `ours-auto`.
 Every row's clock starts with Inductor imported: at the `torch.compile` call (graph_trainer: at its
 first step, where it traces and compiles). A step is timed on each rank from a barrier to the end of
 its optimizer step; a step's time is its slower rank's. Steady step: the median of the `--steps` steps
@@ -71,6 +75,7 @@ NAMES = {"gt-full": "graph_trainer, full Inductor",
          "ours": "fsdp_graph whole step",
          "ours-fast": "fsdp_graph whole step, fast compile (compiler=\"aot_eager\")",
          "ours-ac": "fsdp_graph whole step, graph_trainer's checkpoint policy",
+         "ours-auto": "fsdp_graph whole step, the budget choosing the policy and unsharding",
          "fsdp2-compile": "FSDP2 + torch.compile",
          "floor": "no-communication floor (2 processes, each its half)"}
 REFERENCES = {"gt-full": "graph_trainer full", "gt-regional": "graph_trainer regional",
@@ -91,6 +96,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate, every row")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches")
     parser.add_argument("--budget-mib", type=int, default=1024, help="ours-budget's memory_budget_bytes, in MiB")
+    parser.add_argument("--auto-budget-mib", type=int, default=128, help="ours-auto's memory_budget_bytes, in MiB")
     parser.add_argument("--no-priming", action="store_true",
                         help="skip the untimed launch made first (it pays what outlives an Inductor cache folder)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown, with date, machine and command")
@@ -216,7 +222,9 @@ def compiled_row(row: str, args, config, initial: dict):
 
             backend = {"ours": "fsdp_graph", "ours-fast": fsdp_graph.backend(compiler="aot_eager"),
                        "ours-budget": fsdp_graph.backend(memory_budget_bytes=args.budget_mib << 20),
-                       "ours-ac": fsdp_graph.backend(activation_checkpointing="save_matmuls")}[row]
+                       "ours-ac": fsdp_graph.backend(activation_checkpointing="save_matmuls"),
+                       "ours-auto": fsdp_graph.backend(memory_budget_bytes=args.auto_budget_mib << 20,
+                                                       activation_checkpointing="auto")}[row]
         for block in model.layers.values():
             fully_shard(block)
         fully_shard(root)
@@ -290,7 +298,7 @@ def launch(args, row: str, cache_dir: str) -> dict:
     """One 2-rank launch of this script's worker with one row; its JSON figures."""
     out = os.path.join(cache_dir, f"{row}.json")
     arguments = ["--worker", row, "--json", out]
-    for flag in ("seq", "layers", "steps", "warmup", "lr", "seed", "budget_mib"):
+    for flag in ("seq", "layers", "steps", "warmup", "lr", "seed", "budget_mib", "auto_budget_mib"):
         arguments += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return run_two_ranks(HERE, arguments, out, os.path.join(cache_dir, "inductor"), row)
 
@@ -335,8 +343,9 @@ def report(args, results: dict) -> None:
                    f"one launch with an empty Inductor cache (cold), then one with the cache it left (relaunch); first "
                    f"steps in wall seconds from the compile call, steady step the median of the {args.steps} steps after "
                    f"{args.warmup} warm-up step(s) of both launches; a step's time is its slower rank's. Selective "
-                   f"unsharding's memory_budget_bytes: {args.budget_mib} MiB. graph_trainer checkpoints activations by "
-                   f"its default graph-level policy, as does ours-ac by the same policy; the other rows keep them all.")
+                   f"unsharding's memory_budget_bytes: {args.budget_mib} MiB; ours-auto's: {args.auto_budget_mib} MiB. "
+                   f"graph_trainer checkpoints activations by its default graph-level policy, as do ours-ac and "
+                   f"ours-auto (chosen by its budget) by the same policy; the other rows keep them all.")
         notes = ["graph_trainer's rows ran with these patches for the CPU (see the script's docstring):"]
         notes += [f"{i}. {p}" for i, p in enumerate(PATCHES, 1)]
         sections = [(caption, header, table), ("Ratios (below 1: faster than the reference):", ratio_header, ratios)]
