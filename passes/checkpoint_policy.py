@@ -34,7 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime.meta import ROLE_KEY
 from ..runtime.multi_mesh_group import split_mesh_suffix
-from .nodes import fsdp_meta, group_of, is_collective, is_region_call, is_wait_tensor
+from .nodes import fsdp_meta, group_of, is_collective, is_region_call, is_wait_tensor, region_body
 from .reshard import depends_on_tangents
 from .unshard_selection import partitioned_peak
 
@@ -171,6 +171,18 @@ def _over_budget(gm: GraphModule, memory_budget_bytes: int) -> bool:
     if over and any(is_region_call(n) for n in gm.graph.nodes):
         raise CheckpointToFit(peak, memory_budget_bytes)
     return over
+
+
+def recomputed_by_policy(gm: GraphModule) -> int:
+    """The ops of backward graph `gm` that the policy recomputes there (a compile region's body
+    counted once per call of it, as the step runs it): copies of forward ops it tagged."""
+    count = 0
+    for node in gm.graph.nodes:
+        if is_region_call(node):
+            count += recomputed_by_policy(region_body(node))
+        elif node.op == "call_function" and node.meta.get("ac_graph_id", -1) >= _FIRST_POLICY_REGION_ID:
+            count += 1
+    return count
 
 
 def checkpoint_region_body(gm: GraphModule) -> GraphModule:

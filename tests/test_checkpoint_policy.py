@@ -15,6 +15,7 @@ from _compile_helpers import train_compiled_and_compare
 from _harness import run_ranks
 from _models import Block, Llama, LlamaConfig, shard_blocks_then_root, shard_llama, tiny_llama
 from fsdp_graph import fully_shard
+from fsdp_graph.passes.checkpoint_policy import recomputed_by_policy
 from fsdp_graph.passes.cost_model import CostModel
 from fsdp_graph.passes.nodes import is_region_call, region_body, tensor_bytes
 from fsdp_graph.predict import capture_graphs, fake_world, predict_step, schedule_graphs
@@ -68,6 +69,9 @@ def test_each_block_saves_its_matmuls_and_recomputes_the_rest(regions):
     assert _count(policy["backward"], *costly) == _count(plain["backward"], *costly)
     assert _count(policy["forward"], *costly) == _count(plain["forward"], *costly)
     assert policy_step.peak_bytes < plain_step.peak_bytes, (policy_step.peak_bytes, plain_step.peak_bytes)
+    # What the inspector's summary reports: the backward's ops the policy recomputes, the norms' among them.
+    assert recomputed_by_policy(plain["backward"]) == 0
+    assert recomputed_by_policy(policy["backward"]) >= _count(policy["backward"], aten.rsqrt.default)
 
 
 def _policy_trains(rank, world_size, regions):

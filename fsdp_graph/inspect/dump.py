@@ -32,6 +32,7 @@ import torch
 from torch._logging import trace_structured
 from torch.fx import GraphModule
 
+from ..passes.checkpoint_policy import recomputed_by_policy
 from ..passes.cost_model import op_facts
 from ..passes.table import PASS_NAMES
 from ..passes.nodes import (
@@ -195,6 +196,8 @@ class GraphDump:
         if kind == "forward":
             entry["saved_unsharded"] = saved_unsharded(gm)
             entry["kept_by_budget"] = kept_by_budget(gm)
+        elif kind == "backward":
+            entry["recomputed_by_policy"] = recomputed_by_policy(gm)
         self._update_summary(lambda s: s["graphs"].setdefault(graph_id, {}).__setitem__(kind, entry))
         if self.structured_trace:
             _artifact("fsdp_graph_summary", "json", lambda: json.dumps({"graphs": {graph_id: {kind: entry}}}))
@@ -279,6 +282,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             for group, num_bytes in sorted(entry.get("kept_by_budget", {}).items()):
                 lines.append(f"  kept unsharded by memory_budget_bytes: {group}: costs {format_bytes(num_bytes)} "
                              f"until backward, saves its {format_bytes(num_bytes)} backward all-gather")
+            if entry.get("recomputed_by_policy"):
+                lines.append(f"  recomputed in backward by activation_checkpointing: {entry['recomputed_by_policy']} ops")
     lines += format_pass_seconds(summary.get("passes", {}))
     fallbacks = summary.get("fallbacks", {})
     if fallbacks:
