@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 POLICIES = ("save_matmuls", "auto")
 # Our policy's region ids: below the unshard regions' (passes/reshard.py), above a user's.
 _FIRST_POLICY_REGION_ID = 5_000
+_POLICY_REGION_IDS = range(_FIRST_POLICY_REGION_ID, 9_999)  # from 9_999 on: passes/reshard.py's regions
 
 aten = torch.ops.aten
 _COSTLY = {
@@ -180,7 +181,7 @@ def recomputed_by_policy(gm: GraphModule) -> int:
     for node in gm.graph.nodes:
         if is_region_call(node):
             count += recomputed_by_policy(region_body(node))
-        elif node.op == "call_function" and node.meta.get("ac_graph_id", -1) >= _FIRST_POLICY_REGION_ID:
+        elif node.op == "call_function" and node.meta.get("ac_graph_id") in _POLICY_REGION_IDS:
             count += 1
     return count
 
