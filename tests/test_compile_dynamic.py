@@ -61,7 +61,9 @@ def _torch_eager() -> tuple:
     return run_ranks(_train, 2, _LENGTHS, "torch-eager")
 
 
-@pytest.mark.parametrize("dynamic", [None, pytest.param(True, marks=pytest.mark.slow)], ids=["automatic", "dynamic=True"])
+# automatic: 14.2 s in the inner loop of 2026-12-06 23:32 (a loaded 2-core machine), over the 13 s rule (docs/testing.md)
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic=True"])
 def test_new_lengths_do_not_recompile_the_whole_step(dynamic):
     """Each length compiled a graph of its own: a pass turned the symbolic length into an int, which
     guarded the graph to that length (`Eq(2*s50, 24)`)."""
