@@ -23,8 +23,8 @@ first with an empty Inductor cache (the cold first step), the second with the ca
     recomputed in backward): the same recompute work as the graph_trainer rows;
   - `ours-auto`: the same with `fsdp_graph.backend(memory_budget_bytes=..., activation_checkpointing="auto")`
     under a budget (`--auto-budget-mib`, 128 MiB) below the step's predicted peak with every activation
-    kept (142 MB) and above it with the policy (105 MB): the budget chooses the policy, then keeps
-    groups unsharded with what it freed (docs/compiler.md, "Recomputing as the budget's choice");
+    kept and above it with the policy (docs/benchmarks.md has both): the budget chooses the policy, then
+    keeps groups unsharded with what it freed (docs/compiler.md, "Recomputing as the budget's choice");
   - `fsdp2-compile`: the same module with torch's `fully_shard` and `torch.compile(root)`;
   - `floor`: no communication: 2 processes at once, each its half batch, unsharded, `torch.compile(root)`.
 Each row runs as its users get it by default: graph_trainer with its graph-level activation

@@ -74,13 +74,15 @@ def test_each_block_saves_its_matmuls_and_recomputes_the_rest(regions):
     assert recomputed_by_policy(policy["backward"]) >= _count(policy["backward"], aten.rsqrt.default)
 
 
-def _policy_trains(rank, world_size, regions):
+def _policy_trains(rank, world_size, regions, options):
+    """The tiny Llama trained under `aot_eager` with the backend `options`, against the unsharded
+    model and the eager runtime; `regions`: every block a compile region."""
     torch.manual_seed(0)
     model = tiny_llama()
     for block in model.layers if regions else ():
         block.__class__ = _RegionBlock
     with tempfile.TemporaryDirectory() as tmp:
-        backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=tmp, activation_checkpointing="save_matmuls")
+        backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=tmp, **options)
         return train_compiled_and_compare(model, lambda m: shard_llama(m, fully_shard), backend, rank, world_size)
 
 
@@ -88,7 +90,7 @@ def _policy_trains(rank, world_size, regions):
 def test_the_policy_trains_as_the_unsharded_model_and_the_eager_runtime(regions):
     """Recomputing gives the forward's numbers again: bit for bit with the eager runtime, within
     rounding of the unsharded model, no group on the eager hooks."""
-    result = run_ranks(_policy_trains, 2, regions)
+    result = run_ranks(_policy_trains, 2, regions, {"activation_checkpointing": "save_matmuls"})
     assert not result["fallbacks"], result["fallbacks"]
     assert result["max_rel_diff_vs_reference"] < 1e-5
 
@@ -132,20 +134,10 @@ def test_auto_recomputes_only_where_the_budget_needs_it(caplog, regions):
     assert gathers(over) < gathers(nothing_fits), (gathers(over), gathers(nothing_fits))
 
 
-def _auto_trains(rank, world_size, regions):
-    torch.manual_seed(0)
-    model = tiny_llama()
-    for block in model.layers if regions else ():
-        block.__class__ = _RegionBlock
-    with tempfile.TemporaryDirectory() as tmp:
-        backend = fsdp_graph.backend(compiler="aot_eager", dump_dir=tmp, activation_checkpointing="auto", memory_budget_bytes=1)
-        return train_compiled_and_compare(model, lambda m: shard_llama(m, fully_shard), backend, rank, world_size)
-
-
 @pytest.mark.slow
 def test_auto_over_the_budget_trains_as_the_unsharded_model_and_the_eager_runtime():
     """Blocks as compile regions, a budget no step fits: the graph compiled again with the policy
     trains bit for bit with the eager runtime, within rounding of the unsharded model."""
-    result = run_ranks(_auto_trains, 2, True)
+    result = run_ranks(_policy_trains, 2, True, {"activation_checkpointing": "auto", "memory_budget_bytes": 1})
     assert not result["fallbacks"], result["fallbacks"]
     assert result["max_rel_diff_vs_reference"] < 1e-5

@@ -61,7 +61,7 @@ def _torch_eager() -> tuple:
     return run_ranks(_train, 2, _LENGTHS, "torch-eager")
 
 
-# automatic: 14.2 s in the inner loop of 2026-12-06 23:32 (a loaded 2-core machine), over the 13 s rule (docs/testing.md)
+# automatic: over 13 s on a 2-core machine (docs/testing.md)
 @pytest.mark.slow
 @pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic=True"])
 def test_new_lengths_do_not_recompile_the_whole_step(dynamic):

@@ -203,7 +203,7 @@ def _per_rank_padding(rank, world_size, impl, layers=2, regions="marked"):
     return losses, len(asked), grads
 
 
-@pytest.mark.slow  # 18.0 s in the inner loop of 2026-12-06 22:30 (a loaded 2-core machine), over the 13 s rule (docs/testing.md)
+@pytest.mark.slow  # over 13 s on a 2-core machine (docs/testing.md)
 def test_per_rank_padding_recompiles_on_one_rank_at_a_time_without_waiting():
     """Each rank its own lengths, whole step: a rank recompiling where the other runs its graph
     waited 30 s for an answer that never came, then kept the full schedule against the other's
@@ -345,7 +345,7 @@ def _kept_under_a_budget(rank, world_size, lengths, budget):
     return every_rank
 
 
-@pytest.mark.slow  # 16.1 s in the inner loop of 2026-12-06 22:30 (a loaded 2-core machine), over the 13 s rule (docs/testing.md)
+@pytest.mark.slow  # over 13 s on a 2-core machine (docs/testing.md)
 def test_a_rank_recompiling_alone_keeps_the_first_graphs_unsharded_groups():
     """Under a memory budget, rank 1 recompiles at a longer length alone while rank 0 runs the
     first graph, planned at 24 tokens, which keeps every block gathered for backward. Planned again
@@ -370,7 +370,7 @@ def test_ranks_whose_first_graphs_differ_in_shape_keep_no_group_for_the_budget()
     assert logged == [[], []]
 
 
-@pytest.mark.slow  # 13.2 s in the inner loop of 2026-12-06 22:30 (a loaded 2-core machine), over the 13 s rule (docs/testing.md)
+@pytest.mark.slow  # over 13 s on a 2-core machine (docs/testing.md)
 def test_one_rank_on_its_first_graph_while_the_other_recompiles():
     """The recompiled graph, scheduled with other costs, put a re-gather after a reduce-scatter
     where the first graph issued it before; on gloo the all-gathers write a buffer of their own,

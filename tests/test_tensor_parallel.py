@@ -420,7 +420,7 @@ def _regions_with_tensor_parallel(rank, world_size):
     return dict(marked._fsdp_state.ctx.fallbacks)
 
 
-@pytest.mark.slow  # 14.4 s in the inner loop of 2026-12-06 22:30 (a loaded 2-core machine), over the 13 s rule (docs/testing.md)
+@pytest.mark.slow  # over 13 s on a 2-core machine (docs/testing.md)
 def test_region_blocks_with_tensor_parallel_keep_the_eager_hooks():
     """A tensor-parallel block marked as a compile region: its gathered parameters are DTensors,
     which Dynamo does not take into a region, so its hooks run eagerly around the region as under
@@ -460,7 +460,7 @@ def _compiled(rank, world_size, sequence_parallel, dump_dir, scope="step"):
     return warnings, max_diff
 
 
-@pytest.mark.slow  # 14.9 s in the inner loop of 2026-12-06 22:30 (a loaded 2-core machine), over the 13 s rule (docs/testing.md)
+@pytest.mark.slow  # over 13 s on a 2-core machine (docs/testing.md)
 def test_compiled_block_by_block_with_tensor_parallel(tmp_path):
     """scope="block" with tensor parallelism: no fallback reported, no graph holds an FSDP collective,
     training matches torch's fully_shard and the unsharded model. (With sequence parallelism Dynamo
@@ -474,7 +474,7 @@ def test_compiled_block_by_block_with_tensor_parallel(tmp_path):
     assert max_diff < 1e-5, max_diff
 
 
-# tp_sp: 17.7 s in the inner loop of 2026-12-06 22:30 (a loaded 2-core machine), over the 13 s rule (docs/testing.md)
+# tp_sp: over 13 s on a 2-core machine (docs/testing.md)
 @pytest.mark.parametrize("sequence_parallel", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["tp", "tp_sp"])
 def test_compiled_traces_tensor_parallel_groups(sequence_parallel, tmp_path):
     """No group falls back to the eager hooks; the graphs hold FSDP's collectives and tensor

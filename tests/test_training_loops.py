@@ -499,7 +499,7 @@ def _differential(rank, world_size, loops, compiled):
     return len(loops)
 
 
-# block: 14.5 s in the inner loop of 2026-12-06 22:30 (a loaded 2-core machine), over the 13 s rule (docs/testing.md)
+# block: over 13 s on a 2-core machine (docs/testing.md)
 @pytest.mark.parametrize("compiled", [False, pytest.param("step", marks=pytest.mark.slow), pytest.param("block", marks=pytest.mark.slow)])
 def test_training_loops_match_the_unsharded_model_and_torch(compiled, loop_fuzz):
     """Each loop trained by the unsharded model on the global batch, by ours (eager, or compiled with
