@@ -30,6 +30,7 @@ from torch.fx import GraphModule
 
 from . import agreement
 from .agreement import FrameWireOrder
+from .cpu_probe import start_cpu_probe, wait_for_cpu_probe
 from .cache_key import KeyOnly, hash_checkpoint_policies, local_shapes, own_sources_digest, stable_cache_keys
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, forget_partitioned_regions, partition
@@ -272,6 +273,8 @@ class FSDPGraphBackend:
 
     def __call__(self, gm: GraphModule, example_inputs: list) -> Callable:
         owners = _check_sharded(gm, example_inputs)
+        if self.config.compiler is not Compiler.AOT_EAGER:
+            start_cpu_probe(example_inputs)  # [Note: The CPU probe in the background] in compile/cpu_probe.py
         if self.config.rank_divergent_graphs:
             return self._compile(gm, example_inputs, owners, None)
         # Ask before scheduling: the protocol's states are in fsdp_graph/compile/agreement.py.
@@ -471,6 +474,7 @@ def _inner_compile(*args, compile_fx_inner: Optional[Callable] = None, **kwargs)
     if compile_fx_inner is None:
         from torch._inductor.compile_fx import compile_fx_inner
 
+    wait_for_cpu_probe()  # [Note: The CPU probe in the background] in compile/cpu_probe.py
     with stable_cache_keys():
         return compile_fx_inner(*args, **kwargs)
 
