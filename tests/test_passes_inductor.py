@@ -15,14 +15,14 @@ pytestmark = pytest.mark.slow  # Inductor compiles cold
 
 
 _RUN_NAMES = {"_c10d_functional::all_gather_into_tensor": "AG", "_c10d_functional::all_gather_into_tensor_out": "AG",
-              "_c10d_functional::reduce_scatter_tensor": "RS", "_c10d_functional::all_reduce_": "RS",
+              "_c10d_functional::reduce_scatter_tensor": "RS", "_c10d_functional::all_to_all_single": "RS",
               "_c10d_functional::wait_tensor": "wait", "aten::mm": "mm", "aten::addmm": "mm"}
 
 
 def _ran(run) -> str:
     """`AG`, `wait`, `RS` and `mm` in the order `run()` calls them, from torch's profiler: the calls
     of Inductor's generated code, or of a program of pieces (fsdp_graph/compile/pieces.py). On gloo,
-    a reduce-scatter is an in-place all-reduce of the bucket ([Note: Reduce-scatters on gloo])."""
+    a reduce-scatter is an all-to-all of the bucket's rows ([Note: Reduce-scatters on gloo])."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         run()
     events = sorted((e for e in prof.events() if e.name in _RUN_NAMES), key=lambda e: e.time_range.start)
@@ -106,8 +106,8 @@ def _planned_and_ran(rank, world_size, dump_dir, pieces, regions):
         planned = ["RS" if "reduce_scatter" in op.target else names[op.kind] for op in program
                    if op.kind in (OpKind.COLLECTIVE, OpKind.WAIT) or op.target in ("mm", "addmm")]
         orders.append((kind, planned, order))
-    if not pieces:  # gloo's reduce-scatters, rewritten in place (passes/gloo.py)
-        assert "reduce_scatter_tensor.default(" not in codes[1] and "all_reduce_.default(" in codes[1]
+    if not pieces:  # gloo's reduce-scatters, rewritten as all-to-alls (passes/gloo.py)
+        assert "reduce_scatter_tensor.default(" not in codes[1] and "all_to_all_single.default(" in codes[1]
     return orders
 
 

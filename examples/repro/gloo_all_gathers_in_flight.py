@@ -35,7 +35,8 @@ BUCKET_NUMELS = [32835, 98505, 98505, 98505, 98505]
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--op", default="functional", choices=["functional", "coalesced", "plain", "out", "all_reduce", "reduce_scatter", "alternate", "alternate_out"],
+    parser.add_argument("--op", default="functional", choices=["functional", "coalesced", "plain", "out", "all_reduce", "reduce_scatter", "all_to_all",
+                                 "alternate", "alternate_out", "alternate_all_to_all"],
                         help="alternate: functional all-gathers and reduce-scatters by turns, so with --in-flight 2 "
                         "one of each is in flight (fsdp_graph's schedule on gloo)")
     parser.add_argument("--in-flight", type=int, default=3, help="collectives issued before the oldest is waited on")
@@ -76,7 +77,8 @@ def init_gloo(threads: int) -> None:
 def issue(op: str, numel: int, world: int, group_name: str, turn: int):
     x = torch.randn(numel)
     if op.startswith("alternate"):
-        op = ("out" if op == "alternate_out" else "functional") if turn % 2 == 0 else "reduce_scatter"
+        second = "all_to_all" if op == "alternate_all_to_all" else "reduce_scatter"
+        op = ("functional" if op == "alternate" else "out") if turn % 2 == 0 else second
     if op == "functional":
         return FUNCTIONAL.all_gather_into_tensor(x, world, group_name)
     if op == "coalesced":
@@ -87,6 +89,8 @@ def issue(op: str, numel: int, world: int, group_name: str, turn: int):
         return dist.all_gather_single(torch.empty(world * numel), x, async_op=True)
     if op == "all_reduce":
         return dist.all_reduce(x, async_op=True)
+    if op == "all_to_all":  # the functional all_to_all_single of a bucket in equal rows
+        return FUNCTIONAL.all_to_all_single(torch.randn(world * numel), [numel] * world, [numel] * world, group_name)
     return FUNCTIONAL.reduce_scatter_tensor(torch.randn(world * numel), "sum", world, group_name)
 
 
