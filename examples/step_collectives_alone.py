@@ -4,8 +4,9 @@ The model of examples/benchmark_graph_trainer.py (torchtitan's llama3 debug mode
 its rows shard it: each block one bucket, the rest of the model (embedding, norm, output) one more.
 On 2 gloo ranks, each step all-gathers every bucket in forward, then in backward, block by block from
 the last, all-gathers it again (a group that reshards after forward) and reduces its gradient bucket
-(gloo's reduce-scatter is an all-reduce of the whole bucket, [Note: Reduce-scatters on gloo]). Without
-the re-gathers: selective unsharding keeping every group. No compute, no copies in or out: the wire
+as gloo's reduce-scatter does it (an all-reduce of the whole bucket: what FSDP2 and graph_trainer send)
+and as fsdp_graph's compiled step does (an all-to-all of the bucket's rows, half the bytes on 2 ranks:
+[Note: Reduce-scatters on gloo]). Without the re-gathers: selective unsharding keeping every group. No compute, no copies in or out: the wire
 and gloo's own work only. A step's time is its slower rank's; the median of `--steps` after 2 warm-up.
 
 On a machine where both ranks' compute takes every core (this one: 2 cores, 2 ranks), the collectives
@@ -56,22 +57,31 @@ def main() -> None:
     def gather(i: int) -> None:
         dist.all_gather_into_tensor(torch.empty(shards[i].numel() * world), shards[i])
 
-    def step(regather: bool) -> None:
+    def reduce(i: int, all_to_all: bool) -> None:
+        if all_to_all:
+            dist.all_to_all_single(torch.empty_like(grads[i]), grads[i])
+        else:
+            dist.all_reduce(grads[i].clone())
+
+    def step(regather: bool, all_to_all: bool) -> None:
         for i in range(len(sizes)):
             gather(i)
         for i in reversed(range(len(sizes))):
             if regather and i > 0:  # the root reshards not after forward, as fully_shard's root
                 gather(i)
-            dist.all_reduce(grads[i].clone())
+            reduce(i, all_to_all)
 
     if rank == 0:
         print(f"{world} ranks, {len(sizes)} buckets, {sum(sizes) * 4 / 2**20:.1f} MiB of fp32 parameters")
-    for regather, what in ((True, "every block gathered again in backward"), (False, "no block gathered again")):
+    cases = [(regather, all_to_all, f"{what}, gradients {how}")
+             for all_to_all, how in ((False, "all-reduced"), (True, "by all-to-all"))
+             for regather, what in ((True, "every block gathered again in backward"), (False, "no block gathered again"))]
+    for regather, all_to_all, what in cases:
         times = []
         for _ in range(2 + args.steps):
             dist.barrier()
             began = time.perf_counter()
-            step(regather)
+            step(regather, all_to_all)
             times.append(time.perf_counter() - began)
         slowest = torch.tensor(times[2:], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

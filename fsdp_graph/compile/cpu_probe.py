@@ -15,7 +15,9 @@ then, in threads of its own that spend their time waiting on g++ and on the chil
 the GIL: one per x86 candidate at once (about 5 s instead of 9 with an empty cache; the ranks of a
 machine share the builds, each candidate's behind one of Inductor's file locks), then
 `pick_vec_isa` itself, which finds every candidate's answer in torch's own cache. Our inner
-compiler waits for it before Inductor compiles, so the main thread never probes a second time. The
+compiler waits for it before Inductor compiles, and a step of pieces loaded from the caches on a
+relaunch waits before it loads its kernels (loading a C++ kernel asks too), so the main thread does
+not probe a second time beside it. The
 answers are torch's, computed by torch's code, so the kernels are what they would be without us.
 Nothing starts for `compiler="aot_eager"`, for graphs on CUDA, or after the first probe of the
 process. A probe that raises is only logged: Inductor then asks again in the main thread and raises,

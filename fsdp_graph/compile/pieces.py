@@ -43,6 +43,7 @@ from torch._inductor.output_code import OutputCode
 from torch._inductor.utils import BoxedBool
 
 from .cache_key import KeyOnly, own_sources_digest
+from .cpu_probe import wait_for_cpu_probe
 from ..passes.cost_model import is_view
 from ..passes.nodes import inline_regions
 
@@ -394,6 +395,7 @@ class PieceProgram(OutputCode):
         from torch._inductor.codecache import FxGraphCache
         from torch._inductor.utils import set_tracing_context_output_strides
 
+        wait_for_cpu_probe()  # loading a piece's C++ kernels asks for the CPU's vector ISA: [Note: The CPU probe in the background]
         with _step_context_hidden():
             for i, piece in enumerate(self.pieces):
                 if piece.current_callable is None:
