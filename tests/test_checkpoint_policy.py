@@ -4,6 +4,7 @@ backward. On a fake world, what the graphs save and recompute against the same m
 policy; on 2 gloo ranks, training against the unsharded model and the eager runtime."""
 
 import logging
+import os
 import re
 import tempfile
 
@@ -134,10 +135,37 @@ def test_auto_recomputes_only_where_the_budget_needs_it(caplog, regions):
     assert gathers(over) < gathers(nothing_fits), (gathers(over), gathers(nothing_fits))
 
 
+def _auto_launch(rank, world_size, cache_dir):
+    """`_policy_trains` over a budget no step fits, with the compile caches in `cache_dir`; the
+    result and the backend's log lines of the choice: compiled again, or taken from beside the caches."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("fsdp_graph")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        result = _policy_trains(rank, world_size, True, {"activation_checkpointing": "auto", "memory_budget_bytes": 1})
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    again = sum("compiling again with save_matmuls" in line for line in lines)
+    remembered = sum("over the budget when this graph last compiled" in line for line in lines)
+    return result, again, remembered
+
+
 @pytest.mark.slow
-def test_auto_over_the_budget_trains_as_the_unsharded_model_and_the_eager_runtime():
+def test_auto_over_the_budget_trains_as_the_unsharded_model_and_the_eager_runtime(tmp_path):
     """Blocks as compile regions, a budget no step fits: the graph compiled again with the policy
-    trains bit for bit with the eager runtime, within rounding of the unsharded model."""
-    result = run_ranks(_policy_trains, 2, True, {"activation_checkpointing": "auto", "memory_budget_bytes": 1})
-    assert not result["fallbacks"], result["fallbacks"]
-    assert result["max_rel_diff_vs_reference"] < 1e-5
+    trains bit for bit with the eager runtime, within rounding of the unsharded model. A relaunch
+    finds the choice beside the caches and compiles once ([Note: The budget's choice beside the
+    compile caches] in fsdp_graph/compile/backend.py), with the same numbers."""
+    launches = [run_ranks(_auto_launch, 2, str(tmp_path / "inductor")) for _ in range(2)]
+    for result, _, _ in launches:
+        assert not result["fallbacks"], result["fallbacks"]
+        assert result["max_rel_diff_vs_reference"] < 1e-5
+    (_, cold_again, cold_remembered), (_, relaunch_again, relaunch_remembered) = launches
+    assert cold_again >= 1 and cold_remembered == 0, launches
+    assert relaunch_again == 0 and relaunch_remembered == cold_again, launches

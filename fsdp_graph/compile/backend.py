@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import logging
 import os
 import textwrap
@@ -31,7 +32,7 @@ from torch.fx import GraphModule
 from . import agreement
 from .agreement import FrameWireOrder
 from .cpu_probe import start_cpu_probe, wait_for_cpu_probe
-from .cache_key import KeyOnly, hash_checkpoint_policies, local_shapes, own_sources_digest, stable_cache_keys
+from .cache_key import KeyOnly, beside_caches_file, hash_checkpoint_policies, local_shapes, own_sources_digest, stable_cache_keys
 from ..inspect.dump import GraphDump, count_ops
 from .partition import InductorPartitioner, forget_partitioned_regions, partition
 from .pieces import compile_in_pieces, inline_regions
@@ -217,6 +218,19 @@ class BackendConfig:
         return cls(**options)
 
 
+def _remember_budget_choice(path: Optional[str], over: object) -> None:
+    """Write the file of [Note: The budget's choice beside the compile caches]; a cache directory
+    that cannot be written only costs the next launch the first trace again."""
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"activation_checkpointing": "save_matmuls", "why": str(over)}, f)
+    except OSError as error:
+        logger.debug("fsdp_graph: could not keep the budget's choice in %s (%s)", path, error)
+
+
 def _graph_id() -> str:
     compile_id = torch._guards.CompileContext.current_compile_id()
     if compile_id is None:
@@ -294,6 +308,12 @@ class FSDPGraphBackend:
         logger.debug("fsdp_graph::compile (%s) with %s", graph_id, self.config.compiler.value)
         if dump is not None:
             dump.write_graph(gm, f"{graph_id}.dynamo")
+        choice = self._budget_choice_file(gm, example_inputs)
+        with_policy = FSDPGraphBackend(replace(self.config, activation_checkpointing="save_matmuls"))
+        if choice is not None and os.path.exists(choice):
+            logger.info("fsdp_graph::checkpoint_by_policy (%s) auto: over the budget when this graph last compiled "
+                        "(%s); compiling with save_matmuls", graph_id, choice)
+            return with_policy._compile_regions(gm, example_inputs, owners, order, graph_id, dump)
         try:
             return self._compile_regions(gm, example_inputs, owners, order, graph_id, dump)
         except Exception as error:
@@ -302,8 +322,27 @@ class FSDPGraphBackend:
                 raise
             logger.info("fsdp_graph::checkpoint_by_policy (%s) auto: %s; compiling again with save_matmuls", graph_id, over)
             forget_partitioned_regions()
-            again = FSDPGraphBackend(replace(self.config, activation_checkpointing="save_matmuls"))
-            return again._compile_regions(gm, example_inputs, owners, order, graph_id, dump)
+            compiled = with_policy._compile_regions(gm, example_inputs, owners, order, graph_id, dump)
+            _remember_budget_choice(choice, over)
+            return compiled
+
+    def _budget_choice_file(self, gm: GraphModule, example_inputs: list) -> Optional[str]:
+        """Where `activation_checkpointing="auto"` notes that this graph took the policy; None for other settings.
+
+        [Note: The budget's choice beside the compile caches]
+        With compile regions, "auto" learns that the step is over its budget only once the step's
+        joint graph is traced, and then compiles the graph again with the policy ([Note:
+        Checkpointing to fit a budget] in passes/checkpoint_policy.py). A relaunch would trace it
+        twice too: the first compile never finished, so the caches hold nothing for it. So the choice
+        is kept in a small file beside Inductor's caches, named by what the compiled graphs depend on
+        (`beside_caches_file`: our sources, the options, the Dynamo graph and its inputs' shapes), and
+        a graph that finds it compiles with the policy at once: from the caches, on a relaunch. Only
+        the choice of the policy is kept: a graph within its budget compiles once anyway."""
+        if self.config.activation_checkpointing != "auto":
+            return None
+        resolved = self.config.resolved_options()
+        options = f"{self.config.compiler.value}:{self.config.cache_key(tuple(Stage), resolved)}"
+        return beside_caches_file("budget_choices", gm, example_inputs, options, agreement.graph_groups(gm))
 
     def _compile_regions(
         self, gm: GraphModule, example_inputs: list, owners: list, order: Optional[FrameWireOrder],

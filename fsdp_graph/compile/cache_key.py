@@ -186,10 +186,9 @@ def hash_checkpoint_policies(gm: torch.fx.GraphModule) -> None:
             module.meta["_checkpoint_context_fn"] = _HashedPolicy(context_fn)
 
 
-def wire_orders_file(gm, example_inputs, options: str, groups: list[str]) -> str:
-    """Where the wire orders of a frame's first graph `gm` are kept beside Inductor's caches
-    ([Note: Wire orders beside the compile caches] in fsdp_graph/compile/agreement.py): a file named
-    by what the compiled graphs depend on, the same in every launch and on every rank that compiles
+def beside_caches_file(kind: str, gm, example_inputs, options: str, groups: list[str]) -> str:
+    """Where a note of `kind` about the graph `gm` is kept beside Inductor's caches: a file named by
+    what the compiled graphs depend on, the same in every launch and on every rank that compiles
     the same graph: our sources, the backend's options, the Dynamo graph's code and its inputs'
     shapes, strides and dtypes (local shards included), and the groups' names."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -199,5 +198,11 @@ def wire_orders_file(gm, example_inputs, options: str, groups: list[str]) -> str
         digest.update(part.encode())
     for t in example_inputs:
         digest.update(repr((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t).encode())
-    return os.path.join(cache_dir(), "fsdp_graph", "wire_orders", digest.hexdigest()[:32] + ".json")
+    return os.path.join(cache_dir(), "fsdp_graph", kind, digest.hexdigest()[:32] + ".json")
+
+
+def wire_orders_file(gm, example_inputs, options: str, groups: list[str]) -> str:
+    """Where the wire orders of a frame's first graph `gm` are kept ([Note: Wire orders beside the
+    compile caches] in fsdp_graph/compile/agreement.py)."""
+    return beside_caches_file("wire_orders", gm, example_inputs, options, groups)
 
