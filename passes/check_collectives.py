@@ -75,7 +75,7 @@ def check_collective(
             problems.append(f"its {what}'s storage was resized from {nbytes} to {now_nbytes} bytes (freed if 0)")
         elif now_ptr != ptr:
             problems.append(f"its {what}'s storage moved from {ptr:#x} to {now_ptr:#x}")
-    # An in-place collective (`all_reduce_`) writes its input itself.
+    # An in-place collective (`all_reduce_`, [Note: Reduce-scatters on gloo]) writes its input itself.
     if not problems and in_ptr != out_ptr:
         now = _bytes_of(input)
         if not torch.equal(now, snapshot):

@@ -1,10 +1,10 @@
 """All-gathers on gloo through gloo's plain allgather ([Note: All-gathers on gloo]), and
-reduce-scatters on gloo as an all-to-all of their rows and a sum ([Note: Reduce-scatters on gloo]).
+reduce-scatters on gloo as an all-reduce of their own buffer ([Note: Reduce-scatters on gloo]).
 
 Both are rows of the pass table (passes/table.py): the first runs last among the scheduling passes,
 on every scheduled graph (switching it off puts torch 2.13's gloo at risk as soon as two all-gathers
 are in flight); the second runs on the graphs Inductor compiles, after the program for the inspector
-is written (on 2 ranks it changes no value; it halves the bytes on the wire).
+is written (it changes no value and no byte on the wire).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from .nodes import C10D, backend_of, is_wait_tensor
+from .nodes import C10D, _process_group, backend_of, is_wait_tensor, owned_by
 
 
 # [Note: All-gathers on gloo]
@@ -75,73 +75,57 @@ def _gathered_size(gm: GraphModule, gather: Node) -> list:
 
 # [Note: Reduce-scatters on gloo]
 # Gloo has no reduce-scatter of its own: for `reduce_scatter_tensor` it clones the whole input,
-# all-reduces the clone and, at the wait, copies this rank's row out of it. An all-reduce moves
-# every byte of the bucket twice over the ring (each rank sends 2(W-1)/W of it: the whole bucket on
-# 2 ranks), where a reduce-scatter needs (W-1)/W once: the row each other rank owns. So a traced
-# reduce-scatter of a flat bucket on gloo becomes what a reduce-scatter is on the wire: an
-# all-to-all of the bucket's W rows (`all_to_all_single`, gloo's pairwise sends), after which each
-# rank holds every rank's copy of its own row, and their sum in rank order, rows 0 + 1 + ... : half
-# the bytes on 2 ranks, and on 2 ranks the same sum as gloo's all-reduce bit for bit (one addition,
-# which is commutative; with more ranks the order of the additions is ours, not the ring's). The
-# sum is one small kernel that Inductor fuses with the divide after it. Gloo's all-to-all ran clean
-# with several in flight and beside the plain all-gathers
-# (`examples/repro/gloo_all_gathers_in_flight.py --op alternate_all_to_all`, torch alone). The graph
-# reads no rank: every rank's graph is the same, so ranks with equal shards share compiled graphs
-# ([Note: Rank-independent cache keys] in fsdp_graph/compile/cache_key.py). Only a flat bucket summed
-# by "sum" (what traced reduce-scatters are; tensor parallel's of activations are not flat) is
-# rewritten. Applied for Inductor only (aot_eager runs the graph as traced, op for op like eager
-# mode) and after the program is written for the inspector, which shows the reduce-scatter as
-# scheduled. The memory model keeps planning gloo's copies of a reduce-scatter (passes/simulator.py),
-# true of aot_eager: the all-to-all's output is one such copy, so under Inductor the plan holds.
-# docs/benchmarks.md has the step times (torch alone: examples/repro/gloo_reduce_scatter_bytes.py).
+# all-reduces the clone and, at the wait, copies this rank's row out of it. A traced reduce-scatter's
+# input is the packed gradient bucket, made for it alone (or its cast or pre-division), so the graph
+# can all-reduce that buffer in place and read this rank's row as a view: the same all-reduce on
+# gloo's wire and the same sums bit for bit, without the clone of the whole bucket and the copy
+# (docs/benchmarks.md has the step times and heaps of both). The divide after it
+# reads the row and makes the shard-sized gradient, so the bucket dies there as before. Only
+# where the input is a flat bucket, a fresh tensor nothing else reads (not a view, not a graph
+# input); any other reduce-scatter (tensor parallel's of activations: a row of those is not flat)
+# stays as it is. Applied for Inductor only (aot_eager runs the graph as traced, op
+# for op like eager mode) and after the program is written for the inspector, which shows the
+# reduce-scatter as scheduled. The memory model keeps planning gloo's copies of a reduce-scatter
+# (passes/simulator.py), true of aot_eager: under Inductor the heap stays about a bucket below the
+# plan (an in-place all-reduce holds one row while it runs, repro/gloo_collective_scratch.py).
+# What goes on gloo's wire must stay gloo's reduce-scatter's, an all-reduce: a rank that runs a group
+# on the eager hooks (a fallback taken on that rank only) reduce-scatters it through gloo, and the
+# other ranks' graphs must meet it. An all-to-all of the bucket's rows and their sum sends half the
+# bytes on 2 ranks (examples/repro/gloo_reduce_scatter_bytes.py, torch alone: 9-12 ms against 20-23
+# for a 16 MiB bucket), but a graph of them hung against such a rank
+# (tests/test_compile_rank_divergence.py, `test_graph_break_on_one_rank`), and the torchtitan
+# benchmark's step did not get faster with them (docs/benchmarks.md, "Quiet again").
 
 
-def reduce_scatters_as_all_to_all_on_gloo(gm: GraphModule) -> GraphModule:
-    """Each reduce-scatter (sum) on gloo of a flat bucket, rewritten as an all-to-all of its rows
-    and their sum in rank order; see [Note: Reduce-scatters on gloo]."""
+def reduce_scatters_in_place_on_gloo(gm: GraphModule) -> GraphModule:
+    """Each reduce-scatter on gloo of a flat bucket it owns, rewritten as `all_reduce_` of that input
+    and this rank's row of it after the wait; see [Note: Reduce-scatters on gloo]."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not C10D.reduce_scatter_tensor.default:
             continue
         bucket, reduce_op, world, group_name = node.args
         waits = list(node.users)
         full = bucket.meta["val"]
-        if full.dim() != 1 or reduce_op != "sum":  # not a flat bucket: tensor parallel's reduce-scatter of activations
+        if full.dim() != 1:  # not a flat bucket: tensor parallel's reduce-scatter of activations
             continue
-        if backend_of(node) != "gloo" or not all(is_wait_tensor(w) for w in waits):
+        if backend_of(node) != "gloo" or not owned_by(bucket, node) or not all(is_wait_tensor(w) for w in waits):
             continue
-        rows = [full.numel() // world] * world
+        rank = _process_group(node).rank()
         with gm.graph.inserting_before(node):
-            sent = gm.graph.call_function(C10D.all_to_all_single.default, (bucket, rows, rows, group_name))
-        sent.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        sent.meta["val"] = torch.empty_like(full)
+            reduced = gm.graph.call_function(C10D.all_reduce_.default, (bucket, reduce_op, group_name))
+        reduced.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        reduced.meta["val"] = full
         for wait in waits:
             old_uses = list(wait.users)
-            wait.args = (sent,)
-            wait.meta["val"] = sent.meta["val"]
-            row = _sum_of_rows(gm, wait, world)
+            wait.args = (reduced,)
+            wait.meta["val"] = full
+            with gm.graph.inserting_after(wait):
+                rows = gm.graph.call_function(torch.ops.aten.view.default, (wait, [world, -1]))
+                rows.meta["val"] = full.view(world, -1)
+            with gm.graph.inserting_after(rows):
+                row = gm.graph.call_function(torch.ops.aten.select.int, (rows, 0, rank))
+                row.meta["val"] = full.view(world, -1)[rank]
             for use in old_uses:
                 use.replace_input_with(wait, row)
         gm.graph.erase_node(node)
     return gm
-
-
-def _sum_of_rows(gm: GraphModule, received: Node, world: int) -> Node:
-    """`received.view(world, -1)`'s rows added in rank order, after `received`."""
-    full = received.meta["val"]
-    with gm.graph.inserting_after(received):
-        rows = gm.graph.call_function(torch.ops.aten.view.default, (received, [world, -1]))
-    rows.meta["val"] = full.view(world, -1)
-    total, last = None, rows
-    for rank in range(world):
-        with gm.graph.inserting_after(last):
-            row = gm.graph.call_function(torch.ops.aten.select.int, (rows, 0, rank))
-        row.meta["val"] = rows.meta["val"][rank]
-        last = row
-        if total is not None:
-            with gm.graph.inserting_after(last):
-                total = gm.graph.call_function(torch.ops.aten.add.Tensor, (total, row))
-            total.meta["val"] = torch.empty_like(row.meta["val"])
-            last = total
-        else:
-            total = row
-    return total

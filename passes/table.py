@@ -29,7 +29,7 @@ from .check_collectives import CHECK_COLLECTIVES_ENV, check_collectives
 from .checkpoint_policy import POLICIES, checkpoint_by_policy
 from .cost_model import CostModel, HardwareProfile, Profile
 from .ep_overlap import overlap_all_to_alls
-from .gloo import plain_all_gathers_on_gloo, reduce_scatters_as_all_to_all_on_gloo
+from .gloo import plain_all_gathers_on_gloo, reduce_scatters_in_place_on_gloo
 from .pipeline import GraphPass
 from .pin_order import pin_order
 from .reorder import reorder_for_overlap
@@ -296,9 +296,9 @@ PASSES: tuple[PassSpec, ...] = (
         "in flight ([Note: All-gathers on gloo] in passes/gloo.py); switch it off only to reproduce that fault",
     ),
     PassSpec(
-        "reduce_scatters_as_all_to_all_on_gloo", reduce_scatters_as_all_to_all_on_gloo, Stage.LOWER,
-        "on gloo, a reduce-scatter of a flat bucket becomes an all-to-all of its rows and their sum: half the "
-        "bytes of gloo's own (an all-reduce) on 2 ranks, the same sums ([Note: Reduce-scatters on gloo])",
+        "reduce_scatters_in_place_on_gloo", reduce_scatters_in_place_on_gloo, Stage.LOWER,
+        "on gloo, a reduce-scatter of a bucket made for it becomes an in-place all-reduce of that bucket and "
+        "a view of this rank's row: the same sums, without gloo's copies ([Note: Reduce-scatters on gloo])",
         inductor_only=True,
     ),
     PassSpec(

@@ -294,11 +294,10 @@ def test_relaunches_from_each_cache_keep_the_wire_orders_and_each_ranks_backward
       the compile caches] in fsdp_graph/compile/agreement.py). Without them, rank 1's recompile
       asked the others again, waited 30 s, and gloo aborted ("23242 vs 4134").
     - The FX graph cache's keys are the same on every rank ([Note: Rank-independent cache keys]),
-      so a rank may load the backward the other rank compiled; it must then reduce its own
-      gradients: when gloo's reduce-scatters read this rank's row of an all-reduce, such a rank
-      trained on the other rank's gradients ([Note: Reduce-scatters on gloo] in passes/gloo.py). Each
-      group's reduce-scatter is its own here (no auto-bucketing, as torchtitan's layers are), where
-      that pass applies."""
+      but on gloo a backward is not: it reads this rank's row of each reduce-scatter ([Note:
+      Reduce-scatters on gloo] in passes/gloo.py), so a rank that loaded the backward the other
+      rank compiled trained on the other rank's gradients. Each group's reduce-scatter is its own
+      here (no auto-bucketing, as torchtitan's layers are), where that pass applies."""
     cache_dir = str(tmp_path / "inductor")
     unbucketed = {"auto_bucket"}
     assert run_ranks(_per_rank_padding_inductor, 2, cache_dir, True, unbucketed) == 1  # cold: the first graph asked, the recompile did not

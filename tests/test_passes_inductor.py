@@ -15,14 +15,14 @@ pytestmark = pytest.mark.slow  # Inductor compiles cold
 
 
 _RUN_NAMES = {"_c10d_functional::all_gather_into_tensor": "AG", "_c10d_functional::all_gather_into_tensor_out": "AG",
-              "_c10d_functional::reduce_scatter_tensor": "RS", "_c10d_functional::all_to_all_single": "RS",
+              "_c10d_functional::reduce_scatter_tensor": "RS", "_c10d_functional::all_reduce_": "RS",
               "_c10d_functional::wait_tensor": "wait", "aten::mm": "mm", "aten::addmm": "mm"}
 
 
 def _ran(run) -> str:
     """`AG`, `wait`, `RS` and `mm` in the order `run()` calls them, from torch's profiler: the calls
     of Inductor's generated code, or of a program of pieces (fsdp_graph/compile/pieces.py). On gloo,
-    a reduce-scatter is an all-to-all of the bucket's rows ([Note: Reduce-scatters on gloo])."""
+    a reduce-scatter is an in-place all-reduce of the bucket ([Note: Reduce-scatters on gloo])."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         run()
     events = sorted((e for e in prof.events() if e.name in _RUN_NAMES), key=lambda e: e.time_range.start)
@@ -106,8 +106,8 @@ def _planned_and_ran(rank, world_size, dump_dir, pieces, regions):
         planned = ["RS" if "reduce_scatter" in op.target else names[op.kind] for op in program
                    if op.kind in (OpKind.COLLECTIVE, OpKind.WAIT) or op.target in ("mm", "addmm")]
         orders.append((kind, planned, order))
-    if not pieces:  # gloo's reduce-scatters, rewritten as all-to-alls (passes/gloo.py)
-        assert "reduce_scatter_tensor.default(" not in codes[1] and "all_to_all_single.default(" in codes[1]
+    if not pieces:  # gloo's reduce-scatters, rewritten in place (passes/gloo.py)
+        assert "reduce_scatter_tensor.default(" not in codes[1] and "all_reduce_.default(" in codes[1]
     return orders
 
 
@@ -124,37 +124,3 @@ def test_inductor_runs_the_order_the_passes_planned(tmp_path, pieces, regions):
     torch._dynamo.reset()
     for kind, planned, ran in run_ranks(_planned_and_ran, 2, str(tmp_path), pieces, regions):
         assert ran == planned, (kind, " ".join(ran), " ".join(planned))
-
-
-def _trains_with_all_to_alls(rank, world_size):
-    """Two AdamW steps of the compiled stack against the unsharded model on the global batch; whether
-    the backward's generated code reduce-scatters by all-to-all."""
-    import copy
-
-    from _models import MLPStack, batch_for_step, check_grads_match, check_params_match, loss_fn, shard_blocks_then_root
-
-    torch.manual_seed(0)
-    reference = MLPStack()
-    model = shard_blocks_then_root(copy.deepcopy(reference))
-    compiled = torch.compile(model, backend=fsdp_graph.backend(pieces=False))
-    optimizers = [torch.optim.AdamW(net.parameters(), lr=1e-2) for net in (model, reference)]
-    codes = []
-    for step in range(2):
-        x, y, lx, ly = batch_for_step(reference, step, 8, rank, world_size)
-        loss_fn(reference, reference(x), y).backward()
-        _, code = run_and_get_code(lambda: loss_fn(model, compiled(lx), ly).backward())
-        codes += code
-        check_grads_match(model, reference)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    check_params_match(model, reference)
-    return any("all_to_all_single.default(" in code for code in codes)
-
-
-def test_gloo_reduce_scatters_as_all_to_alls_on_four_ranks():
-    """On 4 ranks the all-to-all's rows are added in rank order, not gloo's ring order ([Note:
-    Reduce-scatters on gloo] in passes/gloo.py): the gradients and weights stay the unsharded
-    model's (uneven dims: the buckets are padded to 4 rows)."""
-    torch._dynamo.reset()
-    assert run_ranks(_trains_with_all_to_alls, 4)

@@ -436,7 +436,8 @@ class FSDPGraphBackend:
         """The Inductor config this backend compiles `gm` with: our passes as Inductor's custom
         passes, whose `uuid`s (None while dumping: no cache, so that every graph is written) put
         everything they depend on into the FX graph cache's and AOTAutogradCache's keys, the wire
-        order a recompiled frame keeps included ([Note: One wire order per frame])."""
+        order a recompiled frame keeps included ([Note: One wire order per frame]), and this rank
+        on gloo (`_gloo_rank`)."""
         resolved = self.config.resolved_options()
         joint = self._pipeline(Stage.JOINT, resolved, dump)
         schedule = self._pipeline(Stage.SCHEDULE, resolved, dump)
@@ -447,6 +448,8 @@ class FSDPGraphBackend:
         schedule_key = f"fsdp_graph.schedule:{digest}:{self.config.cache_key((Stage.SCHEDULE, Stage.LOWER), resolved)}"
         if order is not None and order.cache_key():
             schedule_key += f":{hashlib.sha256(order.cache_key().encode()).hexdigest()[:16]}"
+        if "reduce_scatters_in_place_on_gloo" not in self.config.disabled_passes:
+            schedule_key += _gloo_rank(example_inputs)
         first_gathers = order.first_backward_gathers() if order is not None else None
         if first_gathers is not None:
             joint_key += f":{hashlib.sha256(repr(sorted(first_gathers)).encode()).hexdigest()[:16]}"
@@ -490,6 +493,17 @@ def _pieces_apply(gm: GraphModule) -> bool:
         logger.info("fsdp_graph: pieces=True, but the graph compiles whole: CUDA graphs are on")
         return False
     return True
+
+
+def _gloo_rank(example_inputs: list) -> str:
+    """This rank, for the schedule pass's key, where the graph's groups run on gloo: there a
+    backward reads this rank's row of each reduce-scatter ([Note: Reduce-scatters on gloo] in
+    passes/gloo.py), so it is this rank's own and no other rank may load it from the caches
+    ([Note: Rank-independent cache keys])."""
+    groups = {o.mesh_info.shard_group for o in owners_of(example_inputs)}
+    if any("gloo" in str(torch.distributed.get_backend(group)) for group in groups):
+        return f":rank{torch.distributed.get_rank()}"
+    return ""
 
 
 def _inner_compile(*args, compile_fx_inner: Optional[Callable] = None, **kwargs):

@@ -23,11 +23,11 @@ What differs between ranks and matters is the shape of each shard: AOTAutogradCa
 input by its global shape, but with an uneven dim 0 rank 1's shard is a row shorter than rank 0's,
 and the compiled code checks the local shapes. So our passes' `uuid`s (part of both keys, as
 Inductor config) carry `local_shapes(example_inputs)`: ranks with equal shards share graphs, the
-others compile their own, and every restart loads its own. No graph reads its rank: on gloo a
-reduce-scatter is an all-to-all and a sum of the rows, the same on every rank ([Note:
-Reduce-scatters on gloo] in passes/gloo.py; a rewrite that read this rank's row would need the rank
-in the key, or a relaunch where one rank loaded the backward the other compiled trains on the other
-rank's gradients: tests/test_compile_rank_divergence.py holds that case).
+others compile their own, and every restart loads its own. Where the groups run on gloo, every
+rank compiles its own graphs too: a backward there reads this rank's row of each reduce-scatter
+([Note: Reduce-scatters on gloo] in passes/gloo.py), so the schedule pass's key carries the rank
+(`_gloo_rank` in fsdp_graph/compile/backend.py); without it a relaunch where one rank loaded the
+backward the other compiled trained on the other rank's gradients.
 The context patches `copyreg` for DeviceMesh, which the caches' picklers copy when they are made.
 Outside the context nothing changes. Every Inductor compile of ours runs in it, the backward's too,
 which AOTAutograd lowers lazily at the first backward, after the backend returned (`_inner_compile`
