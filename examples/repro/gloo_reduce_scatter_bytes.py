@@ -3,13 +3,14 @@
 Gloo has no reduce-scatter: `reduce_scatter_tensor` clones the bucket, all-reduces the clone (each
 rank sends 2(W-1)/W of the bucket over the ring) and copies this rank's row out. An all-to-all of the
 bucket's W rows sends (W-1)/W of it, after which each rank sums the W copies of its own row.
-This times both (and the in-place all-reduce fsdp_graph's compiled graphs used before) on buckets of
+This times both (and the in-place all-reduce fsdp_graph's compiled graphs run) on buckets of
 1, 4 and 16 MiB, and checks that the all-to-all's sums equal gloo's bit for bit on 2 ranks:
 
     torchrun --nproc-per-node 2 examples/repro/gloo_reduce_scatter_bytes.py
 
-fsdp_graph's compiled graphs reduce-scatter on gloo as the all-to-all ([Note: Reduce-scatters on
-gloo] in passes/gloo.py). A benchmark, not a test: it asserts only the sums.
+fsdp_graph's compiled graphs reduce-scatter on gloo as the in-place all-reduce: what goes on the wire
+must stay gloo's own, which a rank on the eager hooks sends ([Note: Reduce-scatters on gloo] in
+passes/gloo.py). A benchmark, not a test: it asserts only the sums.
 """
 
 import time
@@ -32,7 +33,7 @@ def main() -> None:
             return out
 
         def all_reduce_in_place():
-            summed = bucket.clone()  # the graph all-reduced the bucket itself; the clone keeps `bucket` for the next call
+            summed = bucket.clone()  # the graph all-reduces the bucket itself; the clone keeps `bucket` for the next call
             dist.all_reduce(summed)
             return summed.view(world, -1)[rank]
 
