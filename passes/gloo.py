@@ -91,8 +91,8 @@ def _gathered_size(gm: GraphModule, gather: Node) -> list:
 # What goes on gloo's wire must stay gloo's reduce-scatter's, an all-reduce: a rank that runs a group
 # on the eager hooks (a fallback taken on that rank only) reduce-scatters it through gloo, and the
 # other ranks' graphs must meet it. An all-to-all of the bucket's rows and their sum sends half the
-# bytes on 2 ranks (examples/repro/gloo_reduce_scatter_bytes.py, torch alone: 9-12 ms against 20-23
-# for a 16 MiB bucket), but a graph of them hung against such a rank
+# bytes on 2 ranks (examples/repro/gloo_reduce_scatter_bytes.py, torch alone; docs/benchmarks.md has
+# its times), but a graph of them hung against such a rank
 # (tests/test_compile_rank_divergence.py, `test_graph_break_on_one_rank`), and the torchtitan
 # benchmark's step did not get faster with them (docs/benchmarks.md, "Quiet again").
 

@@ -309,11 +309,10 @@ class FSDPGraphBackend:
         if dump is not None:
             dump.write_graph(gm, f"{graph_id}.dynamo")
         choice = self._budget_choice_file(gm, example_inputs)
-        with_policy = FSDPGraphBackend(replace(self.config, activation_checkpointing="save_matmuls"))
         if choice is not None and os.path.exists(choice):
             logger.info("fsdp_graph::checkpoint_by_policy (%s) auto: over the budget when this graph last compiled "
                         "(%s); compiling with save_matmuls", graph_id, choice)
-            return with_policy._compile_regions(gm, example_inputs, owners, order, graph_id, dump)
+            return self._with_policy()._compile_regions(gm, example_inputs, owners, order, graph_id, dump)
         try:
             return self._compile_regions(gm, example_inputs, owners, order, graph_id, dump)
         except Exception as error:
@@ -322,9 +321,13 @@ class FSDPGraphBackend:
                 raise
             logger.info("fsdp_graph::checkpoint_by_policy (%s) auto: %s; compiling again with save_matmuls", graph_id, over)
             forget_partitioned_regions()
-            compiled = with_policy._compile_regions(gm, example_inputs, owners, order, graph_id, dump)
+            compiled = self._with_policy()._compile_regions(gm, example_inputs, owners, order, graph_id, dump)
             _remember_budget_choice(choice, over)
             return compiled
+
+    def _with_policy(self) -> "FSDPGraphBackend":
+        """This backend with the checkpoint policy that "auto" chooses over its budget."""
+        return FSDPGraphBackend(replace(self.config, activation_checkpointing="save_matmuls"))
 
     def _budget_choice_file(self, gm: GraphModule, example_inputs: list) -> Optional[str]:
         """Where `activation_checkpointing="auto"` notes that this graph took the policy; None for other settings.

@@ -4,24 +4,23 @@
 Before Inductor writes its first C++ kernel in a process it asks which vector instruction sets the
 CPU and compiler support (`torch._inductor.cpu_vec_isa.pick_vec_isa`): for each candidate the CPU
 reports (AMX, AVX-512 VNNI, AVX-512, AVX2 on a recent x86) it builds a small test library with g++
-and loads it in a child Python, one candidate after the other. With an empty Inductor cache that is
-about 9 s on this machine's 2 cores (the builds), with the cache a previous launch left about 1.4 s
-(the loads). torch pays it in the main thread when the first kernel is compiled, after the step
-has been traced and partitioned.
+and loads it in a child Python, one candidate after the other: seconds of g++ with an empty
+Inductor cache, child processes with a warm one (docs/benchmarks.md, "Quiet again", has the figures).
+torch pays it in the main thread when the first kernel is compiled, after the step has been traced
+and partitioned.
 
-Our backend knows that Inductor will ask as soon as Dynamo hands it a graph on the CPU, 3-4 s of
-agreeing, tracing the joint graph and partitioning before the first kernel. So the probe starts
-then, in threads of its own that spend their time waiting on g++ and on the children, not holding
-the GIL: one per x86 candidate at once (about 5 s instead of 9 with an empty cache; the ranks of a
-machine share the builds, each candidate's behind one of Inductor's file locks), then
-`pick_vec_isa` itself, which finds every candidate's answer in torch's own cache. Our inner
-compiler waits for it before Inductor compiles, and a step of pieces loaded from the caches on a
-relaunch waits before it loads its kernels (loading a C++ kernel asks too), so the main thread does
-not probe a second time beside it. The
-answers are torch's, computed by torch's code, so the kernels are what they would be without us.
-Nothing starts for `compiler="aot_eager"`, for graphs on CUDA, or after the first probe of the
-process. A probe that raises is only logged: Inductor then asks again in the main thread and raises,
-or answers, as it would have. examples/benchmark_graph_trainer.py measures the cold start with it.
+Our backend knows that Inductor will ask as soon as Dynamo hands it a graph on the CPU, before the
+ranks agree on the frame, trace the joint graph and partition it. So the probe starts then, in
+threads of its own that spend their time waiting on g++ and on the children, not holding the GIL:
+one per x86 candidate at once (the ranks of a machine share the builds, each candidate's behind one
+of Inductor's file locks), then `pick_vec_isa` itself, which finds every candidate's answer in
+torch's own cache. Our inner compiler waits for it before Inductor compiles, and a step of pieces
+loaded from the caches on a relaunch waits before it loads its kernels (loading a C++ kernel asks
+too), so the main thread does not probe a second time beside it. The answers are torch's, computed
+by torch's code, so the kernels are what they would be without us. Nothing starts for
+`compiler="aot_eager"`, for graphs on CUDA, or after the first probe of the process. A probe that
+raises is only logged: Inductor then asks again in the main thread and raises, or answers, as it
+would have. examples/benchmark_graph_trainer.py measures the cold start with it.
 """
 
 from __future__ import annotations
