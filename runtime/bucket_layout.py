@@ -21,8 +21,8 @@ and a profile of either path shows `fsdp_graph::copy_in`, `copy_out` and `pack_g
 
 A row of a group's all-gather holds, in this order: the trainable parameters' padded shards in
 group order, one column per trainable parameter (the gradient flags, [Note: Gradient flags in a
-graph]: zeros on the wire, and the reduce-scatter sums their gradient), then the frozen parameters'
-padded shards. A group with no trainable parameter has no flags. The reduce-scatter row holds the
+graph]: zeros on the wire, and the reduce-scatter sums their gradient; an even number of columns,
+[Note: An even number of flag columns]), then the frozen parameters' padded shards. A group with no trainable parameter has no flags. The reduce-scatter row holds the
 trainable parameters' gradients in group order, then the flags ([Note: Every rank packs every
 parameter] in runtime/collectives.py). A byte bucket ([Note: Byte buckets]) gathers in group order
 without flags and reduces as any other group.
@@ -52,11 +52,29 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from .param import ShardedParam
 
 FLAGS = -1  # in `BucketLayout.blocks`: the gradient flags' block
+
+
+def flag_columns(num_trainable: int) -> int:
+    """The flags' block's width for `num_trainable` flags: [Note: An even number of flag columns]."""
+    return num_trainable + num_trainable % 2
+
+
+# [Note: An even number of flag columns]
+# The flags' block is one column per trainable parameter, plus one zero column where that count is
+# odd. Gloo's reduce-scatter over more than 2 ranks adds the ranks' rows in an order that depends
+# on where an element lies in the row: appending an odd number of columns to every row changed the
+# sums of a few of the elements before them by an ulp (up to 16 of a row's at 8 ranks), an even
+# number changed none (torch alone, 3, 4 and 8 ranks, fp32 and bf16: the project's
+# examples/repro/gloo_reduce_scatter_chunk_size.py). A row of FSDP2's is a row of ours without the
+# flags, so an even flags' block keeps the sums FSDP2's bit for bit on gloo. With an odd one, one
+# ulp in one weight's gradient became, through AdamW over three steps, differences across every
+# layer of torchtitan's MoE models on 4 ranks. The column costs one element per rank and group.
 
 
 # [Note: Byte buckets]
@@ -79,8 +97,8 @@ class BucketLayout:
         world: ranks on the shard axis; rank r's row holds slot r of every block.
         blocks: the all-gather row's blocks in order, each an index into the group's parameters or
             FLAGS.
-        widths: per block, its elements per rank: a parameter's padded shard, one per trainable
-            parameter for the flags. Empty for a byte bucket, whose pieces are as wide as the
+        widths: per block, its elements per rank: a parameter's padded shard, `flag_columns` for
+            the flags. Empty for a byte bucket, whose pieces are as wide as the
             pre-hooks make them (`byte_pieces`).
         numels: per block, the unsharded tensor's elements (0 for the flags); empty for a byte bucket.
         reduced: the trainable parameters (indices) in group order: the reduce-scatter row's blocks,
@@ -130,10 +148,10 @@ class BucketLayout:
         else:
             frozen = tuple(i for i in range(len(params)) if i not in reduced)
             blocks = reduced + ((FLAGS,) if reduced else ()) + frozen
-            widths = tuple(len(reduced) if i == FLAGS else params[i].shard_numel for i in blocks)
+            widths = tuple(flag_columns(len(reduced)) if i == FLAGS else params[i].shard_numel for i in blocks)
             numels = tuple(0 if i == FLAGS else params[i].local_size.numel() for i in blocks)
             (dtype,) = dtypes
-        reduce_widths = tuple(params[i].shard_numel for i in reduced) + (len(reduced),)
+        reduce_widths = tuple(params[i].shard_numel for i in reduced) + (flag_columns(len(reduced)),)
         return cls(
             world=world,
             blocks=blocks,
@@ -293,7 +311,7 @@ def pack_grads(
     """The inverse layout of `copy_out`: a gathered-shaped bucket with each gradient in its
     parameter's columns; zeros for padding and for a missing gradient. Block `flags_at` (-1: none)
     gets, in every row, one flag per gradient before it: 1 where it is not None (see
-    [Note: Gradient flags in a graph])."""
+    [Note: Gradient flags in a graph]), zero-padded to its width."""
     packed = torch.empty(world * sum(shard_numels), dtype=dtype, device=device)
     torch.ops.fsdp_graph.pack_grads.out(grads, world, shard_numels, numels, flags_at, out=packed)
     return packed
@@ -321,7 +339,8 @@ def _pack_grads_out(
     blocks, padded = [], []
     for i, (grad, shard_numel, numel) in enumerate(zip(grads, shard_numels, numels)):
         if i == flags_at:
-            blocks.append(_grad_flags(grads[:i], out).expand(world, -1))
+            flags = _grad_flags(grads[:i], out)
+            blocks.append(F.pad(flags, (0, shard_numel - flags.numel())).expand(world, -1))
         elif grad is None or numel == 0:
             blocks.append(zero.expand(world, shard_numel))
         elif numel == world * shard_numel:

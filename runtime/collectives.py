@@ -168,7 +168,7 @@ def copy_out(params: list[ShardedParam], work: AllGatherWork, world: int) -> Non
     outputs = []
     for i in layout.blocks:
         if i == FLAGS:  # the flags' columns carry nothing for the eager runtime
-            outputs.append(work.output.new_empty(world, layout.num_trainable))
+            outputs.append(work.output.new_empty(world, layout.widths[layout.flags_at]))
         elif layout.has_hooks(i):
             outputs += params[i].alloc_gather_outputs(world)
         elif layout.as_bytes:
@@ -230,7 +230,7 @@ class ReduceScatterWork:
     """
 
     params: list[ShardedParam]  # the trainable parameters, in the order they were packed
-    output: torch.Tensor  # this rank's reduced, divided shard of every param, flat, then one flag per param
+    output: torch.Tensor  # this rank's reduced, divided shard of every param, flat, then the flags' columns
     mesh_info: MeshInfo
     divide_factor: float  # the post-divide factor: see `divide_factors`
     had_grad: list[bool]  # per param: did this rank pack a gradient
@@ -332,7 +332,7 @@ class ReduceScatterWork:
         if self.controls.zeros_for_unused:
             got_grad = [True] * len(self.params)
         elif not all(got_grad):  # read the summed flags only then: on CUDA reading waits for the stream
-            got_grad = [flag > 0 for flag in flags.tolist()]
+            got_grad = [flag > 0 for flag in flags[: len(self.params)].tolist()]
         for p, flag, shard in zip(self.params, got_grad, shards):
             if flag:
                 p.accumulate_sharded_grad(shard)
@@ -347,7 +347,8 @@ class ReduceScatterWork:
 # reduce-scatter sums the flags into every rank's shard, so all ranks agree which parameters got a
 # gradient on some rank: those get the averaged gradient (zeros from the ranks that had none, as the
 # unsharded model on the global batch), the others keep `.grad` as it was (None), as in eager PyTorch.
-# The flags cost one element per parameter and no collective of their own.
+# The flags cost one element per parameter (and a zero column to make them even: [Note: An even
+# number of flag columns] in runtime/bucket_layout.py) and no collective of their own.
 # With `set_reduce_scatter_unused_params(True)` FSDP2 instead gives every trainable parameter of a
 # group it reduces a gradient, zeros where no rank had one, so AdamW decays and steps those too; the
 # group's `zeros_for_unused` control does the same here (the reduced slot is zeros already), and the

@@ -117,7 +117,8 @@ class ShardBuffer:
             p.note_grad_arriving(p.sharded_param)
             p.accumulate_sharded_grad(self._slot(index, row_grad))
         if self.layout.flags_at >= 0:  # a copy: a slice would keep the whole row alive
-            self.row_flags = row_grad[self.layout.reduce_offsets[-2] : self.layout.reduce_offsets[-1]].clone()
+            start = self.layout.reduce_offsets[-2]
+            self.row_flags = row_grad[start : start + self.layout.num_trainable].clone()
         if self.on_hand_out is not None:
             self.on_hand_out()
 

@@ -149,15 +149,19 @@ def _wire_bytes(rank, world_size):
     trainable = [n for n in names if params[n].requires_grad]
     frozen = [n for n in names if not params[n].requires_grad]
     order = trainable + [None] + frozen  # the flags between them
+    # One flag column per trainable parameter, plus a zero column to make them even
+    # ([Note: An even number of flag columns]): 5 here, so 6.
+    flag_width = len(trainable) + len(trainable) % 2
     all_gather = _expected_rows(
-        [len(trainable) if n is None else params[n].detach() for n in order], world_size, rank,
+        [flag_width if n is None else params[n].detach() for n in order], world_size, rank,
         [0 if n is None else dims[n] for n in order],
     )
     grads = [params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in trainable]
     flags = torch.tensor([float(params[n].grad is not None) for n in trainable])
     grad_dims = [dims[n] for n in trainable]
+    padded_flags = torch.cat([flags, flags.new_zeros(flag_width - len(flags))])
     reduce_scatter = torch.cat(
-        [torch.cat([_expected_rows(grads, world_size, r, grad_dims), flags]) for r in range(world_size)]
+        [torch.cat([_expected_rows(grads, world_size, r, grad_dims), padded_flags]) for r in range(world_size)]
     )
     layout = eager._fsdp_state.group.layout
     return captured, all_gather, reduce_scatter, flags, (layout.blocks, layout.widths, layout.reduce_widths)
@@ -169,7 +173,7 @@ def test_eager_and_traced_paths_put_the_same_bytes_on_the_wire():
     inputs equal bit for bit to each other and to the layout computed here from the unsharded model."""
     captured, all_gather, reduce_scatter, flags, layout = run_ranks(_wire_bytes, 2)
     # a, b, c, rank1_only, unused; the flags; frozen, frozen_1d (group order: a, frozen, b, c, ...)
-    assert layout == ((0, 2, 3, 4, 5, FLAGS, 1, 6), (9, 4, 9, 2, 2, 5, 6, 1), (9, 4, 9, 2, 2, 5))
+    assert layout == ((0, 2, 3, 4, 5, FLAGS, 1, 6), (9, 4, 9, 2, 2, 6, 6, 1), (9, 4, 9, 2, 2, 6))
     assert flags.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]  # rank 0: rank1_only and unused had none
     for path in ("eager", "traced"):
         (gathered,), (packed,) = captured[path]["all_gather"], captured[path]["reduce_scatter"]

@@ -86,21 +86,21 @@ class CompiledGraphTest(expecttest.TestCase):
         self.assertEqual(self.saved_unsharded_groups(graphs), [])
         self.assertExpectedInline(graphs["forward"], """\
 primals_1: float32[2, 16]
-primals_2: float32[33]
+primals_2: float32[34]
 primals_3: float32[1]
-primals_4: float32[17]
+primals_4: float32[18]
 primals_5: float32[1]
-all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(primals_2, 8, '0') : float32[264]  # fc1 recompute
-wait_tensor = _c10d_functional.wait_tensor(all_gather_into_tensor) : float32[264]  # recompute
-copy_out = fsdp_graph.copy_out(wait_tensor, 8, [32, 1], [256, 0], 1) :   # recompute
+all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(primals_2, 8, '0') : float32[272]  # fc1 recompute
+wait_tensor = _c10d_functional.wait_tensor(all_gather_into_tensor) : float32[272]  # recompute
+copy_out = fsdp_graph.copy_out(wait_tensor, 8, [32, 2], [256, 0], 1) :   # recompute
 getitem = <built-in function getitem>(copy_out, 0) : float32[256]  # recompute
 view = aten.view(getitem, [16, 16]) : float32[16, 16]  # recompute
 t = aten.t(view) : float32[16, 16]
 mm = aten.mm(primals_1, t) : float32[2, 16]
 relu = aten.relu(mm) : float32[2, 16]
-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_4, 8, '0') : float32[136]  # fc2 recompute
-wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[136]  # recompute
-copy_out_1 = fsdp_graph.copy_out(wait_tensor_1, 8, [16, 1], [64, 0], 1) :   # recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_4, 8, '0') : float32[144]  # fc2 recompute
+wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[144]  # recompute
+copy_out_1 = fsdp_graph.copy_out(wait_tensor_1, 8, [16, 2], [64, 0], 1) :   # recompute
 getitem_2 = <built-in function getitem>(copy_out_1, 0) : float32[64]  # recompute
 view_1 = aten.view(getitem_2, [4, 16]) : float32[4, 16]  # recompute
 t_1 = aten.t(view_1) : float32[16, 4]
@@ -109,16 +109,16 @@ return [mm_1, primals_1, primals_2, primals_4, relu]
 """)
         self.assertExpectedInline(graphs["backward"], """\
 primals_1: float32[2, 16]
-primals_2: float32[33]
-primals_4: float32[17]
+primals_2: float32[34]
+primals_4: float32[18]
 relu: float32[2, 16]
 tangents_1: float32[2, 4]
 t_2 = aten.t(tangents_1) : float32[4, 2]
 mm_2 = aten.mm(t_2, relu) : float32[4, 16]
 t_3 = aten.t(mm_2) : float32[16, 4]
-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_4, 8, '0') : float32[136]  # fc2 recompute
-wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[136]  # recompute
-copy_out_1 = fsdp_graph.copy_out(wait_tensor_1, 8, [16, 1], [64, 0], 1) :   # recompute
+all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(primals_4, 8, '0') : float32[144]  # fc2 recompute
+wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1) : float32[144]  # recompute
+copy_out_1 = fsdp_graph.copy_out(wait_tensor_1, 8, [16, 2], [64, 0], 1) :   # recompute
 getitem_2 = <built-in function getitem>(copy_out_1, 0) : float32[64]  # recompute
 view_1 = aten.view(getitem_2, [4, 16]) : float32[4, 16]  # recompute
 t_1 = aten.t(view_1) : float32[16, 4]
@@ -126,10 +126,10 @@ t_4 = aten.t(t_1) : float32[4, 16]
 mm_3 = aten.mm(tangents_1, t_4) : float32[2, 16]
 t_5 = aten.t(t_3) : float32[4, 16]
 view_2 = aten.view(t_5, [64]) : float32[64]
-pack_grads = fsdp_graph.pack_grads([view_2, None], 8, [16, 1], [64, 0], float32, device(type='cpu'), 1) : float32[136]
-reduce_scatter_tensor = _c10d_functional.reduce_scatter_tensor(pack_grads, 'sum', 8, '0') : float32[17]  # fc2
-wait_tensor_2 = _c10d_functional.wait_tensor(reduce_scatter_tensor) : float32[17]
-div = aten.div.Tensor(wait_tensor_2, 8.0) : float32[17]
+pack_grads = fsdp_graph.pack_grads([view_2, None], 8, [16, 2], [64, 0], float32, device(type='cpu'), 1) : float32[144]
+reduce_scatter_tensor = _c10d_functional.reduce_scatter_tensor(pack_grads, 'sum', 8, '0') : float32[18]  # fc2
+wait_tensor_2 = _c10d_functional.wait_tensor(reduce_scatter_tensor) : float32[18]
+div = aten.div.Tensor(wait_tensor_2, 8.0) : float32[18]
 detach = aten.detach(relu) : float32[2, 16]
 detach_1 = aten.detach(detach) : float32[2, 16]
 threshold_backward = aten.threshold_backward(mm_3, detach_1, 0) : float32[2, 16]
@@ -138,10 +138,10 @@ mm_4 = aten.mm(t_6, primals_1) : float32[16, 16]
 t_7 = aten.t(mm_4) : float32[16, 16]
 t_8 = aten.t(t_7) : float32[16, 16]
 view_3 = aten.view(t_8, [256]) : float32[256]
-pack_grads_1 = fsdp_graph.pack_grads([view_3, None], 8, [32, 1], [256, 0], float32, device(type='cpu'), 1) : float32[264]
-reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(pack_grads_1, 'sum', 8, '0') : float32[33]  # fc1
-wait_tensor_3 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1) : float32[33]
-div_1 = aten.div.Tensor(wait_tensor_3, 8.0) : float32[33]
+pack_grads_1 = fsdp_graph.pack_grads([view_3, None], 8, [32, 2], [256, 0], float32, device(type='cpu'), 1) : float32[272]
+reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(pack_grads_1, 'sum', 8, '0') : float32[34]  # fc1
+wait_tensor_3 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1) : float32[34]
+div_1 = aten.div.Tensor(wait_tensor_3, 8.0) : float32[34]
 return [None, div_1, None, div, None]
 """)
 
@@ -188,10 +188,11 @@ backward reduce_scatter_tensor fc1""")
         graphs = self.compile_step(shard=shard)
         sizes = {(kind, c["op"]): c["bytes"] for kind in ("forward", "backward") for c in graphs["summary"][kind]["collectives"]}
         # Per rank: fc1 2 rows x 16, fc2 1 row x 16 (4 rows padded to 8), fp32, and fc2's gradient
-        # flag. The all-gather brings all to all 8 ranks; the reduce-scatter carries fc2's row and
-        # its flag only.
-        self.assertEqual(sizes, {("forward", "all_gather_into_tensor"): 8 * (32 + 16 + 1) * 4,
-                                 ("backward", "reduce_scatter_tensor"): (16 + 1) * 4})
+        # flag with a zero column beside it (an even number: [Note: An even number of flag
+        # columns]). The all-gather brings all to all 8 ranks; the reduce-scatter carries fc2's
+        # row and the flags' columns only.
+        self.assertEqual(sizes, {("forward", "all_gather_into_tensor"): 8 * (32 + 16 + 2) * 4,
+                                 ("backward", "reduce_scatter_tensor"): (16 + 2) * 4})
 
     def test_group_of_several_parameters_copies_in_and_out_in_one_op(self):
         """One group (fc1, fc2): no `copy_in` (the all-gather reads the group's shard buffer), one

@@ -8,10 +8,11 @@ shard over the whole data-parallel mesh, as torchtitan does with dp_shard x ep: 
 efsdp 2 x ep 2, and 2 ranks with ep 2 (an efsdp axis of size 1).
 
 The layers have no biases, as in the MoE models this is for. Bit for bit over 4 data-parallel ranks
-holds for these sizes, not for any: gloo's reduce-scatter over 4 ranks adds the ranks' rows in an
-order that depends on the size of each rank's chunk, which differs from torch's (ours carries a
-gradient flag per parameter), so with biases the dense sums differ by an ulp on some ranks, without
-expert parallelism too (`test_plain_parameters_on_another_mesh_train_as_torch` shows it).
+too: gloo's reduce-scatter over more than 2 ranks adds the ranks' rows in an order that depends on
+the row's length, and ours carries the gradient flags after torch's columns, in an even number of
+columns, which keeps the sums torch's ([Note: An even number of flag columns] in
+runtime/bucket_layout.py; `test_plain_parameters_on_another_mesh_train_as_torch` failed bit for bit
+with one flag column).
 """
 
 import json
@@ -557,12 +558,12 @@ def _two_mesh_train(rank, world_size, detach_inputs):
 
 @pytest.mark.parametrize("detach_inputs", [False, True], ids=["inputs-need-grad", "inputs-detached"])
 def test_plain_parameters_on_another_mesh_train_as_torch(detach_inputs):
-    """Within a few ulps, not bit for bit: gloo's reduce-scatter over 4 ranks adds the ranks' rows in
-    an order that depends on the size of each rank's chunk, and ours carries a gradient flag per
-    parameter that torch's does not ([Note: Every rank packs every parameter] in
-    runtime/collectives.py), so the dense weights' sums (4 ranks) can differ by an ulp on some
-    ranks. The efsdp sums (2 ranks) do not depend on the order."""
-    close = dict(rtol=1e-5, atol=1e-7)
+    """Bit for bit: every loss, gradient and final weight on every rank. Each dense group holds one
+    weight and so one gradient flag, which torch's reduce-scatter does not carry; with the flags in
+    one column the dense sums over 4 gloo ranks differed from torch's by an ulp on some ranks, now
+    the flags take two ([Note: An even number of flag columns] in runtime/bucket_layout.py). The
+    efsdp sums (2 ranks) do not depend on the order."""
+    close = dict(rtol=0, atol=0)
     for rank, (theirs, ours) in enumerate(run_ranks(_two_mesh_train, 4, detach_inputs)):
         assert theirs[-1]["0.weight_b"][0] == ("efsdp",)
         for step, (a, b) in enumerate(zip(theirs[:-1], ours[:-1])):

@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from _harness import run_process
 
@@ -101,42 +100,34 @@ def test_torchtitan_moe_expert_parallel(model, ranks, tmp_path_factory):
     before it took `shard_placement_fn`'s `ShardPlacementResult`.
 
     Bit for bit: every loss, every buffer (the routers' expert bias, moved by torchtitan's load
-    balancing), the routed experts' final weights, and on 2 ranks every final parameter. On 4 ranks
-    the dense weights, reduce-scattered over 4, are held within a few ulps: gloo's reduce-scatter over
-    4 ranks adds the ranks' rows in an order that depends on each rank's chunk size, and ours carries
-    a gradient flag per parameter that torch's does not (see tests/test_expert_parallel.py); it moved
-    one element of qwen3's fused qkv weight by 2e-10."""
-    theirs, ours, saved = _moe_runs(model, ranks, "eager", tmp_path_factory)
+    balancing) and every final parameter, on 4 ranks too. There the dense weights are
+    reduce-scattered over 4 gloo ranks, whose sums depend on the rows' length: with an odd number of
+    gradient-flag columns after torch's one element of qwen3's fused qkv weight moved by 6e-11 in
+    the first step, and after three steps of AdamW every layer differed ([Note: An even number of
+    flag columns] in runtime/bucket_layout.py)."""
+    theirs, ours = _moe_runs(model, ranks, "eager", tmp_path_factory)
     _check_same_losses(ours, theirs)
     assert ours["buffers"] == theirs["buffers"], [k for k in theirs["buffers"] if ours["buffers"].get(k) != theirs["buffers"][k]]
     assert any("expert_bias" in name for name in theirs["buffers"])
     assert ours["experts"] == theirs["experts"] and all("'ep'" in mesh for mesh in theirs["experts"]), theirs["experts"]
-    _check_moe_params(ours, theirs, ranks, saved)
+    _check_same_params(ours, theirs)
 
 
-def _moe_runs(model: str, ranks: int, mode: str, tmp_path_factory) -> tuple[dict, dict, Path]:
-    """torchtitan_moe_train.py with EP 2 on `ranks` ranks in `mode`, torch's `fully_shard` then ours:
-    their results and the directory holding both runs' full final parameters."""
+def _moe_runs(model: str, ranks: int, mode: str, tmp_path_factory) -> tuple[dict, dict]:
+    """torchtitan_moe_train.py with EP 2 on `ranks` ranks in `mode`: torch's `fully_shard`'s results, then ours."""
     assets = str(tmp_path_factory.getbasetemp() / "torchtitan")
-    saved = tmp_path_factory.mktemp(f"moe_{mode}")
     runs = {
-        impl: _torchrun("torchtitan_moe_train.py", impl, model, "2", str(ranks), assets, mode, str(saved / f"{impl}.pt"), ranks=ranks)
+        impl: _torchrun("torchtitan_moe_train.py", impl, model, "2", str(ranks), assets, mode, ranks=ranks)
         for impl in ("torch", "ours")
     }
-    return runs["torch"], runs["ours"], saved
+    return runs["torch"], runs["ours"]
 
 
-def _check_moe_params(ours: dict, theirs: dict, ranks: int, saved) -> None:
-    """Every final parameter bit for bit on 2 ranks; on 4, the routed experts' bit for bit and the
-    others within a few ulps (see `test_torchtitan_moe_expert_parallel`), from the full tensors saved."""
+def _check_same_params(ours: dict, theirs: dict) -> None:
+    """Every final parameter bit for bit: the digests of the full tensors."""
     assert ours["params"].keys() == theirs["params"].keys()
     differ = [name for name in theirs["params"] if ours["params"][name] != theirs["params"][name]]
-    if ranks == 2:
-        assert not differ, differ
-    assert not [name for name in differ if "routed_experts" in name], differ
-    theirs_full, ours_full = torch.load(saved / "torch.pt"), torch.load(saved / "ours.pt")
-    for name in differ:
-        torch.testing.assert_close(ours_full[name], theirs_full[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert not differ, differ
 
 
 @_needs("torchtitan")
@@ -145,17 +136,17 @@ def _check_moe_params(ours: dict, theirs: dict, ranks: int, saved) -> None:
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_torchtitan_moe_expert_parallel_compiled(model, ranks, tmp_path_factory):
     """The same MoE models with EP 2, the whole model compiled (aot_eager) by torch.compile for both,
-    against torch's `fully_shard`: the losses and the routers' buffers bit for bit, the final
-    parameters as in eager mode (`_check_moe_params`), with no graph break (the dispatcher's splits
+    against torch's `fully_shard`: the losses, the routers' buffers and the final parameters bit for
+    bit, with no graph break (the dispatcher's splits
     traced as numbers: `capture_scalar_outputs`) and no group on the eager hooks: every layer's
     collectives are in the step's graphs, on 4 ranks the routed experts' over the 2 efsdp ranks
     (on 2, an efsdp mesh of one rank, they have none). Activation checkpointing is off for both:
     see the runner."""
-    theirs, ours, saved = _moe_runs(model, ranks, "whole", tmp_path_factory)
+    theirs, ours = _moe_runs(model, ranks, "whole", tmp_path_factory)
     _check_same_losses(ours, theirs)
     assert ours["graph_breaks"] == 0 and not ours["fallbacks"], (ours["graph_breaks"], ours["fallbacks"])
     assert ours["buffers"] == theirs["buffers"] and ours["experts"] == theirs["experts"]
-    _check_moe_params(ours, theirs, ranks, saved)
+    _check_same_params(ours, theirs)
     traced = ours["traced_groups"]
     assert "layers.1 [fsdp]" in traced, traced  # a MoE layer's dense weights, gathered in the graph
     assert ("layers.1 [efsdp]" in traced) == (ranks == 4), traced
@@ -166,15 +157,14 @@ def test_torchtitan_moe_expert_parallel_compiled(model, ranks, tmp_path_factory)
 @pytest.mark.parametrize("model, ranks", [("qwen3_moe_debug", 2), ("deepseek_v3_debugmodel", 4)])
 def test_torchtitan_moe_layers_in_slices_compiled(model, ranks, tmp_path_factory):
     """Every MoE layer on two slices of its sequence (`fsdp_graph.run_in_chunks`), the whole model
-    compiled (aot_eager) for both: against torch's `fully_shard` on the same model, the losses and
-    the routers' buffers bit for bit and the parameters as in `test_torchtitan_moe_expert_parallel_compiled`;
-    our graphs issue the two slices' all-to-alls in pairs (the dispatcher's counts, its tokens, the
+    compiled (aot_eager) for both: against torch's `fully_shard` on the same model, the losses, the
+    routers' buffers and the final parameters bit for bit; our graphs issue the two slices' all-to-alls in pairs (the dispatcher's counts, its tokens, the
     combine: slice 1's before slice 0's expert compute), the backward's too."""
-    theirs, ours, saved = _moe_runs(model, ranks, "whole+chunks", tmp_path_factory)
+    theirs, ours = _moe_runs(model, ranks, "whole+chunks", tmp_path_factory)
     _check_same_losses(ours, theirs)
     assert ours["graph_breaks"] == 0 and not ours["fallbacks"], (ours["graph_breaks"], ours["fallbacks"])
     assert ours["buffers"] == theirs["buffers"]
-    _check_moe_params(ours, theirs, ranks, saved)
+    _check_same_params(ours, theirs)
     assert ours["slices"] and all(
         len(found) >= 4 and found == [found[0], 1 - found[0]] * (len(found) // 2) for found in ours["slices"]
     ), ours["slices"]
@@ -184,11 +174,13 @@ def test_torchtitan_moe_layers_in_slices_compiled(model, ranks, tmp_path_factory
 @pytest.mark.slow  # two launches of torchtitan's Trainer, one compiling with Inductor
 def test_torchtitan_moe_expert_parallel_compiled_by_inductor(tmp_path_factory):
     """Qwen3 MoE with EP 2 on 2 ranks, the whole step compiled by fsdp_graph with Inductor (in
-    pieces), against torch's `fully_shard` compiled with aot_eager: no graph break, no group on the
-    eager hooks, the losses within Inductor's rounding. The pieces failed on the all-to-all sizes
-    read from the router's counts ("expected [u3, u2] to have been codegen-ed")."""
+    pieces), against torch's `fully_shard` compiled with Inductor: no graph break, no group on the
+    eager hooks, the losses within 1e-5 (equal bit for bit on the AVX-512 CPU this was checked on).
+    The pieces failed on the all-to-all sizes read from the router's counts ("expected [u3, u2] to
+    have been codegen-ed"). Against torch's run under aot_eager instead, Inductor's own rounding
+    moves the second loss by 1.07e-5 of it there, for torch's `fully_shard` as for ours."""
     assets = str(tmp_path_factory.getbasetemp() / "torchtitan")
-    theirs = _torchrun("torchtitan_moe_train.py", "torch", "qwen3_moe_debug", "2", "2", assets, "whole")
+    theirs = _torchrun("torchtitan_moe_train.py", "torch", "qwen3_moe_debug", "2", "2", assets, "whole-inductor")
     ours = _torchrun("torchtitan_moe_train.py", "ours", "qwen3_moe_debug", "2", "2", assets, "whole-inductor")
     assert ours["graph_breaks"] == 0 and not ours["fallbacks"], (ours["graph_breaks"], ours["fallbacks"])
     assert len(ours["losses"]) == len(theirs["losses"]) == 3 and len(set(theirs["losses"])) > 1

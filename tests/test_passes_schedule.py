@@ -26,9 +26,10 @@ from fsdp_graph.passes.simulator import (
 )
 
 # Up and down weights of one block, fp32, all ranks, and one gradient flag per weight and rank
-# ([Note: Gradient flags in a graph]); the root's one weight and its flag.
+# ([Note: Gradient flags in a graph]); the root's one weight and its flag, and a zero column that
+# makes the flags even ([Note: An even number of flag columns]).
 _BLOCK_BYTES = (16 * 32 * 2 + 8 * 2) * 4
-_ROOT_BYTES = (16 * 8 + 8) * 4
+_ROOT_BYTES = (16 * 8 + 8 * 2) * 4
 
 
 class SchedulingPassTest(expecttest.TestCase):

@@ -118,7 +118,8 @@ class AllGatherRow(torch.autograd.Function):
             grad.to(spec.reduce_dtype or grad.dtype), spec.world, spec.reduce_group, spec.replicate, spec.divide_factor
         ).to(spec.row_dtype)
         every_grad_given = copy.flags_at < 0 or all(g is not None for g in grads[: copy.flags_at])
-        flags = None if every_grad_given else reduced[spec.flags_column : spec.reduced_numel]
+        # One flag per trainable parameter, before the flags' block's padding column.
+        flags = None if every_grad_given else reduced[spec.flags_column : spec.flags_column + copy.flags_at]
         if reduced.numel() < ctx.row_numel:  # the frozen parameters' columns get no gradient
             reduced = F.pad(reduced, (0, ctx.row_numel - reduced.numel()))
         return reduced, None, None, None, flags, None
@@ -181,6 +182,7 @@ class RouteGradients(torch.autograd.Function):
         )
         reduced = _reduce_scatter(packed, b.world, b.reduce_group, b.replicate_group or None, b.divide_factor)
         *shards, flags = reduced.split(b.shard_numels)
+        flags = flags[:num]  # one per parameter, before the padding column
         shard_grads = [
             shard[:valid_numel].to(dtype) for shard, valid_numel, dtype in zip(shards, b.valid_numels, b.shard_dtypes)
         ]

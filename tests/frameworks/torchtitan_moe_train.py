@@ -7,6 +7,7 @@
 `ours` makes torchtitan use fsdp_graph's `fully_shard` (`fsdp_graph.use_in_place_of_torch_fsdp()`);
 `whole` then compiles the model's whole step with the fsdp_graph backend (aot_eager), `whole-inductor`
 with its default compiler, and the result names the groups that ran on the eager hooks instead.
+For `torch`, `whole` and `whole-inductor` compile with torch.compile's own aot_eager and inductor.
 `+chunks`: every MoE layer runs on two slices of its tokens (`fsdp_graph.run_in_chunks`, both impls).
 Rank 0 prints every step's loss and a digest of every final parameter and buffer (the full tensors,
 gathered on every rank), and saves the full parameters to SAVE_TO if given. See docs/frameworks/torchtitan.md.
