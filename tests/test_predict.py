@@ -2,7 +2,8 @@
 
 The reference is arithmetic on the unsharded model's parameter shapes: what each group's forward
 all-gather must carry at world size 64 (padded rows plus one gradient flag per trainable parameter
-per rank, see [Note: Gradient flags in a graph] in traced/unshard.py), and one reduce-scatter per
+per rank, an even number of them, see [Note: Gradient flags in a graph] in traced/unshard.py and
+[Note: An even number of flag columns] in runtime/bucket_layout.py), and one reduce-scatter per
 group in backward.
 """
 
@@ -22,7 +23,8 @@ WORLD = 64
 
 
 def _expected_gather_bytes(params: list) -> int:
-    per_rank = sum(math.ceil(p.shape[0] / WORLD) * math.prod(p.shape[1:]) + 1 for p in params)
+    flags = len(params) + len(params) % 2
+    per_rank = sum(math.ceil(p.shape[0] / WORLD) * math.prod(p.shape[1:]) for p in params) + flags
     return WORLD * per_rank * 4  # fp32
 
 
