@@ -22,9 +22,9 @@ and a profile of either path shows `fsdp_graph::copy_in`, `copy_out` and `pack_g
 A row of a group's all-gather holds, in this order: the trainable parameters' padded shards in
 group order, one column per trainable parameter (the gradient flags, [Note: Gradient flags in a
 graph]: zeros on the wire, and the reduce-scatter sums their gradient; an even number of columns,
-[Note: An even number of flag columns]), then the frozen parameters' padded shards. A group with no trainable parameter has no flags. The reduce-scatter row holds the
-trainable parameters' gradients in group order, then the flags ([Note: Every rank packs every
-parameter] in runtime/collectives.py). A byte bucket ([Note: Byte buckets]) gathers in group order
+[Note: An even number of flag columns]), then the frozen parameters' padded shards. A group with no
+trainable parameter has no flags. The reduce-scatter row holds the trainable parameters' gradients
+in group order, then the flags ([Note: Every rank packs every parameter] in runtime/collectives.py). A byte bucket ([Note: Byte buckets]) gathers in group order
 without flags and reduces as any other group.
 
 Where the traced path needs no copy it calls no op: a row of a single piece is that piece (padded
@@ -98,8 +98,8 @@ class BucketLayout:
         blocks: the all-gather row's blocks in order, each an index into the group's parameters or
             FLAGS.
         widths: per block, its elements per rank: a parameter's padded shard, `flag_columns` for
-            the flags. Empty for a byte bucket, whose pieces are as wide as the
-            pre-hooks make them (`byte_pieces`).
+            the flags. Empty for a byte bucket, whose pieces are as wide as the pre-hooks make them
+            (`byte_pieces`).
         numels: per block, the unsharded tensor's elements (0 for the flags); empty for a byte bucket.
         reduced: the trainable parameters (indices) in group order: the reduce-scatter row's blocks,
             followed by the flags.
