@@ -24,8 +24,9 @@ group order, one column per trainable parameter (the gradient flags, [Note: Grad
 graph]: zeros on the wire, and the reduce-scatter sums their gradient; an even number of columns,
 [Note: An even number of flag columns]), then the frozen parameters' padded shards. A group with no
 trainable parameter has no flags. The reduce-scatter row holds the trainable parameters' gradients
-in group order, then the flags ([Note: Every rank packs every parameter] in runtime/collectives.py). A byte bucket ([Note: Byte buckets]) gathers in group order
-without flags and reduces as any other group.
+in group order, then the flags ([Note: Every rank packs every parameter] in runtime/collectives.py).
+A byte bucket ([Note: Byte buckets]) gathers in group order without flags and reduces as any other
+group.
 
 Where the traced path needs no copy it calls no op: a row of a single piece is that piece (padded
 with `F.pad` where it is narrower than its block), and a group of one frozen parameter is a view
