@@ -7,7 +7,8 @@ the last, all-gathers it again (a group that reshards after forward) and reduces
 as gloo's reduce-scatter does it (an all-reduce of the whole bucket: what FSDP2, graph_trainer and
 fsdp_graph send, [Note: Reduce-scatters on gloo]) and as an all-to-all of the bucket's rows would
 (half the bytes on 2 ranks). Without the re-gathers: selective unsharding keeping every group. No
-compute, no copies in or out: the wire and gloo's own work only. A step's time is its slower rank's; the median of `--steps` after 2 warm-up.
+compute, no copies in or out: the wire and gloo's own work only. A step's time is its slower rank's;
+the median of `--steps` after 2 warm-up.
 
 On a machine where both ranks' compute takes every core (this one: 2 cores, 2 ranks), the collectives
 cannot run beside the compute for free: this is what a sharded step adds to the no-communication

@@ -69,13 +69,13 @@ def flag_columns(num_trainable: int) -> int:
 # [Note: An even number of flag columns]
 # The flags' block is one column per trainable parameter, plus one zero column where that count is
 # odd. Gloo's reduce-scatter over more than 2 ranks adds the ranks' rows in an order that depends
-# on where an element lies in the row: appending an odd number of columns to every row changed the
-# sums of a few of the elements before them by an ulp (up to 16 of a row's at 8 ranks), an even
-# number changed none (torch alone, 3, 4 and 8 ranks, fp32 and bf16: the project's
-# examples/repro/gloo_reduce_scatter_chunk_size.py). A row of FSDP2's is a row of ours without the
-# flags, so an even flags' block keeps the sums FSDP2's bit for bit on gloo. With an odd one, one
-# ulp in one weight's gradient became, through AdamW over three steps, differences across every
-# layer of torchtitan's MoE models on 4 ranks. The column costs one element per rank and group.
+# on where an element lies in the row: appending an odd number of columns to every row changes the
+# sums of a few of the elements before them by an ulp, an even number changes none (torch alone:
+# the project's examples/repro/gloo_reduce_scatter_chunk_size.py; docs/benchmarks.md has the
+# counts). A row of FSDP2's is a row of ours without the flags, so an even flags' block keeps the
+# sums FSDP2's bit for bit on gloo. With an odd one, an ulp in one weight's gradient became, through
+# AdamW, differences across every layer of torchtitan's MoE models on 4 ranks
+# (tests/test_frameworks.py). The column costs one element per rank and group.
 
 
 # [Note: Byte buckets]

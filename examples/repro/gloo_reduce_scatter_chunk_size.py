@@ -1,4 +1,4 @@
-"""gloo's reduce-scatter over more than 2 ranks: the bits of a sum depend on the length of each rank's row.
+"""gloo's reduce-scatter over more than 2 ranks: the bits of a sum depend on the length of the rows.
 
 Torch alone (no fsdp_graph). Each rank reduce-scatters the same rows several times, once as they are
 and then with a few zeros after each rank's row (1, 2, 3, 4, 7 and 8 columns), and compares the
@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 
 def reduce_scatter_rows(rows: torch.Tensor, extra: int) -> torch.Tensor:
-    """The sum over ranks of this rank's row of `rows`, reduce-scattered with `extra` zeros after each row."""
+    """The sum over ranks of this rank's row of `rows`, reduce-scattered with `extra` zeros after
+    each row."""
     world, width = rows.shape
     padded = torch.cat([rows, rows.new_zeros(world, extra)], dim=1).contiguous()
     out = rows.new_empty(width + extra)
@@ -41,8 +42,8 @@ def main() -> None:
         padded = reduce_scatter_rows(rows, extra)
         differ = (plain != padded).sum().item()
         largest = (plain - padded).abs().max().item()
-        print(f"rank {rank}, {extra} extra columns: {differ} of {plain.numel()} sums differ (largest by {largest:.3g})",
-              flush=True)
+        print(f"rank {rank}, {extra} extra columns: {differ} of {plain.numel()} sums differ "
+              f"(largest by {largest:.3g})", flush=True)
     dist.destroy_process_group()
 
 
