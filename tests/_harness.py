@@ -41,9 +41,13 @@ def _crash_path(store_path: str, rank: int) -> str:
 
 
 def _rank_main(fn, rank, world_size, store_path, results, args) -> None:
-    # A fatal signal (a segfault) leaves no Python traceback to report: faulthandler writes every
-    # thread's stack to a file the parent reads if the rank dies. The file stays open until exit.
+    # A fatal signal (a segfault, an abort) leaves no Python traceback to report: faulthandler writes
+    # every thread's stack to a file the parent reads if the rank dies. The rank's stderr goes there
+    # too, for what C++ says before an abort ("terminate called after throwing ..."): the fork
+    # server's stderr, which ranks would inherit, is whatever pytest captured when it started. The
+    # file stays open until exit.
     crash_file = open(_crash_path(store_path, rank), "w")
+    os.dup2(crash_file.fileno(), 2)
     faulthandler.enable(file=crash_file, all_threads=True)
     try:
         torch.set_num_threads(1)
@@ -187,6 +191,7 @@ def run_ranks(fn: Callable, world_size: int = 2, *args, timeout_s: float = DEFAU
     for p in procs:
         p.start()
     outcomes: dict[int, tuple] = {}
+    stopped = None  # why the ranks that never reported stopped, if they did
     watch = HangWatch(lambda: [p.pid for p in procs if p.pid is not None], timeout_s)
     try:
         while len(outcomes) < world_size:
@@ -197,8 +202,8 @@ def run_ranks(fn: Callable, world_size: int = 2, *args, timeout_s: float = DEFAU
                 if all(not procs[r].is_alive() for r in range(world_size) if r not in outcomes):
                     why = "exited without a report"
                 if why is not None:
-                    missing = sorted(set(range(world_size)) - set(outcomes))
-                    raise AssertionError(f"ranks {missing} {why}") from None
+                    stopped = f"ranks {sorted(set(range(world_size)) - set(outcomes))} {why}"
+                    break
                 continue
             outcomes[rank] = (error, out)
             if error is not None:
@@ -212,11 +217,13 @@ def run_ranks(fn: Callable, world_size: int = 2, *args, timeout_s: float = DEFAU
         if os.path.exists(store_path):
             os.unlink(store_path)
         crashes = {r: _read_and_remove(_crash_path(store_path, r)) for r in range(world_size)}
-    errors = [f"rank {r}:\n{e}" for r, (e, _) in sorted(outcomes.items()) if e is not None]
     # A rank that died of a signal shows in the others only as "Connection reset by peer": name it
-    # (-9: killed here, after another rank's failure), with the stacks faulthandler wrote.
-    errors += [f"rank {r} died without a report: exit code {p.exitcode}\n{crashes[r]}" for r, p in enumerate(procs)
-               if r not in outcomes and p.exitcode not in (None, 0, -signal.SIGKILL)]
+    # first (-9: killed here, after another rank's failure), with its stderr and the stacks
+    # faulthandler wrote.
+    errors = [f"rank {r} died without a report: exit code {p.exitcode}; its stderr:\n{crashes[r]}"
+              for r, p in enumerate(procs) if r not in outcomes and p.exitcode not in (None, 0, -signal.SIGKILL)]
+    errors += [f"rank {r}:\n{e}" for r, (e, _) in sorted(outcomes.items()) if e is not None]
+    errors += [stopped] if stopped else []
     if errors:
         raise AssertionError("\n".join(errors))
     return pickle.loads(outcomes[0][1])
