@@ -50,9 +50,9 @@ def one_malloc_arena() -> None:
     whose gloo threads allocate). With an arena per thread, mallinfo2 locks and reads the arenas one
     after another: a buffer one thread frees after its arena was read, while another thread
     allocates one in an arena read later, is counted twice. Gloo's all-gather frees a temporary
-    output-sized tensor on the issuing thread just as its worker thread allocates its own: on a loaded
-    2-core machine 2 to 8 all-gathers in 1,000 showed three outputs' worth of heap that never was
-    (none in 2,000 with one arena)."""
+    output-sized tensor on the issuing thread just as its worker thread allocates its own, so now and
+    then a sample showed three outputs' worth of heap that never was (docs/benchmarks.md, "Figures
+    behind the code's notes")."""
     M_ARENA_MAX = -8
     _libc.mallopt(M_ARENA_MAX, 1)
 
