@@ -12,7 +12,10 @@ first with an empty Inductor cache (the cold first step), the second with the ca
     (unshard dedup, its graph-level activation checkpointing, one bucket per block with prefetch),
     then full Inductor, or regional Inductor (its default);
   - `ours`: a module computing the loss from (tokens, labels) is the `fsdp_graph.fully_shard` root
-    (each block a group of its own) and is what `torch.compile(root, backend="fsdp_graph")` compiles;
+    (each block a group of its own) and is what `torch.compile(root, backend="fsdp_graph")` compiles.
+    `--groups torchtitan` makes the groups of torchtitan's own FSDP recipe (`apply_fsdp`) instead:
+    the embedding, each block, the final norm with the output layer (kept unsharded until backward),
+    then the root; these are the buckets graph_trainer makes (embedding, each block, norm + output);
   - `ours-budget`: the same with `fsdp_graph.backend(memory_budget_bytes=...)`, which keeps the groups
     that fit unsharded from forward to backward (selective unsharding, docs/compiler.md);
   - `ours-fast`: the same with `fsdp_graph.backend(compiler="aot_eager")`: our passes schedule the
@@ -25,7 +28,7 @@ first with an empty Inductor cache (the cold first step), the second with the ca
     under a budget (`--auto-budget-mib`, 128 MiB) below the step's predicted peak with every activation
     kept and above it with the policy (docs/benchmarks.md has both): the budget chooses the policy, then
     keeps groups unsharded with what it freed (docs/compiler.md, "Recomputing as the budget's choice");
-  - `fsdp2-compile`: the same module with torch's `fully_shard` and `torch.compile(root)`;
+  - `fsdp2-compile`: the same module and groups with torch's `fully_shard` and `torch.compile(root)`;
   - `floor`: no communication: 2 processes at once, each its half batch, unsharded, `torch.compile(root)`.
 Each row runs as its users get it by default: graph_trainer with its graph-level activation
 checkpointing (save matmuls and attention, recompute the rest), the others keeping every activation
@@ -69,6 +72,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_report import parse_rows, run_two_ranks, write_markdown  # noqa: E402
 
 HERE = os.path.abspath(__file__)
+GROUPS = {"torchtitan": "torchtitan's recipe (embedding, each block, norm + output unsharded until backward, root)",
+          "blocks": "each block, then the root (embedding, norm and output)"}
 NAMES = {"gt-full": "graph_trainer, full Inductor",
          "gt-regional": "graph_trainer, regional Inductor (its default)",
          "ours-budget": "fsdp_graph whole step, selective unsharding",
@@ -97,6 +102,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches")
     parser.add_argument("--budget-mib", type=int, default=1024, help="ours-budget's memory_budget_bytes, in MiB")
     parser.add_argument("--auto-budget-mib", type=int, default=128, help="ours-auto's memory_budget_bytes, in MiB")
+    parser.add_argument("--groups", choices=("blocks", "torchtitan"), default="blocks",
+                        help="the fully_shard groups of the FSDP rows: each block and the root, or torchtitan's "
+                             "recipe (embedding, blocks, norm + output, root: graph_trainer's buckets)")
     parser.add_argument("--no-priming", action="store_true",
                         help="skip the untimed launch made first (it pays what outlives an Inductor cache folder)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown, with date, machine and command")
@@ -225,9 +233,7 @@ def compiled_row(row: str, args, config, initial: dict):
                        "ours-ac": fsdp_graph.backend(activation_checkpointing="save_matmuls"),
                        "ours-auto": fsdp_graph.backend(memory_budget_bytes=args.auto_budget_mib << 20,
                                                        activation_checkpointing="auto")}[row]
-        for block in model.layers.values():
-            fully_shard(block)
-        fully_shard(root)
+        shard_groups(args.groups, model, root, fully_shard)
         reduce = "mean"
 
     def start():
@@ -241,6 +247,20 @@ def compiled_row(row: str, args, config, initial: dict):
         return step
 
     return start, list(root.parameters()), reduce
+
+
+def shard_groups(groups: str, model, root, fully_shard) -> None:
+    """`fully_shard` calls as torchtitan's own recipe makes them (its `apply_fsdp`: the embedding,
+    each block, the final norm with the output layer kept unsharded until backward, then the root),
+    the groups graph_trainer buckets by (embedding, each block, norm + output); or, with `groups`
+    "blocks", each block and the root (embedding, norm and output in the root's group)."""
+    if groups == "torchtitan":
+        fully_shard(model.tok_embeddings)
+    for block in model.layers.values():
+        fully_shard(block)
+    if groups == "torchtitan":
+        fully_shard([model.norm, model.lm_head], reshard_after_forward=False)
+    fully_shard(root)
 
 
 def worker(args) -> None:
@@ -298,7 +318,7 @@ def launch(args, row: str, cache_dir: str) -> dict:
     """One 2-rank launch of this script's worker with one row; its JSON figures."""
     out = os.path.join(cache_dir, f"{row}.json")
     arguments = ["--worker", row, "--json", out]
-    for flag in ("seq", "layers", "steps", "warmup", "lr", "seed", "budget_mib", "auto_budget_mib"):
+    for flag in ("seq", "layers", "steps", "warmup", "lr", "seed", "budget_mib", "auto_budget_mib", "groups"):
         arguments += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return run_two_ranks(HERE, arguments, out, os.path.join(cache_dir, "inductor"), row)
 
@@ -342,7 +362,8 @@ def report(args, results: dict) -> None:
                    f"fp32, AdamW (foreach, lr {args.lr}), 2 gloo ranks, the loss inside every compiled graph. Each row: "
                    f"one launch with an empty Inductor cache (cold), then one with the cache it left (relaunch); first "
                    f"steps in wall seconds from the compile call, steady step the median of the {args.steps} steps after "
-                   f"{args.warmup} warm-up step(s) of both launches; a step's time is its slower rank's. Selective "
+                   f"{args.warmup} warm-up step(s) of both launches; a step's time is its slower rank's. The FSDP rows' "
+                   f"groups: {GROUPS[args.groups]}. Selective "
                    f"unsharding's memory_budget_bytes: {args.budget_mib} MiB; ours-auto's: {args.auto_budget_mib} MiB. "
                    f"graph_trainer checkpoints activations by its default graph-level policy, as do ours-ac and "
                    f"ours-auto (chosen by its budget) by the same policy; the other rows keep them all.")
