@@ -250,10 +250,10 @@ def compiled_row(row: str, args, config, initial: dict):
 
 
 def shard_groups(groups: str, model, root, fully_shard) -> None:
-    """`fully_shard` calls as torchtitan's own recipe makes them (its `apply_fsdp`: the embedding,
-    each block, the final norm with the output layer kept unsharded until backward, then the root),
-    the groups graph_trainer buckets by (embedding, each block, norm + output); or, with `groups`
-    "blocks", each block and the root (embedding, norm and output in the root's group)."""
+    """The FSDP rows' `fully_shard` calls: each block, then the root (the embedding, norm and output
+    in the root's group); with `groups` "torchtitan", as torchtitan's own recipe makes them (its
+    `apply_fsdp`: the embedding, each block, the final norm with the output layer kept unsharded
+    until backward, then the root), the groups graph_trainer buckets by."""
     if groups == "torchtitan":
         fully_shard(model.tok_embeddings)
     for block in model.layers.values():
