@@ -72,8 +72,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_report import parse_rows, run_two_ranks, write_markdown  # noqa: E402
 
 HERE = os.path.abspath(__file__)
-GROUPS = {"torchtitan": "torchtitan's recipe (embedding, each block, norm + output unsharded until backward, root)",
-          "blocks": "each block, then the root (embedding, norm and output)"}
+GROUPS = {"blocks": "each block, then the root (embedding, norm and output)",
+          "torchtitan": "torchtitan's recipe (embedding, each block, norm + output unsharded until backward, root)"}
 NAMES = {"gt-full": "graph_trainer, full Inductor",
          "gt-regional": "graph_trainer, regional Inductor (its default)",
          "ours-budget": "fsdp_graph whole step, selective unsharding",
@@ -102,9 +102,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches")
     parser.add_argument("--budget-mib", type=int, default=1024, help="ours-budget's memory_budget_bytes, in MiB")
     parser.add_argument("--auto-budget-mib", type=int, default=128, help="ours-auto's memory_budget_bytes, in MiB")
-    parser.add_argument("--groups", choices=("blocks", "torchtitan"), default="blocks",
-                        help="the fully_shard groups of the FSDP rows: each block and the root, or torchtitan's "
-                             "recipe (embedding, blocks, norm + output, root: graph_trainer's buckets)")
+    parser.add_argument("--groups", choices=tuple(GROUPS), default="blocks",
+                        help="the fully_shard groups of the FSDP rows: " + "; or ".join(GROUPS.values()))
     parser.add_argument("--no-priming", action="store_true",
                         help="skip the untimed launch made first (it pays what outlives an Inductor cache folder)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown, with date, machine and command")
