@@ -495,6 +495,7 @@ def _every_block_traced_once(rank, world_size):
     return results
 
 
+@pytest.mark.slow  # over 7 s on a 2-core machine (docs/testing.md)
 def test_every_block_region_traced_once_by_dynamo():
     """With regions="blocks" Dynamo traces a block kind's region once and reuses it for the blocks
     after it ([Note: Blocks as compile regions] in traced/regions.py): of 6 blocks, the first goes

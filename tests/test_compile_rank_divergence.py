@@ -410,7 +410,8 @@ def test_a_rank_falling_back_in_a_later_step_keeps_the_graphs_wire_order():
     assert on_rank0 == set() and {"<root>", "layers.0", "layers.7"} <= on_rank1, (on_rank0, on_rank1)
 
 
-@pytest.mark.parametrize("buckets", ["merged", "split"])
+# split: over 7 s on a 2-core machine (docs/testing.md)
+@pytest.mark.parametrize("buckets", ["merged", pytest.param("split", marks=pytest.mark.slow)])
 def test_a_rank_falling_back_keeps_the_graphs_merged_and_split_buckets(buckets):
     """As above, where auto_bucket merged blocks' buckets into one collective or cut each in
     pieces: the fallback issues the same collectives ([Note: A compiled graph's buckets on the eager
@@ -442,6 +443,7 @@ def _another_model_after_a_divergence(rank, world_size):
     return every_rank
 
 
+@pytest.mark.slow  # over 7 s on a 2-core machine (docs/testing.md)
 def test_a_divergence_one_rank_saw_binds_every_rank():
     """Rank 1 alone compared a graph of several groups with rank 0's entry (rank 0 ran them on the
     eager hooks) and found the ranks diverged. A second model, the same graphs on both ranks, then
@@ -469,6 +471,7 @@ def _one_process_group_after_another(rank, world_size, store_path):
     return detected_on_rank1, every_rank
 
 
+@pytest.mark.slow  # over 7 s on a 2-core machine (docs/testing.md)
 def test_a_new_process_group_starts_a_fresh_log():
     """The peer log, and which ranks it saw diverge, are the default process group's ([Note: One
     log per process group] in runtime/peer_log.py): after the ranks diverged in one process group,

@@ -8,6 +8,7 @@ import copy
 import threading
 import time
 
+import pytest
 import torch
 
 import fsdp_graph
@@ -55,6 +56,7 @@ def _train_and_name_the_prober(rank, world_size, compiler, cache_dir=None):
     return askers
 
 
+@pytest.mark.slow  # over 7 s on a 2-core machine (docs/testing.md)
 def test_inductor_finds_the_cpu_probed_in_the_background(tmp_path):
     """A cold compile, then a relaunch that loads the step from the caches: in neither does the main
     thread ask before the probe has answered."""

@@ -145,7 +145,9 @@ def _check_survivors(outcomes, world_size, how):
 
 @pytest.mark.parametrize(
     "how, compiled",
-    [("raise", False), ("exit", False), ("stop", False), ("exit", True), ("stop", True)],
+    # ("stop", True): over 7 s on a 2-core machine (docs/testing.md)
+    [("raise", False), ("exit", False), ("stop", False), ("exit", True),
+     pytest.param("stop", True, marks=pytest.mark.slow)],
 )
 def test_others_fail_within_timeout(how, compiled):
     outcomes = run_ranks_with_a_failure(_train_until_failure, 2, 1, how, compiled, 2, None)

@@ -673,6 +673,7 @@ def _compiled(rank, world_size):
     return results
 
 
+@pytest.mark.slow  # over 7 s on a 2-core machine (docs/testing.md)
 def test_compiled_steps_honour_the_controls():
     print(run_ranks(_compiled, 2))
 

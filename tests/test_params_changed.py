@@ -189,7 +189,8 @@ def _convert_dtype(rank, world_size, compiled):
     return results
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+# compiled: over 7 s on a 2-core machine (docs/testing.md)
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_convert_dtype_after_fully_shard(compiled):
     dtypes = run_ranks(_convert_dtype, 2, compiled)
     all_gather, reduce_scatter = ("all_gather_into_tensor", "reduce_scatter_tensor") if compiled else (

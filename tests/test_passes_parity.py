@@ -6,6 +6,7 @@ identical losses. The options force every pass to act: a latency-bound profile m
 merge, a small cap makes it split, and no limits let the reorder prefetch and sink waits.
 """
 
+import pytest
 import torch
 
 import fsdp_graph
@@ -48,6 +49,7 @@ def _run(rank, world_size, dump_dir):
     return results, split, gathers
 
 
+@pytest.mark.slow  # over 7 s on a 2-core machine (docs/testing.md)
 def test_each_scheduling_pass_on_and_off_gives_identical_training(tmp_path):
     losses, split, gathers = run_ranks(_run, 2, str(tmp_path))
     for name, values in losses.items():

@@ -130,6 +130,7 @@ def _schedule(graphs: dict, disabled: frozenset) -> dict:
     return schedule_graphs(graphs, hardware_profile=cost_model, disabled_passes=disabled, async_tp_chunks=4)
 
 
+@pytest.mark.slow  # over 7 s on a 2-core machine (docs/testing.md)
 def test_overlap_tp_all_reduces_moves_only_independent_work_and_hides_tp_time():
     """FSDP 2 x TP 2 on meta, a Llama with checkpointed blocks as the 70B prediction builds it: the
     pass keeps every node, every node after its inputs, the order of each stream's collectives, and

@@ -48,6 +48,7 @@ def _compile_once(tmp_path, budget):
     return kept, regathered, sizes, forward["kept_by_budget"]
 
 
+@pytest.mark.slow  # over 7 s on a 2-core machine (docs/testing.md)
 def test_budget_between_two_groups_keeps_exactly_the_groups_that_fit(tmp_path):
     # No budget: today's schedule, every block re-gathered. A budget below today's peak: the same.
     kept, regathered, sizes, _ = _compile_once(tmp_path / "none", None)
