@@ -189,6 +189,42 @@ def test_preview_predicts_the_peak_where_blocks_are_compile_regions():
     assert abs(preview - peak) <= 0.03 * peak, (preview, peak)
 
 
+def test_auto_that_fits_previews_the_graph_once():
+    """[Note: One preview for two passes]: with activation_checkpointing="auto" under a budget the
+    step fits, the checkpoint pass and selective unsharding read one preview of the joint graph, and
+    a second preview of an unchanged graph is the first one's peak; a graph the checkpoint policy has
+    tagged since is previewed again, to what a fresh preview of it predicts."""
+    from fsdp_graph.passes.checkpoint_policy import checkpoint_by_policy
+
+    previews, joints = [], []
+    preview, partition = unshard_selection._preview_peak, fsdp_graph.predict.partition
+
+    def counted(gm):
+        previews.append(gm)
+        return preview(gm)
+
+    def spy(joint, joint_inputs, **kwargs):
+        joints.append(copy.deepcopy(joint))
+        return partition(joint, joint_inputs, **kwargs)
+
+    with fake_process_group(2), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(unshard_selection, "_preview_peak", counted)
+        patch.setattr(fsdp_graph.predict, "partition", spy)
+        capture_graphs(_shard(MLPStack(dim=64, hidden=256)), torch.randn(512, 64),
+                       memory_budget_bytes=1 << 40, activation_checkpointing="auto")
+        assert len(previews) == 1, len(previews)
+        (joint,) = joints  # after the joint passes: nothing kept unsharded is tagged differently
+        untagged = copy.deepcopy(joint)
+        untagged.meta.clear()
+        every_activation = unshard_selection.partitioned_peak(untagged)
+        assert len(previews) == 2
+        assert unshard_selection.partitioned_peak(untagged) == every_activation and len(previews) == 2
+        checkpoint_by_policy(untagged, "save_matmuls")
+        recomputing = unshard_selection.partitioned_peak(untagged)
+        assert len(previews) == 3
+        assert recomputing == preview(copy.deepcopy(untagged))
+
+
 def _parity(rank, world_size):
     results = {}
     for name, budget in {"without": None, "with": 1 << 40}.items():
