@@ -94,7 +94,7 @@ def _gathered_size(gm: GraphModule, gather: Node) -> list:
 # bytes on 2 ranks (examples/repro/gloo_reduce_scatter_bytes.py, torch alone; docs/benchmarks.md has
 # its times), but a graph of them hung against such a rank
 # (tests/test_compile_rank_divergence.py, `test_graph_break_on_one_rank`), and the torchtitan
-# benchmark's step did not get faster with them (docs/benchmarks.md, "Quiet again").
+# benchmark's step did not get faster with them (docs/graph_trainer_runs.md, "Quiet again").
 
 
 def reduce_scatters_in_place_on_gloo(gm: GraphModule) -> GraphModule:

@@ -5,7 +5,8 @@ Before Inductor writes its first C++ kernel in a process it asks which vector in
 CPU and compiler support (`torch._inductor.cpu_vec_isa.pick_vec_isa`): for each candidate the CPU
 reports (AMX, AVX-512 VNNI, AVX-512, AVX2 on a recent x86) it builds a small test library with g++
 and loads it in a child Python, one candidate after the other: seconds of g++ with an empty
-Inductor cache, child processes with a warm one (docs/benchmarks.md, "Quiet again", has the figures).
+Inductor cache, child processes with a warm one (docs/graph_trainer_runs.md, "Quiet again", has the
+figures).
 torch pays it in the main thread when the first kernel is compiled, after the step has been traced
 and partitioned.
 
