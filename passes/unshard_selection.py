@@ -130,6 +130,7 @@ def partitioned_peak(gm: GraphModule) -> int:
 
 
 def _preview_peak(gm: GraphModule) -> int:
+    """`partitioned_peak` computed: a copy of `gm` partitioned, and the liveness of its two halves."""
     graph = Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # node metas are copied, so tagging the copy is safe
     # As the backend's partitioner does (fsdp_graph/compile/partition.py), a compile region's saved
