@@ -97,12 +97,13 @@ def plan_unsharded(gm: GraphModule, memory_budget_bytes: int) -> list[UnshardCho
 
 
 # [Note: One preview for two passes]
-# The preview partitions a copy of the whole joint graph: about a second of the cold start on
-# torchtitan's 6-block debug model. With activation_checkpointing="auto" the checkpoint pass previews
-# the graph first; where the peak fits the budget it leaves the graph as it was, and this pass, the
-# next one, would preview the same graph again. So the peak is kept on the graph module with a
-# fingerprint of everything the partitioner reads (each node's inputs, target and the tags of the
-# checkpoint policy and the traced runtime), and a second preview of an unchanged graph returns it.
+# The preview partitions a copy of the whole joint graph, the costliest work of the joint passes.
+# With activation_checkpointing="auto" the checkpoint pass previews the graph first; where the peak
+# fits the budget it leaves the graph as it was, and this pass, the next one, would preview the same
+# graph again. So the peak is kept on the graph module with a fingerprint of what the partitioner
+# reads of its nodes (each node's inputs, target and the tags of the checkpoint policy and the traced
+# runtime; a compile region's body, which the joint passes do not change, by its call's target), and
+# a second preview of an unchanged graph returns it.
 _PEAK_META = "fsdp_graph_partitioned_peak"
 
 

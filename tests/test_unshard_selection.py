@@ -213,16 +213,16 @@ def test_auto_that_fits_previews_the_graph_once():
         capture_graphs(_shard(MLPStack(dim=64, hidden=256)), torch.randn(512, 64),
                        memory_budget_bytes=1 << 40, activation_checkpointing="auto")
         assert len(previews) == 1, len(previews)
-        (joint,) = joints  # after the joint passes: nothing kept unsharded is tagged differently
-        untagged = copy.deepcopy(joint)
-        untagged.meta.clear()
-        every_activation = unshard_selection.partitioned_peak(untagged)
+        (joint,) = joints  # the joint graph after the joint passes
+        copied = copy.deepcopy(joint)
+        copied.meta.clear()  # without the peak the compile kept
+        every_activation = unshard_selection.partitioned_peak(copied)
         assert len(previews) == 2
-        assert unshard_selection.partitioned_peak(untagged) == every_activation and len(previews) == 2
-        checkpoint_by_policy(untagged, "save_matmuls")
-        recomputing = unshard_selection.partitioned_peak(untagged)
+        assert unshard_selection.partitioned_peak(copied) == every_activation and len(previews) == 2
+        checkpoint_by_policy(copied, "save_matmuls")
+        recomputing = unshard_selection.partitioned_peak(copied)
         assert len(previews) == 3
-        assert recomputing == preview(copy.deepcopy(untagged))
+        assert recomputing == preview(copy.deepcopy(copied))
 
 
 def _parity(rank, world_size):
